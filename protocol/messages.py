@@ -1,0 +1,210 @@
+"""Typed messages exchanged by the proxy and the engine worker over ZeroMQ.
+
+Definitions only. Every message is a ``msgspec.Struct`` encoded as a tagged
+MessagePack array (``array_like=True``): field order is part of the wire
+format. Evolve it the way msgspec documents: append fields with defaults at the
+end, never reorder or remove, and only add enum values. Anything else bumps
+``protocol.version.PROTOCOL_VERSION``.
+
+Direction proxy -> worker (``ProxyMessage``): ``Hello``, ``Submit``, ``Abort``.
+Direction worker -> proxy (``WorkerMessage``): ``Ready``, ``Heartbeat``,
+``EventBatch`` (the events of one engine step: ``Started``, ``PrefillProgress``,
+``TokenDelta``, ``Finished``, ``RequestError``).
+
+Per request the worker emits, in order: ``Started``; one or more
+``PrefillProgress`` (the first with ``processed == cached``, the last with
+``processed == total``); zero or more ``TokenDelta``; then exactly one of
+``Finished`` or ``RequestError``. Counts are tokens, times are seconds unless a
+field name says ``_ms``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class FinishReason(enum.StrEnum):
+    """Why generation ended, already in OpenAI's ``finish_reason`` vocabulary."""
+
+    STOP = "stop"  # EOS token, stop string or stop token id
+    LENGTH = "length"  # max_tokens reached, or the context is full
+
+
+class ErrorCode(enum.StrEnum):
+    """Error kinds a worker reports; the proxy maps each to an HTTP status."""
+
+    INVALID_REQUEST = "invalid_request"  # 400
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # 400
+    OVERLOADED = "overloaded"  # 503
+    INTERNAL = "internal_error"  # 500
+
+
+class _Msg(msgspec.Struct, array_like=True, frozen=True, tag=True):
+    pass
+
+
+# ---------------------------------------------------------------- proxy -> worker
+
+
+class ChatMessage(msgspec.Struct, array_like=True, frozen=True):
+    """One chat turn, content already flattened to text."""
+
+    role: str
+    content: str
+
+
+class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
+    """Sampling and stopping controls for one sequence.
+
+    ``max_tokens`` counts completion tokens. ``top_k == 0`` and ``top_p == 1.0``
+    and ``min_p == 0.0`` disable those filters; ``temperature == 0.0`` means greedy.
+    ``logit_bias`` maps token id to an additive bias on the logits.
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+
+
+class Hello(_Msg, tag="hello"):
+    """Sent by the proxy on connect and while not ready; answered by ``Ready``."""
+
+    protocol_version: int
+    proxy_id: str
+
+
+class Submit(_Msg, tag="submit"):
+    """Start one sequence. Exactly one of ``messages`` (chat: the worker applies
+    the model's chat template) or ``prompt`` (raw text completion) is used."""
+
+    request_id: str
+    params: SamplingParams
+    messages: tuple[ChatMessage, ...] = ()
+    prompt: str | None = None
+    add_generation_prompt: bool = True
+
+
+class Abort(_Msg, tag="abort"):
+    """Free the engine work of these requests at the next engine step. Unknown
+    or already finished ids are ignored."""
+
+    request_ids: tuple[str, ...]
+
+
+ProxyMessage = Hello | Submit | Abort
+
+
+# ---------------------------------------------------------------- worker -> proxy
+
+
+class Ready(_Msg, tag="ready"):
+    """Handshake answer and the worker's first message.
+
+    ``worker_id`` changes on every worker start, so the proxy can tell a restart
+    (and fail the requests the old process owned). ``drafting`` names the
+    speculative decoding mode (``"ngram"``, ``"draft_model"``, ``"mtp"``) or is
+    ``None``.
+    """
+
+    protocol_version: int
+    worker_id: str
+    model_id: str
+    backend: str
+    max_context_tokens: int
+    drafting: str | None = None
+
+
+class Heartbeat(_Msg, tag="heartbeat"):
+    """Liveness signal, sent between engine steps at a fixed interval."""
+
+    worker_id: str
+    active_requests: int
+
+
+class Started(_Msg, tag="started"):
+    """The prompt is tokenized and admitted. ``cached_tokens`` of the
+    ``prompt_tokens`` are reused from the prefix cache."""
+
+    request_id: str
+    prompt_tokens: int
+    cached_tokens: int
+
+
+class PrefillProgress(_Msg, tag="progress"):
+    """Prompt processing progress, llama.cpp's ``prompt_progress`` semantics.
+
+    ``processed`` counts prompt tokens in the KV cache, cached ones included;
+    non-decreasing and ending at ``total``. ``time_ms`` is milliseconds since
+    prompt processing of this request started.
+    """
+
+    request_id: str
+    total: int
+    cached: int
+    processed: int
+    time_ms: int
+
+
+class TokenDelta(_Msg, tag="delta"):
+    """New completion text (complete UTF-8, stop strings already removed) and
+    the number of tokens it came from. ``text`` may be empty while output is held
+    back; such deltas are not forwarded as content."""
+
+    request_id: str
+    text: str
+    num_tokens: int
+
+
+class Finished(_Msg, tag="finished"):
+    """Final counters of one sequence.
+
+    ``draft_accepted``/``draft_rejected`` are ``None`` when drafting was not
+    active; otherwise their sum is the number of drafted positions the target
+    model verified. Times are seconds: queued before prefill, prefill, decode.
+    """
+
+    request_id: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    draft_accepted: int | None = None
+    draft_rejected: int | None = None
+    time_queued: float = 0.0
+    time_prefill: float = 0.0
+    time_decode: float = 0.0
+
+
+class RequestError(_Msg, tag="error"):
+    """A request failed in the worker. ``request_id`` is ``None`` for a failure
+    of the worker as a whole (every in-flight request is then lost)."""
+
+    request_id: str | None
+    code: ErrorCode
+    message: str
+    param: str | None = None
+
+
+Event = Started | PrefillProgress | TokenDelta | Finished | RequestError
+
+
+class EventBatch(_Msg, tag="events"):
+    """The events of one engine step, in order."""
+
+    events: list[Event]
+
+
+WorkerMessage = Ready | Heartbeat | EventBatch

@@ -1,0 +1,8 @@
+"""Wire protocol version spoken between proxy and engine worker.
+
+Bump it whenever a change is not append-only (see ``protocol.messages``): the
+proxy refuses a worker whose version differs, because the two containers of a
+pod are upgraded separately.
+"""
+
+PROTOCOL_VERSION: int = 1
