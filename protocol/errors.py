@@ -1,7 +1,7 @@
 """Exceptions of the wire protocol.
 
-    ProtocolError            a frame that cannot be decoded into a message
-     +-- VersionMismatch     the peer speaks another PROTOCOL_VERSION
+ProtocolError            a frame that cannot be decoded into a message
+ +-- VersionMismatch     the peer speaks another PROTOCOL_VERSION
 """
 
 from __future__ import annotations

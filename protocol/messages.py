@@ -79,14 +79,14 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     logit_bias: dict[int, float] | None = None
 
 
-class Hello(_Msg, tag="hello"):
+class Hello(_Msg, frozen=True, tag="hello"):
     """Sent by the proxy on connect and while not ready; answered by ``Ready``."""
 
     protocol_version: int
     proxy_id: str
 
 
-class Submit(_Msg, tag="submit"):
+class Submit(_Msg, frozen=True, tag="submit"):
     """Start one sequence. Exactly one of ``messages`` (chat: the worker applies
     the model's chat template) or ``prompt`` (raw text completion) is used."""
 
@@ -97,7 +97,7 @@ class Submit(_Msg, tag="submit"):
     add_generation_prompt: bool = True
 
 
-class Abort(_Msg, tag="abort"):
+class Abort(_Msg, frozen=True, tag="abort"):
     """Free the engine work of these requests at the next engine step. Unknown
     or already finished ids are ignored."""
 
@@ -110,7 +110,7 @@ ProxyMessage = Hello | Submit | Abort
 # ---------------------------------------------------------------- worker -> proxy
 
 
-class Ready(_Msg, tag="ready"):
+class Ready(_Msg, frozen=True, tag="ready"):
     """Handshake answer and the worker's first message.
 
     ``worker_id`` changes on every worker start, so the proxy can tell a restart
@@ -127,14 +127,14 @@ class Ready(_Msg, tag="ready"):
     drafting: str | None = None
 
 
-class Heartbeat(_Msg, tag="heartbeat"):
+class Heartbeat(_Msg, frozen=True, tag="heartbeat"):
     """Liveness signal, sent between engine steps at a fixed interval."""
 
     worker_id: str
     active_requests: int
 
 
-class Started(_Msg, tag="started"):
+class Started(_Msg, frozen=True, tag="started"):
     """The prompt is tokenized and admitted. ``cached_tokens`` of the
     ``prompt_tokens`` are reused from the prefix cache."""
 
@@ -143,7 +143,7 @@ class Started(_Msg, tag="started"):
     cached_tokens: int
 
 
-class PrefillProgress(_Msg, tag="progress"):
+class PrefillProgress(_Msg, frozen=True, tag="progress"):
     """Prompt processing progress, llama.cpp's ``prompt_progress`` semantics.
 
     ``processed`` counts prompt tokens in the KV cache, cached ones included;
@@ -158,7 +158,7 @@ class PrefillProgress(_Msg, tag="progress"):
     time_ms: int
 
 
-class TokenDelta(_Msg, tag="delta"):
+class TokenDelta(_Msg, frozen=True, tag="delta"):
     """New completion text (complete UTF-8, stop strings already removed) and
     the number of tokens it came from. ``text`` may be empty while output is held
     back; such deltas are not forwarded as content."""
@@ -168,7 +168,7 @@ class TokenDelta(_Msg, tag="delta"):
     num_tokens: int
 
 
-class Finished(_Msg, tag="finished"):
+class Finished(_Msg, frozen=True, tag="finished"):
     """Final counters of one sequence.
 
     ``draft_accepted``/``draft_rejected`` are ``None`` when drafting was not
@@ -188,7 +188,7 @@ class Finished(_Msg, tag="finished"):
     time_decode: float = 0.0
 
 
-class RequestError(_Msg, tag="error"):
+class RequestError(_Msg, frozen=True, tag="error"):
     """A request failed in the worker. ``request_id`` is ``None`` for a failure
     of the worker as a whole (every in-flight request is then lost)."""
 
@@ -201,7 +201,7 @@ class RequestError(_Msg, tag="error"):
 Event = Started | PrefillProgress | TokenDelta | Finished | RequestError
 
 
-class EventBatch(_Msg, tag="events"):
+class EventBatch(_Msg, frozen=True, tag="events"):
     """The events of one engine step, in order."""
 
     events: list[Event]

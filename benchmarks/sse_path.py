@@ -1,0 +1,160 @@
+"""Cost of the proxy's event -> SSE bytes path for token deltas.
+
+Two measurements, printed as numbers (no pass/fail):
+
+1. ``render``: ``ResponseState.feed`` + ``sse.event`` + join for ``TokenDelta``
+   events, in-process, no I/O: microseconds per chunk and chunks per second,
+   with and without ``continuous_usage_stats``, and for text that needs the
+   U+2028 escape.
+2. ``http``: one streamed chat completion through the real aiohttp app
+   (``create_app``) on 127.0.0.1 with a scripted engine client that emits
+   ``--tokens`` deltas as fast as the loop allows, read by an aiohttp client:
+   events per second end to end, one process, both sides on one loop.
+
+Usage: ``python benchmarks/sse_path.py [--chunks N] [--tokens N] [--repeat R]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from protocol import (
+    PROTOCOL_VERSION,
+    Finished,
+    FinishReason,
+    PrefillProgress,
+    Ready,
+    Started,
+    Submit,
+    TokenDelta,
+)
+from proxy import sse
+from proxy.app import create_app
+from proxy.chunks import ChunkHeader
+from proxy.config import ProxyConfig
+from proxy.engine_client import RequestStream
+from proxy.streaming import ResponseState, StreamFlags
+
+
+def bench_render(n: int, repeat: int, *, text: str, continuous: bool) -> list[float]:
+    """Seconds per chunk of each of ``repeat`` runs over ``n`` deltas."""
+    deltas = [TokenDelta("r", text, 1) for _ in range(n)]
+    per_chunk: list[float] = []
+    for _ in range(repeat):
+        state = ResponseState(
+            ChunkHeader("chat", "chatcmpl-0123456789abcdef0123456789abcdef", 1_700_000_000, "model-name"),
+            ["r"],
+            StreamFlags(progress=True, include_usage=continuous, continuous_usage=continuous),
+        )
+        out: list[dict[str, Any]] = []
+        state.feed(Started("r", 1000, 0), out)
+        state.feed(PrefillProgress("r", 1000, 0, 1000, 50), out)
+        out.clear()
+        t0 = time.perf_counter()
+        total = 0
+        for ev in deltas:
+            state.feed(ev, out)
+            total += len(b"".join([sse.event(c) for c in out]))
+            out.clear()
+        dt = time.perf_counter() - t0
+        assert total > 0
+        per_chunk.append(dt / n)
+    return per_chunk
+
+
+class _FloodEngine:
+    """Engine client that answers each submit with ``tokens`` deltas, yielding to
+    the loop every ``batch`` events like a worker's reader task would."""
+
+    def __init__(self, tokens: int, batch: int) -> None:
+        self.tokens = tokens
+        self.batch = batch
+        self.worker = Ready(PROTOCOL_VERSION, "bench", "bench-model", "bench", 1 << 20, None)
+        self.ready = True
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+
+    def submit(self, submits: Sequence[Submit]) -> RequestStream:
+        stream = RequestStream([s.request_id for s in submits], 256)
+        task = asyncio.create_task(self._play(submits[0].request_id, stream))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return stream
+
+    async def _play(self, rid: str, stream: RequestStream) -> None:
+        stream.put(Started(rid, 100, 0))
+        for i in range(self.tokens):
+            stream.put(TokenDelta(rid, " tok", 1))
+            if i % self.batch == 0:
+                await asyncio.sleep(0)
+        stream.put(Finished(rid, FinishReason.LENGTH, 100, 0, self.tokens))
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        return None
+
+
+async def bench_http(tokens: int, batch: int) -> tuple[float, int, int]:
+    """(seconds, data events received, bytes received) for one streamed request."""
+    # The addresses are never used: the flood engine replaces the ZeroMQ client.
+    config = ProxyConfig(input_addr="inproc://unused-in", output_addr="inproc://unused-out")
+    app = create_app(config, _FloodEngine(tokens, batch))
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    body = {"messages": [{"role": "user", "content": "x"}], "stream": True}
+    try:
+        async with aiohttp.ClientSession() as session:
+            t0 = time.perf_counter()
+            async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
+                raw = await r.read()
+            dt = time.perf_counter() - t0
+    finally:
+        await runner.cleanup()
+    return dt, raw.count(b"data: ") - 1, len(raw)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chunks", type=int, default=50_000, help="token deltas per render run")
+    parser.add_argument("--tokens", type=int, default=20_000, help="token deltas in the HTTP run")
+    parser.add_argument("--repeat", type=int, default=5, help="render runs per case (median reported)")
+    args = parser.parse_args()
+
+    print(f"render: {args.chunks} TokenDelta -> chunk dict -> SSE bytes, median of {args.repeat}")
+    cases = [
+        ("plain text, usage off", " token", False),
+        ("plain text, continuous usage", " token", True),
+        ("text with U+2028 (escaped)", " a\u2028b", False),
+    ]
+    for name, text, continuous in cases:
+        us = statistics.median(bench_render(args.chunks, args.repeat, text=text, continuous=continuous)) * 1e6
+        print(f"  {name:32s} {us:7.2f} us/chunk  {1e6 / us:12,.0f} chunks/s")
+
+    print(f"http: one stream of {args.tokens} deltas via aiohttp on 127.0.0.1 (client, server on one loop)")
+    for batch in (1, 16):
+        dt, events, nbytes = asyncio.run(bench_http(args.tokens, batch))
+        print(
+            f"  engine yields every {batch:2d} events: {events} data events in {dt:.3f} s = "
+            f"{events / dt:12,.0f} events/s, {args.tokens / dt:12,.0f} tokens/s, "
+            f"{nbytes / dt / 1e6:6.1f} MB/s"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,10 @@
+"""CPU engine backend: torch + transformers, the embedded SmolLM2-135M-Instruct by default.
+
+Importing this package needs the ``cpu`` extra (torch, transformers, gguf,
+accelerate, safetensors). ``CpuBackend`` implements ``engine_worker.backend.Backend``.
+"""
+
+from engine_worker.cpu.config import CpuEngineConfig
+from engine_worker.cpu.engine import CpuBackend
+
+__all__ = ["CpuBackend", "CpuEngineConfig"]

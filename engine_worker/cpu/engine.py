@@ -1,0 +1,464 @@
+"""``CpuBackend``: the ``engine_worker.backend.Backend`` on CPU with torch + transformers.
+
+Each request owns a ``SequenceKV`` (batch size 1). One ``step`` advances every
+active request by one forward pass, in admission order:
+
+- prefill: ``prefill_chunk_size`` prompt tokens per pass, after seeding the KV
+  cache with the longest matching prefix from the ``PrefixCache`` (at most
+  ``prompt_tokens - 1`` positions: the last prompt token is always fed, to get the
+  logits of the first completion token);
+- decode: the last token, plus, with n-gram drafting, up to ``num_draft_tokens``
+  drafted tokens verified in the same pass. Each position's logits go through
+  the request's ``TokenSampler`` in order and a draft token is accepted while it
+  equals the target's own choice, so the output is exactly what plain decoding
+  would produce (greedy: identical tokens; sampling: the target distribution).
+  The KV of rejected positions is cropped.
+
+Events follow ``protocol.messages``: ``Started``, ``PrefillProgress`` (first with
+``processed == cached``, one after every chunk, last with ``processed == total``),
+``TokenDelta``, then ``Finished`` or ``RequestError``. A finished or aborted
+sequence's valid KV goes into the prefix cache; a failed one's is dropped (its
+KV may be half-written).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine_worker.backend import ModelInfo, RequestRejected
+from engine_worker.cpu.config import CpuEngineConfig
+from engine_worker.cpu.detokenize import IncrementalDetokenizer, StopStringMatcher
+from engine_worker.cpu.kv_cache import SequenceKV
+from engine_worker.cpu.model_store import LoadedModel, load_embedded, load_model
+from engine_worker.cpu.ngram import NgramDrafter
+from engine_worker.cpu.prefix_cache import PrefixCache
+from engine_worker.cpu.sampling import TokenSampler
+from protocol.messages import (
+    ErrorCode,
+    Event,
+    Finished,
+    FinishReason,
+    PrefillProgress,
+    RequestError,
+    SamplingParams,
+    Started,
+    Submit,
+    TokenDelta,
+)
+
+logger = logging.getLogger(__name__)
+
+# Special tokens that end an assistant turn or a document in common chat
+# templates (ChatML, Llama 3, Gemma, Phi-3); only those the tokenizer has count.
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "<|end|>")
+# and the document end of GPT-2-style vocabularies, which raw completions emit
+_END_OF_TEXT_TOKENS = ("<|endoftext|>",)
+# Prompt tokens decoded together with the first output tokens (leading spaces).
+_DETOKENIZER_CONTEXT = 4
+# First KV allocation beyond the prompt, tokens; the cache grows when needed.
+_INITIAL_DECODE_ROOM = 256
+
+
+@dataclass(eq=False)
+class _Request:
+    """One admitted sequence and its engine state."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_ids: list[int]
+    t_added: float
+    sampler: TokenSampler
+    detokenizer: IncrementalDetokenizer
+    stopper: StopStringMatcher
+    drafter: NgramDrafter | None
+    stop_ids: frozenset[int]
+    tokens: list[int] = field(default_factory=list)  # prompt + output; tokens[:kv.length] have KV
+    kv: SequenceKV | None = None
+    processed: int = 0
+    cached: int = 0
+    unreported: int = 0  # output tokens not yet counted in a TokenDelta
+    draft_accepted: int = 0
+    draft_rejected: int = 0
+    t_start: float = 0.0
+    t_prefill_end: float = 0.0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - len(self.prompt_ids)
+
+
+class CpuBackend:
+    """Runs a transformers causal LM on CPU; the embedded SmolLM2-135M-Instruct by default.
+
+    ``CpuBackend(config)`` loads the model named by ``config`` (converting the
+    embedded GGUF on first use, see ``model_store``); ``loaded`` (or
+    ``from_loaded``) uses an already loaded model and tokenizer instead.
+    Raises ``model_store.ModelNotFound`` when the model is missing.
+    """
+
+    def __init__(self, config: CpuEngineConfig, *, loaded: LoadedModel | None = None) -> None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        if loaded is None:
+            if config.model_dir is not None:
+                loaded = load_model(config.model_dir, dtype=config.dtype)
+            else:
+                loaded = load_embedded(config.cache_dir, dtype=config.dtype)
+        self._config = config
+        self._model: Any = loaded.model
+        self._decoder: Any = loaded.model.get_decoder()  # type: ignore[no-untyped-call]
+        self._tokenizer: Any = loaded.tokenizer
+        text_config = loaded.model.config.get_text_config(decoder=True)
+        self._num_layers = int(text_config.num_hidden_layers)
+        self._vocab_size = int(text_config.vocab_size)
+        max_positions = getattr(text_config, "max_position_embeddings", None) or config.max_context_tokens
+        self._max_context = min(config.max_context_tokens, int(max_positions))
+        self._end_ids = self._find_end_ids()
+        self._prefix_cache = PrefixCache(config.prefix_cache_mb * 2**20)
+        self._requests: dict[str, _Request] = {}
+        self._info = ModelInfo(
+            model_id=loaded.model_id,
+            max_context_tokens=self._max_context,
+            drafting="ngram" if config.ngram_drafting else None,
+        )
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, config: CpuEngineConfig | None = None) -> CpuBackend:
+        """A backend over an already loaded model (tests, benchmarks)."""
+        return cls(config or CpuEngineConfig(), loaded=loaded)
+
+    # ------------------------------------------------------------------ Backend
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def prefix_cache(self) -> PrefixCache:
+        """The cross-request prefix cache (read-only use: size, entries)."""
+        return self._prefix_cache
+
+    @property
+    def end_token_ids(self) -> frozenset[int]:
+        """Token ids that end generation unless ``ignore_eos``: the tokenizer's and
+        the model's EOS and the chat template's end-of-turn token."""
+        return self._end_ids
+
+    def num_active(self) -> int:
+        return len(self._requests)
+
+    def add(self, submit: Submit) -> None:
+        """Tokenize (applying the chat template to ``messages``) and admit.
+
+        Raises ``RequestRejected``: ``INVALID_REQUEST`` for a duplicate id, bad
+        parameters or an empty prompt; ``CONTEXT_LENGTH_EXCEEDED`` when the prompt
+        has ``max_context_tokens`` tokens or more.
+        """
+        if submit.request_id in self._requests:
+            raise RequestRejected(
+                ErrorCode.INVALID_REQUEST, f"request id {submit.request_id!r} is already active"
+            )
+        self._validate_params(submit.params)
+        prompt_ids, param = self._tokenize(submit)
+        if not prompt_ids:
+            raise RequestRejected(ErrorCode.INVALID_REQUEST, "the prompt is empty", param=param)
+        if len(prompt_ids) >= self._max_context:
+            raise RequestRejected(
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                f"the prompt has {len(prompt_ids)} tokens; this model's context holds at most "
+                f"{self._max_context} tokens for prompt and completion together, so the prompt must be "
+                f"shorter than {self._max_context} tokens (setting: max_context_tokens)",
+                param=param,
+            )
+        params = submit.params
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._end_ids)
+        drafter = None
+        if self._config.ngram_drafting:
+            drafter = NgramDrafter(prompt_ids, self._config.ngram_match_min, self._config.ngram_match_max)
+        self._requests[submit.request_id] = _Request(
+            request_id=submit.request_id,
+            params=params,
+            prompt_ids=prompt_ids,
+            t_added=time.perf_counter(),
+            sampler=TokenSampler(params, prompt_ids, self._vocab_size, stop_ids),
+            detokenizer=IncrementalDetokenizer(self._tokenizer, prompt_ids[-_DETOKENIZER_CONTEXT:]),
+            stopper=StopStringMatcher(params.stop),
+            drafter=drafter,
+            stop_ids=stop_ids,
+            tokens=list(prompt_ids),
+        )
+
+    def abort(self, request_id: str) -> None:
+        """Drop the request now; its valid KV (prompt processed so far, fed output
+        tokens) is kept in the prefix cache."""
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            self._release(req, keep_kv=True)
+
+    def step(self) -> list[Event]:
+        """One forward pass per active request; the events produced, in order."""
+        if not self._requests:
+            return []
+        events: list[Event] = []
+        with torch.inference_mode():
+            for req in list(self._requests.values()):
+                try:
+                    self._advance(req, events)
+                except Exception as exc:  # one request's failure must not end the others
+                    logger.exception("request %s failed", req.request_id)
+                    if self._requests.pop(req.request_id, None) is not None:
+                        self._release(req, keep_kv=False)
+                    events.append(
+                        RequestError(
+                            request_id=req.request_id,
+                            code=ErrorCode.INTERNAL,
+                            message=f"CPU engine error: {type(exc).__name__}: {exc}",
+                        )
+                    )
+        return events
+
+    def close(self) -> None:
+        """Drop all requests, the prefix cache and the model."""
+        self._requests.clear()
+        self._prefix_cache.clear()
+        self._model = None
+        self._decoder = None
+
+    # ------------------------------------------------------------------ admission
+
+    def _find_end_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        generation_config = getattr(self._model, "generation_config", None)
+        for source in (
+            self._tokenizer.eos_token_id,
+            getattr(generation_config, "eos_token_id", None),
+            self._model.config.get_text_config(decoder=True).eos_token_id,
+        ):
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, list | tuple):
+                ids.update(int(i) for i in source)
+        special = set(self._tokenizer.all_special_tokens)
+        for name in (*_END_OF_TURN_TOKENS, *_END_OF_TEXT_TOKENS):
+            if name in special:
+                token_id = self._tokenizer.convert_tokens_to_ids(name)
+                if isinstance(token_id, int) and token_id >= 0:
+                    ids.add(token_id)
+        return frozenset(i for i in ids if 0 <= i < self._vocab_size)
+
+    def _validate_params(self, p: SamplingParams) -> None:
+        def reject(param: str, message: str) -> RequestRejected:
+            return RequestRejected(ErrorCode.INVALID_REQUEST, message, param=param)
+
+        if p.max_tokens < 1:
+            raise reject("max_tokens", f"max_tokens must be >= 1, got {p.max_tokens}")
+        if not (p.temperature >= 0.0 and math.isfinite(p.temperature)):
+            raise reject("temperature", f"temperature must be a finite number >= 0, got {p.temperature}")
+        if not 0.0 < p.top_p <= 1.0:
+            raise reject("top_p", f"top_p must be in (0, 1], got {p.top_p}")
+        if p.top_k < 0:
+            raise reject("top_k", f"top_k must be >= 0 (0 disables it), got {p.top_k}")
+        if not 0.0 <= p.min_p <= 1.0:
+            raise reject("min_p", f"min_p must be in [0, 1], got {p.min_p}")
+        if not (p.repetition_penalty > 0.0 and math.isfinite(p.repetition_penalty)):
+            raise reject("repetition_penalty", f"repetition_penalty must be > 0, got {p.repetition_penalty}")
+        for name, value in (
+            ("presence_penalty", p.presence_penalty),
+            ("frequency_penalty", p.frequency_penalty),
+        ):
+            if not -2.0 <= value <= 2.0:
+                raise reject(name, f"{name} must be in [-2, 2], got {value}")
+        if not 0 <= p.min_tokens <= p.max_tokens:
+            raise reject("min_tokens", f"min_tokens must be in [0, max_tokens], got {p.min_tokens}")
+        for token_id in p.stop_token_ids:
+            if not 0 <= token_id < self._vocab_size:
+                raise reject("stop_token_ids", f"token id {token_id} is outside the vocabulary")
+        for token_id, bias in (p.logit_bias or {}).items():
+            if not 0 <= token_id < self._vocab_size:
+                raise reject("logit_bias", f"token id {token_id} is outside the vocabulary")
+            if not -100.0 <= bias <= 100.0:
+                raise reject("logit_bias", f"bias {bias} for token {token_id} is outside [-100, 100]")
+
+    def _tokenize(self, submit: Submit) -> tuple[list[int], str]:
+        """Prompt token ids and the request field they came from."""
+        if submit.messages and submit.prompt is not None:
+            raise RequestRejected(ErrorCode.INVALID_REQUEST, "send either messages or prompt, not both")
+        if submit.prompt is not None:
+            ids = self._tokenizer(submit.prompt, add_special_tokens=True)["input_ids"]
+            return [int(i) for i in ids], "prompt"
+        if not submit.messages:
+            raise RequestRejected(ErrorCode.INVALID_REQUEST, "messages is empty", param="messages")
+        if self._tokenizer.chat_template is None:
+            raise RequestRejected(
+                ErrorCode.INVALID_REQUEST, "this model has no chat template; use prompt", param="messages"
+            )
+        conversation = [{"role": m.role, "content": m.content} for m in submit.messages]
+        try:
+            text = self._tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=submit.add_generation_prompt, tokenize=False
+            )
+        except Exception as exc:  # the template itself rejects e.g. unsupported roles
+            raise RequestRejected(
+                ErrorCode.INVALID_REQUEST, f"the chat template rejected the messages: {exc}", param="messages"
+            ) from exc
+        # The rendered template already holds its special tokens as text.
+        ids = self._tokenizer(text, add_special_tokens=False)["input_ids"]
+        return [int(i) for i in ids], "messages"
+
+    # ------------------------------------------------------------------ stepping
+
+    def _advance(self, req: _Request, events: list[Event]) -> None:
+        if req.kv is None:
+            self._start(req, events)
+        if req.processed < req.prompt_len:
+            self._prefill_chunk(req, events)
+        else:
+            self._decode(req, events)
+
+    def _start(self, req: _Request, events: list[Event]) -> None:
+        req.t_start = time.perf_counter()
+        room = min(req.params.max_tokens, _INITIAL_DECODE_ROOM) + self._config.num_draft_tokens + 1
+        req.kv = SequenceKV(self._num_layers, min(req.prompt_len + room, self._max_context + room))
+        cached = 0
+        if self._prefix_cache.capacity_bytes > 0:
+            hit = self._prefix_cache.lookup(req.prompt_ids, max_length=req.prompt_len - 1)
+            if hit is not None:
+                req.kv.seed(hit.entry.kv, hit.length)
+                cached = hit.length
+        req.cached = req.processed = cached
+        events.append(Started(req.request_id, req.prompt_len, cached))
+        events.append(PrefillProgress(req.request_id, req.prompt_len, cached, cached, 0))
+
+    def _prefill_chunk(self, req: _Request, events: list[Event]) -> None:
+        end = min(req.processed + self._config.prefill_chunk_size, req.prompt_len)
+        chunk = req.prompt_ids[req.processed : end]
+        last = end == req.prompt_len
+        logits = self._forward(req, chunk, num_logits=1 if last else 0)
+        req.processed = end
+        now = time.perf_counter()
+        events.append(
+            PrefillProgress(req.request_id, req.prompt_len, req.cached, end, int((now - req.t_start) * 1000))
+        )
+        if last:
+            assert logits is not None
+            req.t_prefill_end = now
+            token = req.sampler.sample(logits[-1])
+            text, reason = self._append_token(req, token)
+            self._report(req, text, reason, events)
+
+    def _decode(self, req: _Request, events: list[Event]) -> None:
+        assert req.kv is not None
+        history_len = len(req.tokens)
+        drafts: list[int] = []
+        if req.drafter is not None:
+            room = min(
+                self._config.num_draft_tokens,
+                req.params.max_tokens - req.num_output - 1,
+                self._max_context - history_len - 1,
+            )
+            drafts = req.drafter.propose(room)
+        inputs = [req.tokens[-1], *drafts]
+        logits = self._forward(req, inputs, num_logits=len(inputs))
+        assert logits is not None
+        pieces: list[str] = []
+        reason: FinishReason | None = None
+        accepted = 0
+        for position in range(len(inputs)):
+            token = req.sampler.sample(logits[position])
+            is_draft = position < len(drafts) and token == drafts[position]
+            text, reason = self._append_token(req, token)
+            pieces.append(text)
+            if not is_draft:
+                break  # the target's own token: correction or bonus
+            accepted += 1
+            if reason is not None:
+                break  # drafts past a stop are rejected
+        req.draft_accepted += accepted
+        req.draft_rejected += len(drafts) - accepted
+        # Positions fed: tokens[-1] and the drafts; keep the last token and the accepted drafts.
+        req.kv.truncate(history_len + accepted)
+        self._report(req, "".join(pieces), reason, events)
+
+    def _forward(self, req: _Request, token_ids: list[int], num_logits: int) -> torch.Tensor | None:
+        """Feed ``token_ids`` after ``req``'s KV; logits (``[num_logits, vocab]``) of
+        the last positions, or ``None`` when ``num_logits == 0``."""
+        input_ids = torch.tensor([token_ids], dtype=torch.long)
+        if num_logits == 0:
+            # Prompt chunks before the last need no logits: skip the LM head.
+            self._decoder(input_ids=input_ids, cache=req.kv, use_cache=True)
+            return None
+        out = self._model(input_ids=input_ids, cache=req.kv, use_cache=True, logits_to_keep=num_logits)
+        logits: torch.Tensor = out.logits[0]
+        return logits
+
+    def _append_token(self, req: _Request, token: int) -> tuple[str, FinishReason | None]:
+        """Add one generated token; returns its emittable text and the finish reason
+        if generation ends with it."""
+        req.tokens.append(token)
+        req.unreported += 1
+        req.sampler.observe(token)
+        if req.drafter is not None:
+            req.drafter.observe(token)
+        if token in req.stop_ids:
+            # Stop and end-of-sequence tokens contribute no text.
+            return "", FinishReason.STOP
+        text = req.detokenizer.add(token)
+        emit, stopped = (
+            req.stopper.feed(text, check=req.num_output >= req.params.min_tokens) if text else ("", False)
+        )
+        if stopped:
+            return emit, FinishReason.STOP
+        if req.num_output >= req.params.max_tokens or len(req.tokens) >= self._max_context:
+            return emit, FinishReason.LENGTH
+        return emit, None
+
+    def _report(self, req: _Request, text: str, reason: FinishReason | None, events: list[Event]) -> None:
+        """Emit a delta for ``text`` and, when ``reason`` is set, finish the request."""
+        if reason is not None and not req.stopper.stopped:
+            # Generation ended without a stop string: release held-back text.
+            tail = req.detokenizer.flush()
+            emit, stopped = req.stopper.feed(tail) if tail else ("", False)
+            text += emit if stopped else emit + req.stopper.flush()
+            if stopped:
+                reason = FinishReason.STOP
+        if text:
+            events.append(TokenDelta(req.request_id, text, req.unreported))
+            req.unreported = 0
+        if reason is not None:
+            self._finish(req, reason, events)
+
+    def _finish(self, req: _Request, reason: FinishReason, events: list[Event]) -> None:
+        now = time.perf_counter()
+        drafting = req.drafter is not None
+        events.append(
+            Finished(
+                request_id=req.request_id,
+                finish_reason=reason,
+                prompt_tokens=req.prompt_len,
+                cached_tokens=req.cached,
+                completion_tokens=req.num_output,
+                draft_accepted=req.draft_accepted if drafting else None,
+                draft_rejected=req.draft_rejected if drafting else None,
+                time_queued=req.t_start - req.t_added,
+                time_prefill=req.t_prefill_end - req.t_start,
+                time_decode=now - req.t_prefill_end,
+            )
+        )
+        del self._requests[req.request_id]
+        self._release(req, keep_kv=True)
+
+    def _release(self, req: _Request, keep_kv: bool) -> None:
+        kv, req.kv = req.kv, None
+        if kv is None or not keep_kv or self._prefix_cache.capacity_bytes == 0 or kv.length == 0:
+            return
+        self._prefix_cache.insert(req.tokens[: kv.length], kv.export())

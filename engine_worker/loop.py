@@ -1,0 +1,122 @@
+"""The worker's engine loop: receive, admit, step, send — on one thread.
+
+Every call into the backend happens on the thread that runs ``EngineLoop.run``
+(ExLlamaV3 requires ``enqueue``/``cancel`` on the thread that calls
+``iterate``). Socket I/O happens between engine steps, so a step's events leave
+as one ``EventBatch`` as soon as the step returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+from engine_worker.backend import Backend, RequestRejected
+from engine_worker.config import LoopConfig
+from engine_worker.sockets import WorkerSockets
+from protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    ErrorCode,
+    Event,
+    EventBatch,
+    Finished,
+    Heartbeat,
+    Hello,
+    Ready,
+    RequestError,
+    Submit,
+)
+
+log = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    """Runs ``backend`` behind ``sockets`` until ``stop`` is set."""
+
+    def __init__(self, backend: Backend, sockets: WorkerSockets, config: LoopConfig) -> None:
+        self._backend = backend
+        self._sockets = sockets
+        self._config = config
+        self.worker_id = uuid.uuid4().hex
+        # Ids admitted to the backend and not yet terminal: the loop needs them to
+        # fail exactly these requests when a step blows up.
+        self._active: set[str] = set()
+
+    def _ready(self) -> Ready:
+        info = self._backend.info
+        return Ready(
+            protocol_version=PROTOCOL_VERSION,
+            worker_id=self.worker_id,
+            model_id=info.model_id,
+            backend=type(self._backend).__name__,
+            max_context_tokens=info.max_context_tokens,
+            drafting=info.drafting,
+        )
+
+    def run(self, stop: threading.Event) -> None:
+        """Serve until ``stop`` is set; the caller closes backend and sockets."""
+        self._sockets.send(self._ready())
+        interval = self._config.heartbeat_interval_s
+        next_beat = time.monotonic() + interval
+        while not stop.is_set():
+            busy = bool(self._active)
+            wait_ms = 0 if busy else max(0, int((next_beat - time.monotonic()) * 1000))
+            pending: list[Event] = []
+            for msg in self._sockets.receive(min(wait_ms, 100)):
+                self._handle(msg, pending)
+            if self._active:
+                pending.extend(self._step())
+            if pending:
+                self._sockets.send(EventBatch(pending))
+            now = time.monotonic()
+            if now >= next_beat:
+                self._sockets.send(Heartbeat(self.worker_id, len(self._active)))
+                next_beat = now + interval
+
+    def _handle(self, msg: Hello | Submit | Abort, pending: list[Event]) -> None:
+        if isinstance(msg, Submit):
+            if msg.request_id in self._active:
+                pending.append(
+                    RequestError(msg.request_id, ErrorCode.INVALID_REQUEST, "duplicate request id")
+                )
+                return
+            try:
+                self._backend.add(msg)
+            except RequestRejected as e:
+                pending.append(RequestError(msg.request_id, e.code, e.message, e.param))
+                return
+            self._active.add(msg.request_id)
+        elif isinstance(msg, Abort):
+            for rid in msg.request_ids:
+                if rid in self._active:
+                    self._backend.abort(rid)
+                    self._active.discard(rid)
+        elif msg.protocol_version == PROTOCOL_VERSION:
+            self._sockets.send(self._ready())
+        else:
+            log.error(
+                "proxy %s speaks protocol version %d, this worker speaks %d: not answering",
+                msg.proxy_id,
+                msg.protocol_version,
+                PROTOCOL_VERSION,
+            )
+
+    def _step(self) -> list[Event]:
+        try:
+            events = self._backend.step()
+        except Exception as e:
+            # The backend's state for these requests is unknown now: fail them all
+            # and keep serving new ones rather than taking the worker down.
+            log.exception("engine step failed; failing %d active requests", len(self._active))
+            failed = sorted(self._active)
+            for rid in failed:
+                self._backend.abort(rid)
+            self._active.clear()
+            return [RequestError(rid, ErrorCode.INTERNAL, f"engine step failed: {e}") for rid in failed]
+        for ev in events:
+            if isinstance(ev, Finished | RequestError) and ev.request_id is not None:
+                self._active.discard(ev.request_id)
+        return events

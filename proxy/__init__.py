@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP proxy (aiohttp) in front of an engine worker. Never imports torch."""

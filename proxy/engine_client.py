@@ -1,0 +1,451 @@
+"""The proxy's side of the engine connection.
+
+``EngineClient`` is the interface the HTTP handlers depend on; ``ZmqEngineClient``
+implements it over ZeroMQ (tests use a scripted fake). ``RequestStream`` is the
+bounded per-request event stream both hand out.
+
+Socket contract (``engine_worker.sockets`` is the other side): the worker binds a
+PULL socket at ``input_addr`` and a PUSH socket at ``output_addr``; the proxy
+connects a PUSH to ``input_addr`` and a PULL to ``output_addr``. Frames are
+``protocol.codec``'s ``[version, payload]``.
+
+Life cycle: the client sends ``Hello`` every ``handshake_interval_s`` until a
+``Ready`` of our protocol version arrives. The worker is declared dead when
+nothing arrives for ``heartbeat_timeout_s`` or the PULL socket's connection
+drops (socket monitor ``EVENT_DISCONNECTED``); a ``Ready`` carrying another
+``worker_id`` means the worker restarted. In each case every request in flight
+gets one ``EngineDead`` and the client goes back to sending ``Hello``, so a
+restarted worker is picked up. A peer speaking another protocol version is
+logged once at ERROR level and never becomes ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import zmq
+import zmq.asyncio
+
+from protocol.codec import decode_worker_message, encode
+from protocol.errors import ProtocolError, VersionMismatch
+from protocol.messages import (
+    Abort,
+    Event,
+    EventBatch,
+    Finished,
+    Heartbeat,
+    Hello,
+    PrefillProgress,
+    ProxyMessage,
+    Ready,
+    RequestError,
+    Submit,
+    TokenDelta,
+)
+from protocol.version import PROTOCOL_VERSION
+from proxy.config import ProxyConfig
+from proxy.errors import (
+    NOT_READY_MESSAGE,
+    EngineDead,
+    EngineNotReady,
+    EngineUnavailable,
+    ProxyError,
+    ShuttingDown,
+)
+
+log = logging.getLogger(__name__)
+
+SEND_HWM = 10_000
+"""Messages the proxy's PUSH socket queues before sends fail with EAGAIN (503)."""
+
+
+@dataclass(slots=True)
+class _DeltaRun:
+    """Consecutive ``TokenDelta``s of one request merged for a slow client; parts
+    are joined once, when the consumer takes them."""
+
+    request_id: str
+    parts: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+
+    def freeze(self) -> TokenDelta:
+        return TokenDelta(self.request_id, "".join(self.parts), self.num_tokens)
+
+
+class RequestStream:
+    """Events of one HTTP request (one engine request per choice), in arrival order.
+
+    The producer calls ``put``/``fail``; the consumer takes everything pending at
+    once with ``get``. At most ``max_pending`` events wait: beyond that a
+    ``TokenDelta`` is merged into the pending delta of the same request (text
+    concatenated, ``num_tokens`` summed) and a ``PrefillProgress`` replaces the
+    pending intermediate progress of the same request, so a client that reads
+    slower than the engine writes costs memory proportional to its text, not to
+    its event count. ``Started``/``Finished``/``RequestError`` are never merged
+    (there are few per request).
+    """
+
+    def __init__(self, request_ids: Sequence[str], max_pending: int) -> None:
+        self.request_ids: tuple[str, ...] = tuple(request_ids)
+        self._max = max_pending
+        self._pending: list[Event | _DeltaRun] = []
+        self._tail: dict[str, int] = {}  # request id -> index of its last pending item
+        self._has_runs = False
+        self._error: ProxyError | None = None
+        self._wakeup = asyncio.Event()
+
+    @property
+    def failed(self) -> bool:
+        """``fail`` was called; ``get`` raises once the events before it are taken."""
+        return self._error is not None
+
+    def put(self, ev: Event) -> None:
+        """Queue one event (``ev.request_id`` must be one of ``request_ids``).
+        Ignored after ``fail``."""
+        if self._error is not None:
+            return
+        rid = ev.request_id
+        pending = self._pending
+        if len(pending) >= self._max and rid is not None and self._merge(rid, ev):
+            return
+        if rid is not None:
+            self._tail[rid] = len(pending)
+        pending.append(ev)
+        self._wakeup.set()
+
+    def _merge(self, rid: str, ev: Event) -> bool:
+        i = self._tail.get(rid)
+        if i is None:
+            return False
+        last = self._pending[i]
+        if isinstance(ev, TokenDelta):
+            if isinstance(last, TokenDelta):
+                last = _DeltaRun(rid, [last.text], last.num_tokens)
+                self._pending[i] = last
+                self._has_runs = True
+            if isinstance(last, _DeltaRun):
+                last.parts.append(ev.text)
+                last.num_tokens += ev.num_tokens
+                return True
+        elif (
+            isinstance(ev, PrefillProgress)
+            and isinstance(last, PrefillProgress)
+            # The first progress (processed == cached) marks the start; keep it.
+            and last.processed != last.cached
+        ):
+            self._pending[i] = ev
+            return True
+        return False
+
+    def fail(self, exc: ProxyError) -> None:
+        """End the stream with ``exc``: ``get`` returns what is pending, then raises it."""
+        if self._error is None:
+            self._error = exc
+            self._wakeup.set()
+
+    async def get(self, max_wait_s: float | None = None) -> list[Event]:
+        """Every pending event, waiting up to ``max_wait_s`` seconds (``None``: no
+        limit) for at least one. Returns ``[]`` on timeout. Raises the
+        ``ProxyError`` given to ``fail`` once no event is pending."""
+        if not self._pending and self._error is None:
+            self._wakeup.clear()
+            if max_wait_s is None:
+                await self._wakeup.wait()
+            else:
+                try:
+                    async with asyncio.timeout(max_wait_s):
+                        await self._wakeup.wait()
+                except TimeoutError:
+                    return []
+        if self._pending:
+            out = self._pending
+            self._pending = []
+            self._tail.clear()
+            if self._has_runs:
+                self._has_runs = False
+                return [x.freeze() if isinstance(x, _DeltaRun) else x for x in out]
+            return out  # type: ignore[return-value]  # no _DeltaRun without _has_runs
+        assert self._error is not None
+        raise self._error
+
+
+class EngineClient(Protocol):
+    """What the HTTP handlers need from the engine connection.
+
+    ``worker`` is the last accepted ``Ready`` (model id, ``max_context_tokens``
+    in tokens), ``None`` before the first handshake; ``ready`` is true while the
+    worker is connected, alive and of our protocol version.
+    """
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def worker(self) -> Ready | None: ...
+
+    async def start(self) -> None:
+        """Connect and begin the handshake; returns without waiting for it."""
+        ...
+
+    async def close(self) -> None:
+        """Stop background work; pending streams fail with ``ShuttingDown``."""
+        ...
+
+    def submit(self, submits: Sequence[Submit]) -> RequestStream:
+        """Send the engine requests of one HTTP request (one per choice) and
+        return the stream their events arrive on. Raises ``EngineNotReady``
+        when not ready and ``EngineUnavailable`` when the worker cannot take
+        them now; then nothing was submitted."""
+        ...
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Tell the worker to drop these requests; no more events are routed for them."""
+        ...
+
+
+class ZmqEngineClient:
+    """``EngineClient`` over ZeroMQ (``zmq.asyncio``). Use from one event loop.
+
+    One reader task decodes the PULL socket and routes ``EventBatch`` events by
+    request id into their ``RequestStream``; one supervisor task sends ``Hello``
+    while not ready and checks the heartbeat deadline; one task watches the
+    PULL socket's monitor for disconnects.
+    """
+
+    def __init__(self, config: ProxyConfig, *, proxy_id: str | None = None) -> None:
+        self._config = config
+        self.proxy_id = proxy_id or uuid.uuid4().hex
+        self._ready = False
+        self._worker: Ready | None = None
+        self._routes: dict[str, RequestStream] = {}
+        self._last_rx = 0.0
+        self._last_hello = -float("inf")
+        self._mismatch_logged: str | None = None
+        self._ctx: zmq.asyncio.Context | None = None
+        self._push: zmq.Socket[bytes] | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    @property
+    def worker(self) -> Ready | None:
+        return self._worker
+
+    @property
+    def in_flight(self) -> int:
+        """Engine requests with a route (submitted, not finished or aborted)."""
+        return len(self._routes)
+
+    async def start(self) -> None:
+        """Create and connect the sockets and start the reader, supervisor and
+        monitor tasks. Raises ``zmq.ZMQError`` for an invalid address."""
+        if self._ctx is not None:
+            return
+        ctx = zmq.asyncio.Context()
+        self._ctx = ctx
+        # Sends are never awaited (NOBLOCK, EAGAIN -> 503), so a plain socket on
+        # the same context is enough for the request direction.
+        push: zmq.Socket[bytes] = zmq.Context.shadow(ctx.underlying).socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 0)
+        # Queue only on a completed connection: with no worker, sends fail at
+        # once instead of piling up for a worker that may never come.
+        push.setsockopt(zmq.IMMEDIATE, 1)
+        push.setsockopt(zmq.SNDHWM, SEND_HWM)
+        push.connect(self._config.input_addr)
+        self._push = push
+        pull = ctx.socket(zmq.PULL)
+        pull.setsockopt(zmq.LINGER, 0)
+        self._monitor = pull.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        pull.connect(self._config.output_addr)
+        self._pull = pull
+        self._tasks = [
+            asyncio.create_task(self._read_loop(), name="engine-reader"),
+            asyncio.create_task(self._supervise_loop(), name="engine-supervisor"),
+            asyncio.create_task(self._monitor_loop(), name="engine-monitor"),
+        ]
+
+    async def close(self) -> None:
+        """Cancel the tasks, fail pending streams with ``ShuttingDown``, close the sockets."""
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks = []
+        self._fail_all(ShuttingDown("The proxy is shutting down"))
+        self._ready = False
+        if self._pull is not None and self._monitor is not None:
+            self._pull.disable_monitor()
+            self._monitor.close(linger=0)
+        for s in (self._pull, self._push):
+            if s is not None:
+                s.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+        self._ctx = self._pull = self._push = self._monitor = None
+
+    # ------------------------------------------------------------- requests
+
+    def submit(self, submits: Sequence[Submit]) -> RequestStream:
+        if not self._ready:
+            raise EngineNotReady(NOT_READY_MESSAGE)
+        stream = RequestStream([s.request_id for s in submits], self._config.request_queue_max)
+        for i, s in enumerate(submits):
+            if not self._send(s):
+                if i:
+                    self._send(Abort(tuple(x.request_id for x in submits[:i])))
+                for x in submits[:i]:
+                    self._routes.pop(x.request_id, None)
+                raise EngineUnavailable(
+                    "The engine worker cannot take requests now "
+                    "(its input queue is full or it is not connected)"
+                )
+            self._routes[s.request_id] = stream
+        return stream
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self._routes.pop(rid, None)
+        if request_ids and not self._send(Abort(tuple(request_ids))):
+            log.debug("abort of %s not sent: worker not connected", ", ".join(request_ids))
+
+    def _send(self, msg: ProxyMessage) -> bool:
+        if self._push is None:
+            return False
+        try:
+            self._push.send_multipart(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    # ------------------------------------------------------------- liveness
+
+    def _fail_all(self, exc: ProxyError) -> None:
+        streams = {id(s): s for s in self._routes.values()}
+        self._routes.clear()
+        for s in streams.values():
+            s.fail(exc)
+
+    def _declare_dead(self, reason: str) -> None:
+        if self._ready:
+            log.error("engine worker %s declared dead: %s", self._worker_id(), reason)
+        self._ready = False
+        if self._routes:
+            lost = tuple(self._routes)
+            # The worker may only be stalled: free its work if it comes back.
+            self._send(Abort(lost))
+            self._fail_all(
+                EngineDead(f"The engine worker stopped responding ({reason}); the request was lost")
+            )
+
+    def _worker_id(self) -> str:
+        return self._worker.worker_id if self._worker is not None else "?"
+
+    def _refuse_version(self, theirs: str) -> None:
+        if self._mismatch_logged != theirs:
+            self._mismatch_logged = theirs
+            log.error(
+                "engine worker speaks protocol version %s, this proxy speaks %s: "
+                "not connecting (upgrade the proxy and worker containers together)",
+                theirs,
+                PROTOCOL_VERSION,
+            )
+        if self._ready or self._routes:
+            self._declare_dead(f"it now speaks protocol version {theirs}")
+        self._ready = False
+
+    def _on_ready(self, msg: Ready) -> None:
+        if msg.protocol_version != PROTOCOL_VERSION:
+            self._refuse_version(str(msg.protocol_version))
+            return
+        self._mismatch_logged = None
+        if self._worker is not None and msg.worker_id != self._worker.worker_id:
+            log.warning("engine worker restarted: %s -> %s", self._worker.worker_id, msg.worker_id)
+            if self._routes:
+                self._fail_all(EngineDead("The engine worker restarted; the request was lost"))
+        if not self._ready:
+            log.info(
+                "engine worker %s ready: model %s, backend %s, context %d tokens, drafting %s",
+                msg.worker_id,
+                msg.model_id,
+                msg.backend,
+                msg.max_context_tokens,
+                msg.drafting,
+            )
+        self._worker = msg
+        self._ready = True
+
+    def _route(self, events: list[Event]) -> None:
+        for ev in events:
+            rid = ev.request_id
+            if rid is None:  # a RequestError of the whole worker
+                assert isinstance(ev, RequestError)
+                log.error("engine worker failed: %s (%s)", ev.message, ev.code)
+                streams = {id(s): s for s in self._routes.values()}
+                self._routes.clear()
+                for s in streams.values():
+                    s.put(ev)
+                continue
+            stream = self._routes.get(rid)
+            if stream is None:
+                continue  # aborted, or owned by a request that already failed
+            stream.put(ev)
+            if isinstance(ev, Finished | RequestError):
+                del self._routes[rid]
+
+    # ------------------------------------------------------------- tasks
+
+    async def _read_loop(self) -> None:
+        assert self._pull is not None
+        pull = self._pull
+        while True:
+            frames = await pull.recv_multipart()
+            try:
+                msg = decode_worker_message(frames)
+            except VersionMismatch as e:
+                self._refuse_version(e.theirs)
+                continue
+            except ProtocolError as e:
+                log.error("dropping undecodable message from the engine worker: %s", e)
+                continue
+            self._last_rx = time.monotonic()
+            if isinstance(msg, EventBatch):
+                self._route(msg.events)
+            elif isinstance(msg, Ready):
+                self._on_ready(msg)
+            elif isinstance(msg, Heartbeat) and msg.worker_id != self._worker_id():
+                log.debug("heartbeat from worker %s before its Ready", msg.worker_id)
+
+    async def _supervise_loop(self) -> None:
+        cfg = self._config
+        tick = min(cfg.handshake_interval_s, cfg.heartbeat_timeout_s / 4)
+        while True:
+            now = time.monotonic()
+            if self._ready and now - self._last_rx > cfg.heartbeat_timeout_s:
+                self._declare_dead(f"no message for {cfg.heartbeat_timeout_s:g} s, see heartbeat_timeout_s")
+            if not self._ready and now - self._last_hello >= cfg.handshake_interval_s:
+                self._last_hello = now
+                self._send(Hello(PROTOCOL_VERSION, self.proxy_id))
+            await asyncio.sleep(tick)
+
+    async def _monitor_loop(self) -> None:
+        assert self._monitor is not None
+        monitor = self._monitor
+        while True:
+            frames = await monitor.recv_multipart()
+            # libzmq monitor event: frame 0 is a 16-bit event id and a 32-bit value.
+            (event_id, _value) = struct.unpack("=hi", frames[0][:6])
+            if event_id == zmq.EVENT_DISCONNECTED:
+                self._declare_dead("its event socket disconnected")

@@ -1,0 +1,279 @@
+"""OpenAI request bodies at the HTTP edge and their conversion into ``protocol.Submit``.
+
+Two type layers: these structs are tolerant (unknown fields are ignored and
+logged at debug level, never an error), the wire messages are strict. Each
+request is validated once here and converted once (``to_submits``).
+
+Shapes follow the OpenAI API reference for ``POST /v1/chat/completions`` and
+``POST /v1/completions``, plus extras other local servers accept:
+``return_progress`` (llama.cpp), ``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``add_generation_prompt`` and
+``stream_options.continuous_usage_stats`` (vLLM).
+
+Every validation failure raises ``proxy.errors.InvalidRequest`` (400) whose
+message and ``param`` name the offending field, e.g. ``max_tokens``,
+``messages[0].content``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Annotated, TypeVar
+
+import msgspec
+
+from protocol.messages import ChatMessage, SamplingParams, Submit
+from proxy.errors import InvalidRequest
+
+log = logging.getLogger(__name__)
+
+MAX_N = 64
+"""Most choices (``n``) one request may ask for; each is one engine sequence."""
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    """``stream_options``: ``include_usage`` adds one last chunk with ``choices: []``
+    and the usage; ``continuous_usage_stats`` (vLLM) adds running usage to every
+    chunk (only together with ``include_usage``)."""
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    """One part of a message's ``content`` list; only ``type == "text"`` is supported."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(msgspec.Struct, kw_only=True):
+    """One chat turn as clients send it; ``content`` may be a string, a list of
+    text parts, or ``null`` (an assistant turn that only called tools)."""
+
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+_Prob = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+_Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    min_p: _Prob | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    presence_penalty: _Penalty | None = None
+    frequency_penalty: _Penalty | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, msgspec.Meta(ge=0)]] | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    logit_bias: dict[str, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]] | None = None
+    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    return_progress: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        """Streaming: send the usage chunk at the end."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Streaming: running usage on every chunk (vLLM's extension)."""
+        return (
+            self.include_usage
+            and self.stream_options is not None
+            and (self.stream_options.continuous_usage_stats)
+        )
+
+    @property
+    def progress(self) -> bool:
+        """``prompt_progress`` chunks are sent (stream and return_progress only)."""
+        return self.stream and self.return_progress
+
+    def completion_limit(self) -> int | None:
+        """The requested completion length in tokens, or ``None`` when absent."""
+        return self.max_tokens
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    """``POST /v1/chat/completions`` body. ``max_completion_tokens`` wins over the
+    deprecated ``max_tokens``."""
+
+    messages: list[ChatMessageIn]
+    max_completion_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    add_generation_prompt: bool = True
+
+    def completion_limit(self) -> int | None:
+        """``max_completion_tokens``, else ``max_tokens``, else ``None``."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    """``POST /v1/completions`` body: one text prompt (a string or a list holding
+    one string); token-id prompts and several prompts are refused."""
+
+    prompt: str | list[str]
+
+
+_R = TypeVar("_R", bound=_SamplingFields)
+
+_PATH_RE = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_MISSING_RE = re.compile(r"missing required field `(?P<field>[^`]+)`")
+
+
+def _param_of(message: str) -> str | None:
+    """The JSON path msgspec names in a validation message, as OpenAI's ``param``
+    (``$.messages[0].content`` -> ``messages[0].content``)."""
+    m = _PATH_RE.search(message)
+    # msgspec writes a dict value's path as "name[...]"; the parameter is "name".
+    path = m.group("path").replace("[...]", "") if m else ""
+    missing = _MISSING_RE.search(message)
+    if missing:
+        field = missing.group("field")
+        return f"{path}.{field}" if path else field
+    return path or None
+
+
+def _decode(body: bytes, cls: type[_R]) -> _R:
+    try:
+        raw = msgspec.json.decode(body)
+    except msgspec.DecodeError as e:
+        raise InvalidRequest(f"Request body is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise InvalidRequest(f"Request body must be a JSON object, got {type(raw).__name__}")
+    try:
+        req = msgspec.convert(raw, cls)
+    except msgspec.ValidationError as e:
+        param = _param_of(str(e))
+        where = f" (parameter '{param}')" if param else ""
+        raise InvalidRequest(f"Invalid request{where}: {e}", param=param) from None
+    if log.isEnabledFor(logging.DEBUG):
+        unknown = sorted(set(raw) - set(cls.__struct_fields__))
+        if unknown:
+            log.debug("ignoring unknown request fields: %s", ", ".join(unknown))
+    return req
+
+
+def parse_chat_request(body: bytes) -> ChatCompletionRequest:
+    """Decode and validate a chat completions body. Raises ``InvalidRequest``."""
+    req = _decode(body, ChatCompletionRequest)
+    if not req.messages:
+        raise InvalidRequest("'messages' must contain at least one message", param="messages")
+    return req
+
+
+def parse_completion_request(body: bytes) -> CompletionRequest:
+    """Decode and validate a text completions body. Raises ``InvalidRequest``."""
+    req = _decode(body, CompletionRequest)
+    if isinstance(req.prompt, list) and len(req.prompt) != 1:
+        raise InvalidRequest(
+            f"'prompt' must be a string or a list of exactly one string, got a list of {len(req.prompt)}",
+            param="prompt",
+        )
+    return req
+
+
+def _flatten_content(content: str | list[ContentPart] | None, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            param = f"messages[{i}].content[{j}]"
+            problem = "a text part without 'text'" if part.type == "text" else f"type '{part.type}'"
+            raise InvalidRequest(
+                f"Only text content parts are supported; '{param}' is {problem}", param=param
+            )
+        texts.append(part.text)
+    # Parts are joined with a newline, as vLLM does for text-only content.
+    return "\n".join(texts)
+
+
+def chat_messages(req: ChatCompletionRequest) -> tuple[ChatMessage, ...]:
+    """The request's turns with ``content`` flattened to text. OpenAI's
+    ``developer`` role becomes ``system``, which chat templates know."""
+    return tuple(
+        ChatMessage(
+            role="system" if m.role == "developer" else m.role, content=_flatten_content(m.content, i)
+        )
+        for i, m in enumerate(req.messages)
+    )
+
+
+def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    if not raw:
+        return None
+    out: dict[int, float] = {}
+    for key, value in raw.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequest(
+                f"'logit_bias' keys must be token ids (integers as strings), got {key!r}", param="logit_bias"
+            ) from None
+        if token < 0:
+            raise InvalidRequest(f"'logit_bias' token ids must be >= 0, got {token}", param="logit_bias")
+        out[token] = value
+    return out
+
+
+def sampling_params(req: _SamplingFields, max_context_tokens: int) -> SamplingParams:
+    """Wire sampling parameters. An absent completion limit becomes
+    ``max_context_tokens`` (the worker stops at the end of the context);
+    ``top_k == -1`` (vLLM's "disabled") becomes 0; empty stop strings are dropped.
+    Raises ``InvalidRequest`` for a bad ``logit_bias`` key."""
+    limit = req.completion_limit()
+    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    return SamplingParams(
+        max_tokens=limit if limit is not None else max_context_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None or req.top_k == -1 else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
+        frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
+        seed=req.seed,
+        stop=tuple(s for s in stop if s),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        logit_bias=_logit_bias(req.logit_bias),
+    )
+
+
+def choice_request_ids(request_id: str, n: int) -> list[str]:
+    """Engine request ids of the ``n`` choices: the request id itself for one
+    choice, ``f"{request_id}-{i}"`` for several."""
+    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+
+
+def to_submits(
+    req: ChatCompletionRequest | CompletionRequest, request_id: str, max_context_tokens: int
+) -> list[Submit]:
+    """One ``Submit`` per choice (ids from ``choice_request_ids``), in choice order.
+    Raises ``InvalidRequest``."""
+    params = sampling_params(req, max_context_tokens)
+    ids = choice_request_ids(request_id, req.n)
+    if isinstance(req, ChatCompletionRequest):
+        messages = chat_messages(req)
+        return [
+            Submit(rid, params, messages=messages, add_generation_prompt=req.add_generation_prompt)
+            for rid in ids
+        ]
+    prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
+    return [Submit(rid, params, prompt=prompt) for rid in ids]

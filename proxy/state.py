@@ -1,0 +1,99 @@
+"""The application's shared state and its admission/shutdown state machine.
+
+States: *serving* -> *draining* (SIGINT/SIGTERM: ``/ready`` answers 503 and new
+requests get 503 ``ShuttingDown``, requests in flight go on) -> *stopped*
+(after ``ProxyConfig.shutdown_drain_s`` the requests still in flight are failed
+with ``ShuttingDown``, which ends their streams with an error event and sends
+``Abort`` to the worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from proxy.config import ProxyConfig
+from proxy.engine_client import EngineClient, RequestStream
+from proxy.errors import NOT_READY_MESSAGE, EngineNotReady, ShuttingDown, TooManyRequests
+
+
+@dataclass(eq=False)
+class ProxyState:
+    """Per-application state: settings, engine client, admission counters."""
+
+    config: ProxyConfig
+    engine: EngineClient
+    started_at: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False
+    in_flight: int = 0
+    active: set[RequestStream] = field(default_factory=set)
+    _idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self._idle.set()
+
+    @property
+    def ready(self) -> bool:
+        """Serving and the worker handshake is done."""
+        return not self.draining and self.engine.ready
+
+    def model_name(self) -> str | None:
+        """``served_model_name``, else the worker's model id, else ``None``."""
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        worker = self.engine.worker
+        return worker.model_id if worker is not None else None
+
+    def admit(self) -> None:
+        """Count one more request in flight. Raises ``ShuttingDown`` while
+        draining, ``EngineNotReady`` before the handshake and ``TooManyRequests``
+        at ``max_in_flight``."""
+        if self.draining:
+            raise ShuttingDown("The server is shutting down and accepts no new requests")
+        if not self.engine.ready:
+            raise EngineNotReady(NOT_READY_MESSAGE)
+        if self.in_flight >= self.config.max_in_flight:
+            raise TooManyRequests(
+                f"Too many requests in flight ({self.in_flight}); the limit is max_in_flight="
+                f"{self.config.max_in_flight}"
+            )
+        self.in_flight += 1
+        self._idle.clear()
+
+    def release(self) -> None:
+        """The end of a request counted by ``admit``."""
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def drain(self, timeout_s: float, grace_s: float = 5.0) -> int:
+        """Stop admitting, wait up to ``timeout_s`` seconds for the requests in
+        flight, then fail the rest with ``ShuttingDown`` and wait up to
+        ``grace_s`` seconds for their handlers to send the error and ``Abort``.
+        Returns the number of requests that were failed."""
+        self.draining = True
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        if self.in_flight == 0:
+            return 0
+        streams = list(self.active)
+        for s in streams:
+            s.fail(
+                ShuttingDown(
+                    f"The server is shutting down; shutdown_drain_s={self.config.shutdown_drain_s:g} "
+                    "ran out before this request finished"
+                )
+            )
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(grace_s):
+                await self._idle.wait()
+        return len(streams)
+
+
+STATE: web.AppKey[ProxyState] = web.AppKey("proxy_state", ProxyState)
+"""Where ``create_app`` stores the ``ProxyState``."""

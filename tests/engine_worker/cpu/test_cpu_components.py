@@ -1,0 +1,247 @@
+"""Unit tests of the CPU engine's parts: n-gram drafter, detokenizer, stop strings,
+sampling, KV cache and prefix cache."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine_worker.cpu.detokenize import IncrementalDetokenizer, StopStringMatcher
+from engine_worker.cpu.kv_cache import SequenceKV, kv_nbytes
+from engine_worker.cpu.ngram import NgramDrafter
+from engine_worker.cpu.prefix_cache import PrefixCache, common_prefix_length
+from engine_worker.cpu.sampling import TokenSampler, filtered_probs
+from protocol.messages import SamplingParams
+
+# ---------------------------------------------------------------- n-gram drafter
+
+
+def test_ngram_proposes_what_followed_the_most_recent_match() -> None:
+    # "1 2" occurs at 0 (followed by 3 4) and at 5 (followed by 8 9); the latest wins.
+    drafter = NgramDrafter([1, 2, 3, 4, 7, 1, 2, 8, 9, 6, 1, 2], min_n=2, max_n=3)
+    assert drafter.propose(2) == [8, 9]
+    assert drafter.propose(10) == [8, 9, 6, 1, 2]
+
+
+def test_ngram_prefers_longer_match() -> None:
+    # The 3-gram "5 1 2" only occurs at 0 (followed by 3); the 2-gram "1 2" later at 5 (followed by 9).
+    drafter = NgramDrafter([5, 1, 2, 3, 0, 1, 2, 9, 5, 1, 2], min_n=2, max_n=3)
+    assert drafter.propose(1) == [3]
+    short = NgramDrafter([5, 1, 2, 3, 0, 1, 2, 9, 5, 1, 2], min_n=2, max_n=2)
+    assert short.propose(1) == [9]
+
+
+def test_ngram_no_match_and_incremental_observe() -> None:
+    drafter = NgramDrafter([1, 2, 3], min_n=2, max_n=4)
+    assert drafter.propose(4) == []
+    for token in (1, 2):
+        drafter.observe(token)
+    assert drafter.propose(4) == [3, 1, 2]
+    assert drafter.propose(0) == []
+    assert len(drafter) == 5
+
+
+# ---------------------------------------------------------------- detokenizer
+
+
+def test_detokenizer_pieces_are_complete_utf8(tokenizer: object) -> None:
+    text = "Grüße aus Köln 🦙🦙 — 東京タワー, naïve café ✓"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+    single = [tokenizer.decode([i]) for i in ids]  # type: ignore[attr-defined]
+    assert any("\ufffd" in s for s in single), "precondition: some character is split across tokens"
+    detok = IncrementalDetokenizer(tokenizer)  # type: ignore[arg-type]
+    pieces = [detok.add(i) for i in ids]
+    pieces.append(detok.flush())
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == text
+    assert "" in pieces  # something was held back
+
+
+def test_detokenizer_context_gives_leading_space(tokenizer: object) -> None:
+    prompt = tokenizer("Say hello", add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+    out = tokenizer(" world again", add_special_tokens=False)["input_ids"]  # type: ignore[operator]
+    detok = IncrementalDetokenizer(tokenizer, context=prompt)  # type: ignore[arg-type]
+    assert "".join(detok.add(i) for i in out) + detok.flush() == " world again"
+
+
+# ---------------------------------------------------------------- stop strings
+
+
+def test_stop_string_split_across_feeds() -> None:
+    m = StopStringMatcher(["STOP"])
+    assert m.feed("abc ST") == ("abc ", False)
+    assert m.held == "ST"
+    assert m.feed("O") == ("", False)
+    assert m.feed("Pxyz") == ("", True)
+    assert m.stopped
+    assert m.feed("more") == ("", True)
+
+
+def test_stop_string_false_start_is_released() -> None:
+    m = StopStringMatcher(["STOP"])
+    assert m.feed("ST") == ("", False)
+    assert m.feed("ART") == ("START", False)
+    assert m.flush() == ""
+
+
+def test_earliest_stop_string_wins_and_overlapping_prefixes() -> None:
+    m = StopStringMatcher(["world", "lo w"])
+    assert m.feed("hello world") == ("hel", True)
+    m2 = StopStringMatcher(["aab"])
+    assert m2.feed("aaa") == ("a", False)
+    assert m2.feed("b!") == ("", True)  # "aaab!" cut before "aab": "a", already emitted
+
+
+def test_stop_matcher_without_stops_and_unchecked() -> None:
+    assert StopStringMatcher([]).feed("anything") == ("anything", False)
+    m = StopStringMatcher(["x"])
+    assert m.feed("axb", check=False) == ("axb", False)
+    assert m.feed("cxd") == ("c", True)
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def _params(**kw: object) -> SamplingParams:
+    kw.setdefault("max_tokens", 16)
+    return SamplingParams(**kw)  # type: ignore[arg-type]
+
+
+def test_repetition_penalty_divides_positive_multiplies_negative() -> None:
+    logits = torch.tensor([2.0, -2.0, 1.0, -1.0])
+    s = TokenSampler(_params(temperature=0.0, repetition_penalty=2.0), [0, 1], 4, [])
+    out = s.process(logits)
+    assert out.tolist() == [1.0, -4.0, 1.0, -1.0]
+    s.observe(2)
+    assert s.process(logits).tolist() == [1.0, -4.0, 0.5, -1.0]
+
+
+def test_presence_and_frequency_penalties_count_output_only() -> None:
+    logits = torch.zeros(4)
+    s = TokenSampler(_params(presence_penalty=0.5, frequency_penalty=0.25), [3, 3], 4, [])
+    assert s.process(logits).tolist() == [0.0, 0.0, 0.0, 0.0]
+    for t in (1, 1, 2):
+        s.observe(t)
+    assert s.process(logits).tolist() == [0.0, -1.0, -0.75, 0.0]
+
+
+def test_logit_bias_and_min_tokens_mask() -> None:
+    logits = torch.tensor([0.0, 5.0, 1.0])
+    s = TokenSampler(_params(temperature=0.0, logit_bias={2: 10.0}, min_tokens=2), [], 3, [2])
+    assert s.sample(logits) == 1  # token 2 would win with its bias, but it ends generation
+    s.observe(1)
+    assert s.sample(logits) == 1
+    s.observe(1)
+    assert s.sample(logits) == 2
+
+
+def test_filters_keep_expected_support() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert torch.count_nonzero(filtered_probs(logits, 1.0, 2, 1.0, 0.0)).item() == 2
+    # top_p 0.7: 0.5 alone is below 0.7, 0.5 + 0.3 reaches it, so two tokens survive.
+    kept = filtered_probs(logits, 1.0, 0, 0.7, 0.0)
+    assert (kept > 0).tolist() == [True, True, False, False]
+    assert math.isclose(float(kept[0]), 0.5 / 0.8, rel_tol=1e-5)
+    # min_p 0.5: tokens below 0.25 are dropped.
+    assert (filtered_probs(logits, 1.0, 0, 1.0, 0.5) > 0).tolist() == [True, True, False, False]
+    # A tiny top_p still keeps the most likely token.
+    assert (filtered_probs(logits, 1.0, 0, 1e-6, 0.0) > 0).tolist() == [True, False, False, False]
+
+
+def test_seeded_sampling_reproduces_and_follows_distribution() -> None:
+    logits = torch.log(torch.tensor([0.6, 0.3, 0.1]))
+
+    def draws(seed: int) -> list[int]:
+        s = TokenSampler(_params(temperature=1.0, seed=seed), [], 3, [])
+        return [s.sample(logits) for _ in range(2000)]
+
+    a, b = draws(7), draws(7)
+    assert a == b
+    assert draws(8) != a
+    freq = [a.count(t) / len(a) for t in range(3)]
+    assert abs(freq[0] - 0.6) < 0.05 and abs(freq[1] - 0.3) < 0.05 and abs(freq[2] - 0.1) < 0.03
+
+
+# ---------------------------------------------------------------- KV cache
+
+
+def test_sequence_kv_chunked_truncated_and_seeded_match_full_forward(tiny: object) -> None:
+    model = tiny.model  # type: ignore[attr-defined]
+    layers = model.config.num_hidden_layers
+    ids = torch.randint(0, model.config.vocab_size, (1, 50), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        full = model(input_ids=ids).logits[0]
+        kv = SequenceKV(layers, initial_capacity=8)  # forces several regrowths
+        parts = [model(input_ids=ids[:, i : i + 7], cache=kv, use_cache=True).logits[0] for i in range(0, 50, 7)]
+        torch.testing.assert_close(torch.cat(parts), full, rtol=1e-4, atol=1e-4)
+        assert kv.length == 50 and kv.get_seq_length() == 50
+        kv.truncate(30)
+        again = model(input_ids=ids[:, 30:50], cache=kv, use_cache=True).logits[0]
+        torch.testing.assert_close(again, full[30:], rtol=1e-4, atol=1e-4)
+        exported = kv.export()
+        seeded = SequenceKV(layers, initial_capacity=4)
+        seeded.seed(exported, 20)
+        tail = model(input_ids=ids[:, 20:50], cache=seeded, use_cache=True).logits[0]
+        torch.testing.assert_close(tail, full[20:], rtol=1e-4, atol=1e-4)
+
+
+def test_kv_nbytes_counts_whole_storages() -> None:
+    buf = torch.zeros(1, 2, 100, 4)
+    view = buf[..., :10, :]
+    assert kv_nbytes([(view, view)]) == buf.numel() * 4
+    assert kv_nbytes([(view.clone(), torch.zeros(1, 2, 10, 4))]) == 2 * 80 * 4
+
+
+# ---------------------------------------------------------------- prefix cache
+
+
+def _kv(n: int, layers: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.zeros(1, 1, n, 8), torch.zeros(1, 1, n, 8)) for _ in range(layers)]
+
+
+BYTES_PER_TOKEN = 2 * 2 * 8 * 4  # layers * (k, v) * head_dim * float32
+
+
+def test_common_prefix_length() -> None:
+    t = torch.tensor
+    assert common_prefix_length(t([1, 2, 3]), t([1, 2, 4])) == 2
+    assert common_prefix_length(t([1, 2]), t([1, 2, 3])) == 2
+    assert common_prefix_length(t([5]), t([1])) == 0
+    assert common_prefix_length(t([], dtype=torch.long), t([1])) == 0
+
+
+def test_prefix_cache_lookup_longest_and_capped() -> None:
+    cache = PrefixCache(10**6)
+    assert cache.insert([1, 2, 3, 4], _kv(4))
+    assert cache.insert([1, 2, 9], _kv(3))
+    hit = cache.lookup([1, 2, 3, 4, 5], max_length=10)
+    assert hit is not None and hit.length == 4 and hit.entry.tokens.tolist() == [1, 2, 3, 4]
+    hit = cache.lookup([1, 2, 3, 4], max_length=3)
+    assert hit is not None and hit.length == 3
+    assert cache.lookup([7, 1, 2], max_length=3) is None
+    assert cache.bytes_used == 7 * BYTES_PER_TOKEN
+
+
+def test_prefix_cache_drops_entries_the_new_sequence_extends() -> None:
+    cache = PrefixCache(10**6)
+    cache.insert([1, 2, 3], _kv(3))
+    cache.insert([1, 2, 3, 4, 5], _kv(5))
+    assert len(cache) == 1 and cache.bytes_used == 5 * BYTES_PER_TOKEN
+    assert not cache.insert([1, 2, 3], _kv(3))  # already covered
+    assert len(cache) == 1
+
+
+def test_prefix_cache_evicts_least_recently_used() -> None:
+    cache = PrefixCache(10 * BYTES_PER_TOKEN)
+    cache.insert([1, 1, 1, 1], _kv(4))
+    cache.insert([2, 2, 2, 2], _kv(4))
+    assert cache.lookup([1, 1, 9], max_length=8) is not None  # 1s are now the most recent
+    cache.insert([3, 3, 3, 3], _kv(4))
+    assert cache.lookup([2, 2], max_length=8) is None
+    assert cache.lookup([1, 1], max_length=8) is not None
+    assert cache.bytes_used == 8 * BYTES_PER_TOKEN <= cache.capacity_bytes
+    assert not cache.insert(list(range(11)), _kv(11))  # larger than the whole budget
+    with pytest.raises(ValueError, match="positions"):
+        cache.insert([1, 2], _kv(3))

@@ -1,0 +1,1314 @@
+"""A fake of the exllamav3 1.6.5 surface the worker uses, runnable without CUDA.
+
+It stands in for ``import exllamav3`` (``Config``, ``Model``, ``Cache``,
+``CacheLayer_fp16``, ``CacheLayer_quant``, ``Tokenizer``, ``Generator``, ``Job``,
+``ComboSampler``) and emits exactly the result dicts of
+``Generator.iterate()``, quirks included. It follows the control flow of the
+1.6.5 wheel (paths below are under ``exllamav3/``), with a scripted "model"
+choosing tokens instead of a network:
+
+- ``iterate()`` (``generator/generator.py:674-836``): start pending jobs, one
+  prefill pass per active job (with the shared chunk size and cooldown while
+  another job decodes, lines 763-786), then one decode or speculative
+  verification pass. Several dicts per job per call: ``"started"``,
+  ``"prefill"`` and ``"streaming"`` in one call, and one ``"streaming"`` dict per
+  accepted draft position (``generator.py:1941-1948``).
+- ``"started"`` when pages are allocated, with ``identifier`` only when the job
+  has one (``generator.py:2165-2222``); jobs that do not fit the batch or the
+  free pages wait (``generator.py:2189-2192``).
+- Paged prefix cache of 256-token pages: prompt pages hashed as a chain
+  (``generator/pagetable.py:240-259``), reused by hash at allocation, counted as
+  cached when already filled (``pagetable.py:650-673``); pages a sibling job
+  filled since are skipped and counted during prefill (``generator/job.py:1424-1436``);
+  a token-level match inside the first uncached page copies keys from any page
+  with the same predecessor (``job.py:1458-1499``), counted in ``cached_tokens``.
+  Unreferenced pages keep their content until evicted.
+- ``"prefill"`` only when the pass advanced (``job.py:1682-1693``), with
+  ``curr_progress`` up to ``len(prompt) - 1``: a fully cached, page-aligned prompt
+  emits none (``job.py:1453``).
+- Token acceptance (``job.py:781-1191``): stop tokens end the job without
+  flushing the held text, which stays in ``"held"`` with the stop token's piece
+  (``job.py:978-993``, ``948-962``); ``max_new_tokens`` flushes it; text with an
+  incomplete UTF-8 character is held until it completes (``job.py:1005-1016``);
+  a partial stop-string match is held, a full one ends the job with the rest in
+  ``"held"`` (``job.py:1160-1183``, matching rules of
+  ``exllamav3_ext/generator/strings.cpp:partial_strings_match``).
+- ``"requeue": True`` when ``max_rq_tokens`` is reached (``job.py:815``,
+  ``879``); the job object then re-initialises itself with its sequence as the
+  prompt, keeps its serial and held text (``job.py:1194-1261``) and goes to the
+  front of the queue (``generator.py:2126-2128``), so it emits ``"started"`` and
+  ``"prefill"`` again mid-stream.
+- EOS dict keys (``job.py:926-946``), ``accepted_draft_tokens``/
+  ``rejected_draft_tokens`` only when the generator drafts (``job.py:942``);
+  drafted positions past an EOS count as rejected and the EOS dict is patched
+  (``generator.py:1970-1982``); after the first mismatch the rest of the window
+  is rejected (``generator.py:1770-1790``, ``2009-2013``).
+- A failure inside a job's prefill is contained: the job is dropped and an
+  ``"error"`` dict with ``job``/``serial``/``stage``/``eos``/``error`` and no
+  ``identifier`` is appended (``generator.py:2135-2162``, ``774-777``).
+- ``enqueue`` asserts the job can ever fit, with 1.6.5's message
+  (``job.py:1340-1344``), after capping ``max_new_tokens`` to the room left
+  (``job.py:1287-1292``).
+
+Deliberately stricter than 1.6.5: ``Job``, ``Generator``, ``Cache`` and
+``ComboSampler`` take exactly the 1.6.5 parameter names and no ``**kwargs``, so a
+misspelt keyword fails here instead of being ignored; features the worker does
+not use (filters, token healing, banned strings, embeddings, top-k output,
+recurrent models) raise ``NotImplementedError``. N-gram drafting uses a plain
+longest-suffix search (suffixes up to 64 tokens) instead of a suffix automaton.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+PAGE_SIZE = 256
+__version__ = "1.6.5+fake"
+
+# ---------------------------------------------------------------- tensors
+
+
+class FakeTensor:
+    """``(1, n)`` token ids; the backend uses only ``.shape`` and ``.tolist()``, like a
+    ``torch.LongTensor``."""
+
+    def __init__(self, ids: Sequence[int]) -> None:
+        self._ids = [int(i) for i in ids]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (1, len(self._ids))
+
+    def tolist(self) -> list[list[int]]:
+        return [list(self._ids)]
+
+    def __repr__(self) -> str:
+        return f"FakeTensor({self._ids})"
+
+
+def _ids_of(t: Any) -> list[int]:
+    """Token ids of a FakeTensor, a torch tensor of shape (n,) or (1, n), or a list."""
+    rows = t.tolist() if hasattr(t, "tolist") else list(t)
+    if rows and isinstance(rows[0], list):
+        assert len(rows) == 1, "input_ids must be [1, seq_len]"
+        rows = rows[0]
+    return [int(i) for i in rows]
+
+
+# ---------------------------------------------------------------- tokenizer
+
+BOS, EOS, IM_START, IM_END = 256, 257, 258, 259
+SPECIAL_PIECES = {BOS: "<s>", EOS: "</s>", IM_START: "<|im_start|>", IM_END: "<|im_end|>"}
+VOCAB_SIZE = 260
+
+
+def _piece(i: int) -> str:
+    if i in SPECIAL_PIECES:
+        return SPECIAL_PIECES[i]
+    # A lone byte of a multi-byte character decodes to U+FFFD, as byte-level BPE pieces do.
+    return chr(i) if i < 0x80 else "\ufffd"
+
+
+class Tokenizer:
+    """Byte-level tokenizer: ids 0..255 are UTF-8 bytes, 256..259 are ``<s>``, ``</s>``,
+    ``<|im_start|>``, ``<|im_end|>``. The chat template is ChatML."""
+
+    bos_token_id = BOS
+    eos_token_id = EOS
+    bos_token = "<s>"
+    eos_token = "</s>"
+    actual_vocab_size = VOCAB_SIZE
+    tokenizer_config_dict: dict[str, Any] = {"add_bos_token": True}  # noqa: RUF012
+
+    def __init__(self, config: Config | None = None) -> None:
+        self.config = config
+
+    @staticmethod
+    def from_config(config: Config) -> Tokenizer:
+        return Tokenizer(config)
+
+    def encode(
+        self,
+        text: str,
+        add_bos: bool = False,
+        add_eos: bool = False,
+        encode_special_tokens: bool = False,
+        return_offsets: bool = False,
+        embeddings: list[Any] | None = None,
+    ) -> FakeTensor:
+        if return_offsets or embeddings:
+            raise NotImplementedError
+        ids: list[int] = []
+        rest = text
+        while rest:
+            hit = None
+            if encode_special_tokens:
+                for i, s in SPECIAL_PIECES.items():
+                    at = rest.find(s)
+                    if at >= 0 and (hit is None or at < hit[0]):
+                        hit = (at, i, s)
+            if hit is None:
+                ids += list(rest.encode("utf-8"))
+                break
+            at, i, s = hit
+            ids += [*rest[:at].encode("utf-8"), i]
+            rest = rest[at + len(s) :]
+        if add_bos:
+            ids.insert(0, BOS)
+        if add_eos:
+            ids.append(EOS)
+        return FakeTensor(ids)
+
+    def decode(self, ids: Any, decode_special_tokens: bool = False) -> str | list[str]:
+        """Like ``Tokenizer.decode`` (``tokenizer/tokenizer.py:586-627``): a 2-D input gives a
+        list, a 1-D input a string; special tokens vanish unless ``decode_special_tokens``."""
+        rows = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        if rows and isinstance(rows[0], list):
+            return [self._decode(r, decode_special_tokens) for r in rows]
+        return self._decode(rows, decode_special_tokens)
+
+    @staticmethod
+    def _decode(seq: list[int], decode_special_tokens: bool) -> str:
+        if not decode_special_tokens and EOS in seq:
+            seq = seq[: seq.index(EOS)]
+        out = bytearray()
+        text = ""
+        for t in seq:
+            if t < 256:
+                out.append(t)
+            elif decode_special_tokens:
+                text += out.decode("utf-8", errors="replace") + SPECIAL_PIECES[t]
+                out.clear()
+        return text + out.decode("utf-8", errors="replace")
+
+    def get_id_to_piece_list(self, include_special_tokens: bool = False) -> list[str]:
+        # Special ids inside the raw vocabulary decode to their text in both lists
+        # (tokenizer/tokenizer.py:704-756).
+        return [_piece(i) for i in range(VOCAB_SIZE)]
+
+    def hf_chat_template(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = True,
+        embeddings: list[Any] | None = None,
+        **template_kwargs: Any,
+    ) -> FakeTensor:
+        if embeddings or template_kwargs:
+            raise NotImplementedError
+        text = ""
+        for m in messages:
+            if m["role"] not in ("system", "user", "assistant"):
+                raise ValueError(f"unknown role {m['role']!r}")
+            text += f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+        if add_generation_prompt:
+            text += "<|im_start|>assistant\n"
+        return self.encode(text, encode_special_tokens=True)
+
+
+# ---------------------------------------------------------------- scripted models
+
+Script = Callable[[Sequence[int], Sequence[int]], int]
+"""``(prompt_ids, generated_ids) -> next token id``: the fake model's greedy choice.
+``prompt_ids`` is the prompt of the client's request (not of a requeued segment)."""
+
+
+def reply(text: str | bytes | Sequence[int], then: int = IM_END) -> Script:
+    """Answer every prompt with ``text`` (UTF-8 bytes or ids), then ``then`` forever."""
+    ids = list(text.encode("utf-8") if isinstance(text, str) else text)
+
+    def script(prompt: Sequence[int], generated: Sequence[int]) -> int:
+        n = len(generated)
+        return ids[n] if n < len(ids) else then
+
+    return script
+
+
+def by_prompt(default: Script, **scripts: Script) -> Script:
+    """Use ``scripts[key]`` when ``key`` occurs in the decoded prompt, else ``default``."""
+
+    def script(prompt: Sequence[int], generated: Sequence[int]) -> int:
+        text = Tokenizer._decode(list(prompt), True)
+        for key, s in scripts.items():
+            if key in text:
+                return s(prompt, generated)
+        return default(prompt, generated)
+
+    return script
+
+
+class Config:
+    """``Config.from_directory`` (``model/config.py:259``): reads ``config.json``.
+
+    Fake-only keys: ``"fake_mtp": true`` gives the model an MTP component."""
+
+    def __init__(self, directory: str, config_dict: dict[str, Any]) -> None:
+        self.directory = directory
+        self.config_dict = config_dict
+        self.architecture = config_dict["architectures"][0]
+        self.max_position_embeddings = int(config_dict.get("max_position_embeddings", 8192))
+        eos = config_dict.get("eos_token_id", EOS)
+        self.eos_token_id_list = list(eos) if isinstance(eos, list) else [eos]
+        self.eos_token_id = self.eos_token_id_list[0]
+        self.vocab_size = int(config_dict.get("vocab_size", VOCAB_SIZE))
+        self.model_classes: dict[str, type[Model]] = {"text": Model}
+        if config_dict.get("fake_mtp"):
+            self.model_classes["mtp"] = Model
+        self.dynamic_seq_len: int | None = None
+        self.script: Script | None = None
+
+    @staticmethod
+    def from_directory(directory: str) -> Config:
+        with open(os.path.join(directory, "config.json"), encoding="utf8") as f:
+            d = json.load(f)
+        assert "architectures" in d, f"No architecture defined in {directory}/config.json"
+        return Config(directory, d)
+
+    def override_dynamic_seq_len(self, new_max_position_embeddings: int) -> None:
+        self.dynamic_seq_len = new_max_position_embeddings
+
+
+DEFAULT_SCRIPT = reply("Hello from the fake model.")
+
+
+class Model:
+    """A model whose next token is ``script(prompt, generated)``. ``fail_prefill(prompt)``
+    returning True makes prefill raise for that job (to produce ``"error"`` results)."""
+
+    def __init__(
+        self,
+        config: Config | None = None,
+        component: str = "text",
+        script: Script | None = None,
+        fail_prefill: Callable[[Sequence[int]], bool] | None = None,
+    ) -> None:
+        self.config = config
+        self.component = component
+        self.script: Script = script or (config.script if config and config.script else DEFAULT_SCRIPT)
+        self.fail_prefill = fail_prefill
+        self.caps: dict[str, Any] = {}
+        if component == "mtp":
+            self.caps.update({"mtp_draft": True, "default_draft_size": 2})
+        self.caches: list[Cache] = []
+        self.loaded = False
+        self.load_calls: list[dict[str, Any]] = []
+        self.warmup_calls: list[dict[str, Any]] = []
+
+    @staticmethod
+    def from_config(config: Config, component: str = "text") -> Model:
+        assert component in config.model_classes, (
+            f"{config.architecture} does not define a '{component}' component model"
+        )
+        return Model(config, component)
+
+    def load_gen(
+        self,
+        device: Any = None,
+        tp_output_device: Any = None,
+        reserve_per_device: list[float] | float | None = None,
+        use_per_device: list[float] | float | None = None,
+        tensor_p: bool = False,
+        progressbar: bool = False,
+        max_chunk_size: int = 2048,
+        max_output_size: int = 32,
+        max_output_factor: int = 1,
+        callback: Callable[[int, int], None] | None = None,
+        generator: bool = True,
+        tp_dev_limits: dict[str, int] | None = None,
+        tp_backend: str = "native",
+        verbose: bool = False,
+        max_batch_size: int = 1,
+        tp_options: dict[str, Any] | None = None,
+        autosplit_no_forward: bool = False,
+        draft_model: Model | None = None,
+    ) -> Iterator[tuple[int, int]]:
+        """Yields ``(modules_done, modules_total)`` like ``model/model_ls.py:140,318``."""
+        self.load_calls.append(
+            {
+                "use_per_device": use_per_device,
+                "tensor_p": tensor_p,
+                "tp_backend": tp_backend,
+                "max_chunk_size": max_chunk_size,
+                "draft_model": draft_model,
+                "caches_attached": len(self.caches),
+            }
+        )
+        n = 5
+        for i in range(n):
+            yield i, n
+        self.loaded = True
+        for c in self.caches:
+            c.initialized = True
+        yield n, n
+
+    def load(self, **kwargs: Any) -> None:
+        kwargs["generator"] = False
+        for _ in self.load_gen(**kwargs):
+            pass
+
+    def warmup(
+        self,
+        cache: Cache | None = None,
+        max_chunk_size: int = 2048,
+        max_batch_size: int = 8,
+        max_q_len: int = 16,
+        long_context: bool = True,
+        progressbar: bool = False,
+        callback: Callable[[int, int], None] | None = None,
+        verbose: bool = False,
+    ) -> list[str]:
+        assert self.loaded, "warmup before load"
+        assert cache is None or cache.owner is None, "warmup must run before a Generator owns the cache"
+        self.warmup_calls.append({"cache": cache, "max_chunk_size": max_chunk_size})
+        return []
+
+    def unload(self) -> None:
+        self.loaded = False
+        for c in self.caches:
+            c.initialized = False
+
+
+class CacheLayer_fp16:
+    """Marker for an FP16 cache layer (``cache/fp16.py``)."""
+
+
+class CacheLayer_quant:
+    """Marker for a quantized cache layer (``cache/quant.py``)."""
+
+
+class Cache:
+    """``Cache(model, max_num_tokens, layer_type, max_batch_size, max_history, recurrent_dtype,
+    **kwargs)`` (``cache/cache.py:92-185``); ``k_bits``/``v_bits``/``compand_a`` are the
+    keyword arguments ``CacheLayer_quant`` takes (``cache/quant.py:15-30``)."""
+
+    def __init__(
+        self,
+        model: Model,
+        max_num_tokens: int,
+        layer_type: type | None = None,
+        max_batch_size: int = 16,
+        max_history: int = 0,
+        recurrent_dtype: Any = None,
+        *,
+        k_bits: int | None = None,
+        v_bits: int | None = None,
+        compand_a: float = 0.0,
+    ) -> None:
+        assert max_num_tokens % PAGE_SIZE == 0, f"max_num_tokens must be a multiple of {PAGE_SIZE}."
+        if layer_type is CacheLayer_quant:
+            assert k_bits is not None and v_bits is not None
+            assert (2 <= k_bits <= 8) and (2 <= v_bits <= 8), "quantized cache must be from 2 to 8 bits"
+        else:
+            assert k_bits is None and v_bits is None, "k_bits/v_bits only apply to CacheLayer_quant"
+        assert not model.loaded, "Construct the Cache BEFORE calling model.load()"
+        self.model = model
+        self.max_num_tokens = max_num_tokens
+        self.layer_type = layer_type or CacheLayer_fp16
+        self.bits = (k_bits, v_bits)
+        self.max_batch_size = max_batch_size
+        self.max_history = max_history
+        self.initialized = False
+        self.owner: Generator | None = None
+        model.caches.append(self)
+
+
+class ComboSampler:
+    """Records the ``ComboSampler`` arguments (``generator/sampler/presets.py``, exact 1.6.5
+    parameter list). The fake model is greedy whatever they are."""
+
+    def __init__(
+        self,
+        rep_p: float = 1.0,
+        freq_p: float = 0.0,
+        pres_p: float = 0.0,
+        rep_sustain_range: int = int(10e7),
+        rep_decay_range: int = 0,
+        dry_multiplier: float = 0.0,
+        dry_base: float = 1.75,
+        dry_allowed_length: int = 2,
+        dry_range: int = 0,
+        dry_sequence_breakers: Any = None,
+        temperature: float = 1.0,
+        min_p: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        temp_last: bool = False,
+        adaptive_target: float = 1.0,
+        adaptive_decay: float = 0.9,
+        logit_bias: dict[int, float] | None = None,
+    ) -> None:
+        self.settings = {
+            "rep_p": rep_p,
+            "freq_p": freq_p,
+            "pres_p": pres_p,
+            "temperature": temperature,
+            "min_p": min_p,
+            "top_k": top_k,
+            "top_p": top_p,
+            "logit_bias": logit_bias,
+        }
+
+
+# ---------------------------------------------------------------- paging
+
+
+class _Page:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.phash: Any = ("unique", index, 0)
+        self.prev_hash: Any = None
+        self.tokens: list[int] = []
+        self.kv_position = 0
+        self.ref_count = 0
+        self.access = 0
+
+    @property
+    def content_hashed(self) -> bool:
+        return bool(self.phash[0] == "content")
+
+
+def _chain_hash(prev: Any, tokens: Sequence[int]) -> tuple[str, int]:
+    return ("content", hash((prev, tuple(tokens))))
+
+
+class _PageTable:
+    """Pages of ``PAGE_SIZE`` tokens; ``by_hash`` holds content-hashed pages whether
+    referenced or not (``pagetable.py:553-680``)."""
+
+    def __init__(self, max_pages: int) -> None:
+        self.pages = [_Page(i) for i in range(max_pages)]
+        self.by_hash: dict[Any, _Page] = {}
+        self.serial = 0
+        self.unique = 0
+
+    @property
+    def max_pages(self) -> int:
+        return len(self.pages)
+
+    def num_unreferenced_pages(self) -> int:
+        return sum(1 for p in self.pages if p.ref_count == 0)
+
+    def _tick(self) -> int:
+        self.serial += 1
+        return self.serial
+
+    def _evict(self, protected: set[Any]) -> _Page:
+        # Empty pages first, then the least recently used unreferenced one.
+        free = [p for p in self.pages if p.ref_count == 0 and p.phash not in protected]
+        free.sort(key=lambda p: (p.content_hashed, p.access))
+        page = free[0]
+        if self.by_hash.get(page.phash) is page:
+            del self.by_hash[page.phash]
+        page.tokens, page.kv_position, page.prev_hash = [], 0, None
+        return page
+
+    def set_hash(self, page: _Page, h: Any) -> None:
+        if self.by_hash.get(page.phash) is page:
+            del self.by_hash[page.phash]
+        page.phash = h
+        if h[0] == "content":
+            self.by_hash[h] = page
+
+    def make_unique(self, page: _Page) -> None:
+        self.unique += 1
+        self.set_hash(page, ("unique", page.index, self.unique))
+
+    def allocate(self, page_hashes: list[Any], new_unique_pages: int) -> tuple[list[_Page], int]:
+        protected = set(page_hashes)
+        out: list[_Page] = []
+        for h in page_hashes:
+            page = self.by_hash.get(h)
+            if page is None:
+                page = self._evict(protected)
+                self.set_hash(page, h)
+            page.ref_count += 1
+            page.access = self._tick()
+            out.append(page)
+        for _ in range(new_unique_pages):
+            page = self._evict(protected)
+            self.make_unique(page)
+            page.ref_count += 1
+            page.access = self._tick()
+            # Link the first fresh page to a complete cached prefix (pagetable.py:640-646).
+            if out and out[-1].kv_position == PAGE_SIZE:
+                page.prev_hash = out[-1].phash
+            out.append(page)
+        cached = 0
+        for page in out:
+            if page.kv_position != PAGE_SIZE:
+                break
+            cached += 1
+        return out, cached
+
+    def deallocate(self, pages: list[_Page]) -> None:
+        for p in pages:
+            p.ref_count -= 1
+
+
+def _partial_strings_match(text: str, strings: Sequence[str]) -> int:
+    """``exllamav3_ext/generator/strings.cpp:partial_strings_match``: index of the earliest full
+    match, ``-2`` if a string runs off the end of ``text`` before any full match, else ``-1``."""
+    none = len(text) + 1
+    best_full = best_partial = none
+    for s in strings:
+        if not s:
+            continue
+        limit = min(best_full, best_partial)
+        for a0 in range(min(len(text), limit)):
+            k = 0
+            while a0 + k < len(text) and k < len(s) and text[a0 + k] == s[k]:
+                k += 1
+            if k == len(s):
+                best_full = a0
+                break
+            if a0 + k == len(text):
+                best_partial = a0
+                break
+    if best_partial < best_full:
+        return -2
+    return best_full if best_full < none else -1
+
+
+# ---------------------------------------------------------------- jobs
+
+
+class Job:
+    """``exllamav3.Job`` with the exact 1.6.5 parameter list (``generator/job.py:54-75``)."""
+
+    def __init__(
+        self,
+        input_ids: Any,
+        max_new_tokens: int | None = None,
+        min_new_tokens: int = 0,
+        max_skips: int | None = 4,
+        sampler: Any = None,
+        seed: int | None = None,
+        stop_conditions: list[int | str] | tuple[int | str, ...] | set[int | str] | None = None,
+        decode_special_tokens: bool = False,
+        return_top_tokens: int = 0,
+        return_logits: bool = False,
+        return_probs: bool = False,
+        filters: list[Any] | None = None,
+        token_healing: bool = False,
+        identifier: object | None = None,
+        banned_strings: list[str] | None = None,
+        embeddings: list[Any] | None = None,
+        max_rq_tokens: int | None = None,
+        stop_on_loop: tuple[int, int] | None = None,
+        rq_state: dict[str, Any] | None = None,
+    ) -> None:
+        if filters or token_healing or banned_strings or embeddings or stop_on_loop:
+            raise NotImplementedError("feature not modelled by the fake")
+        if return_top_tokens or return_logits or return_probs or decode_special_tokens:
+            raise NotImplementedError("feature not modelled by the fake")
+        ids = _ids_of(input_ids)
+        assert len(ids) > 0, "Input IDs cannot be empty."
+        assert max_new_tokens is None or max_new_tokens >= 1, (
+            "max_new_tokens must be >= 1, or None for no limit"
+        )
+        rq = rq_state or {}
+        self.is_requeued = rq_state is not None
+        self.rq_new_tokens: int = rq.get("rq_new_tokens", 0)
+        self.generator: Generator | None = None
+        self.serial_number: int | None = None
+        self.identifier = identifier
+        self.max_skips = max_skips
+        self.skips = 0
+        self.sampler = sampler if sampler is not None else ComboSampler(min_p=0.08, temperature=0.8)
+        self.seed = seed
+        self.input_ids = ids
+        self.sequence_ids = list(ids)
+        self.client_prompt: list[int] = rq.get("client_prompt", list(ids))
+        self.kv_position = 0
+        self.page_hashes: list[Any] = []
+        self.new_unique_pages = 0
+        self.allocated_pages: list[_Page] = []
+        self.prefill_complete = False
+        self.max_new_tokens = max_new_tokens
+        self.min_new_tokens = min_new_tokens
+        self.new_tokens = 0
+        self.orig_max_rq_tokens = max_rq_tokens
+        self.max_rq_tokens: int = max_rq_tokens or 0
+        self.rq_margin = 0
+        self.rq_headroom = 0
+        self.decode_special_tokens = decode_special_tokens
+        self.stop_tokens: set[int] = set(rq.get("stop_tokens", set()))
+        self.stop_strings: set[str] = set(rq.get("stop_strings", set()))
+        if stop_conditions is not None:
+            for t in [stop_conditions] if isinstance(stop_conditions, int | str) else stop_conditions:
+                if isinstance(t, int):
+                    self.stop_tokens.add(t)
+                elif isinstance(t, str):
+                    self.stop_strings.add(t)
+                else:
+                    raise ValueError("Unsupported type in stop_conditions")
+        self.stop_string_max_length = max([0] + [len(s) for s in self.stop_strings])
+        self.held_text: str = rq.get("held_text", "")
+        self.held_tokens: list[int] = list(rq.get("held_tokens", []))
+        self.full_completion: str = rq.get("full_completion", "")
+        self.time_enqueue: float | None = None
+        self.time_first_prefill: float | None = None
+        self.time_first_token: float | None = None
+        self.time_last_token: float | None = None
+        self.time_enqueued: float = rq.get("time_enqueued", 0.0)
+        self.time_prefill: float = rq.get("time_prefill", 0.0)
+        self.time_generate: float = rq.get("time_generate", 0.0)
+        self.accepted_draft_tokens: int = rq.get("accepted_draft_tokens", 0)
+        self.rejected_draft_tokens: int = rq.get("rejected_draft_tokens", 0)
+        self.rq_prompt_tokens: int | None = rq.get("prompt_tokens")
+        self.rq_cached: tuple[int, int] | None = rq.get("cached")
+        self.cached_pages = 0
+        self.cached_tokens = 0
+        self.is_finished = False
+
+    def __repr__(self) -> str:
+        return f"Generator job #{self.serial_number}"
+
+    def _cached(self) -> tuple[int, int]:
+        return self.cached_pages, self.cached_pages * PAGE_SIZE + self.cached_tokens
+
+    # -- queueing
+
+    def prepare_for_queue(self, generator: Generator, serial_number: int, rq: bool = False) -> None:
+        """``job.py:1264-1378``."""
+        self.serial_number = serial_number
+        self.generator = generator
+        self.skips = 0
+        room = generator.max_total_tokens - len(self.input_ids) - 1 - generator.max_draft_tokens
+        if self.max_new_tokens is None:
+            self.max_new_tokens = max(1, room)
+        elif room >= 1:
+            self.max_new_tokens = min(self.max_new_tokens, room)
+        if self.orig_max_rq_tokens is not None:
+            x = len(self.input_ids)
+            y = (x - 1 + self.orig_max_rq_tokens + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE
+            y = min(y, generator.max_total_tokens - generator.max_draft_tokens)
+            self.max_rq_tokens = max(1, y - x)
+            self.rq_margin = 0
+            self.rq_headroom = generator.max_draft_tokens
+        else:
+            self.max_rq_tokens = self.max_new_tokens + 1 + generator.max_draft_tokens
+            self.rq_margin = generator.max_draft_tokens
+            self.rq_headroom = 0
+        # Sequence.prepare (pagetable.py:240-259)
+        seq = self.sequence_ids
+        max_len = len(seq) + self.max_rq_tokens + self.rq_headroom
+        context_pages = (len(seq) - 1) // PAGE_SIZE
+        total = (max_len + PAGE_SIZE - 1) // PAGE_SIZE
+        h = None
+        self.page_hashes = []
+        for i in range(context_pages):
+            h = _chain_hash(h, seq[i * PAGE_SIZE : (i + 1) * PAGE_SIZE])
+            self.page_hashes.append(h)
+        self.new_unique_pages = total - context_pages
+        total_pages = len(set(self.page_hashes)) + self.new_unique_pages
+        max_pages = generator.pagetable.max_pages
+        assert total_pages <= max_pages, (
+            f"Job requires {total_pages} pages (only {max_pages} available) and cannot "
+            + f"be enqueued. Total cache allocated is {max_pages} * {PAGE_SIZE} = "
+            + f"{generator.max_total_tokens} tokens"
+        )
+        if not rq:
+            self.held_text = ""
+            self.held_tokens = []
+            self.full_completion = ""
+        self.time_enqueue = time.time()
+
+    def current_new_pages_required(self) -> int:
+        pt = self.pagetable
+        referenced = {p.phash for p in pt.pages if p.ref_count > 0}
+        return sum(1 for h in set(self.page_hashes) if h not in referenced) + self.new_unique_pages
+
+    @property
+    def pagetable(self) -> _PageTable:
+        assert self.generator is not None
+        return self.generator.pagetable
+
+    def allocate_pages(self) -> None:
+        self.allocated_pages, cached = self.pagetable.allocate(self.page_hashes, self.new_unique_pages)
+        self.kv_position = cached * PAGE_SIZE
+        self.cached_pages += cached
+
+    def deallocate_pages(self) -> None:
+        if self.allocated_pages:
+            self.pagetable.deallocate(self.allocated_pages)
+            self.allocated_pages = []
+
+    def is_prefill_done(self) -> bool:
+        return self.kv_position == len(self.sequence_ids) - 1
+
+    # -- prefill (job.py:1391-1693)
+
+    def prefill(self, results: list[dict[str, Any]], chunk_size: int | None = None) -> None:
+        gen = self.generator
+        assert gen is not None
+        if self.time_first_prefill is None:
+            self.time_first_prefill = time.time()
+        progress = 0
+        seq = self.sequence_ids
+        pages = self.allocated_pages
+        if not self.prefill_complete:
+            start = self.kv_position
+            end = min((self.kv_position + gen.max_chunk_size) // PAGE_SIZE * PAGE_SIZE, len(seq) - 1)
+            p0, p1 = start // PAGE_SIZE, (end + PAGE_SIZE - 1) // PAGE_SIZE
+            for i in range(p0, p1):
+                if pages[i].kv_position != PAGE_SIZE:
+                    break
+                start = self.kv_position = (i + 1) * PAGE_SIZE
+                self.cached_pages += 1
+            for i in range(start // PAGE_SIZE, p1):
+                if pages[i].kv_position == PAGE_SIZE:
+                    end = i * PAGE_SIZE
+                    break
+            if chunk_size is not None:
+                end = min(end, (start + chunk_size) // PAGE_SIZE * PAGE_SIZE)
+            if end > start:
+                p0 = start // PAGE_SIZE
+                if start == p0 * PAGE_SIZE:
+                    prev_hash = None if p0 == 0 else pages[p0 - 1].phash
+                    chunk = seq[start:end]
+                    best, best_page = 0, None
+                    for page in gen.pagetable.pages:
+                        if page.prev_hash != prev_hash or page is pages[p0]:
+                            continue
+                        m = 0
+                        while m < min(page.kv_position, len(chunk)) and page.tokens[m] == chunk[m]:
+                            m += 1
+                        if m > best:
+                            best, best_page = m, page
+                    if best_page is not None and best > 1:
+                        target = pages[p0]
+                        target.tokens = list(chunk[:best])
+                        target.prev_hash = best_page.prev_hash
+                        target.kv_position = best
+                        start += best
+                        self.kv_position += best
+                        self.cached_tokens += best
+                        progress += best
+                if end > start:
+                    model = gen.model
+                    if model.fail_prefill is not None and model.fail_prefill(self.client_prompt):
+                        raise RuntimeError(f"prefill failed for job {self.serial_number}")
+                    self.kv_position = end
+                    for i in range(p0, min((end + PAGE_SIZE - 1) // PAGE_SIZE + 1, len(pages))):
+                        page = pages[i]
+                        page.kv_position = min(max(end - i * PAGE_SIZE, 0), PAGE_SIZE)
+                        page.tokens = list(seq[i * PAGE_SIZE : i * PAGE_SIZE + page.kv_position])
+                        page.prev_hash = None if i == 0 else pages[i - 1].phash
+                        if page.kv_position == PAGE_SIZE and i < len(self.page_hashes):
+                            gen.pagetable.set_hash(page, self.page_hashes[i])
+                    progress += end - start
+                    if self.kv_position >= len(seq) - 1:
+                        self.prefill_complete = True
+        if progress:
+            r: dict[str, Any] = {
+                "job": self,
+                "stage": "prefill",
+                "eos": False,
+                "curr_progress": self.kv_position,
+                "max_progress": len(seq) - 1,
+                "serial": self.serial_number,
+            }
+            if self.identifier is not None:
+                r["identifier"] = self.identifier
+            results.append(r)
+
+    # -- decoding
+
+    def ngram_draft(self, length: int, match_min: int) -> list[int]:
+        seq = self.sequence_ids
+        n = len(seq)
+        for span in range(min(64, n - 1), match_min - 1, -1):
+            suffix = seq[n - span :]
+            for end in range(n - 1, span - 1, -1):
+                if seq[end - span : end] == suffix:
+                    return seq[end : end + length]
+        return []
+
+    def receive_sample(self, token: int, results: list[dict[str, Any]]) -> tuple[bool, bool]:
+        """``job.py:781-1191`` without filters, banned strings, healing or loop detection.
+        Returns ``(eos, requeue)``."""
+        gen = self.generator
+        assert gen is not None
+        self.new_tokens += 1
+        requeue_now = self.new_tokens > self.max_rq_tokens - self.rq_margin
+        # The forward pass wrote the K/V of the token it was fed (the last one of the sequence,
+        # generator.py:1647-1656); the sampled token is fed by the next pass.
+        page_before = self.kv_position // PAGE_SIZE
+        page = self.allocated_pages[page_before]
+        page.tokens.append(self.sequence_ids[self.kv_position])
+        page.kv_position += 1
+        self.sequence_ids.append(token)
+        self.kv_position += 1
+        if self.kv_position // PAGE_SIZE > page_before:
+            gen.pagetable.set_hash(page, _chain_hash(page.prev_hash, page.tokens))
+            if page_before + 1 < len(self.allocated_pages):
+                self.allocated_pages[page_before + 1].prev_hash = page.phash
+
+        def emit(
+            emit_eos: bool = False,
+            eos_reason: str | None = None,
+            emit_held: bool = False,
+            stop_token: int | None = None,
+            stop_string: str | None = None,
+            rem_held_text: str | None = None,
+        ) -> tuple[bool, bool]:
+            nonlocal requeue_now
+            if emit_eos:
+                requeue_now = False
+            r: dict[str, Any] = {"job": self, "stage": "streaming", "eos": emit_eos}
+            r["serial"] = self.serial_number
+            if eos_reason is not None:
+                r["eos_reason"] = eos_reason
+                if eos_reason == "stop_token":
+                    assert stop_token is not None
+                    r["eos_triggering_token_id"] = stop_token
+                    r["eos_triggering_token_str"] = _piece(stop_token)
+                if eos_reason == "stop_string":
+                    r["eos_triggering_string"] = stop_string
+            if requeue_now:
+                r["requeue"] = True
+            if emit_held:
+                if emit_eos and "\ufffd" in self.held_text and self.held_tokens:
+                    self.held_text = str(gen.tokenizer.decode(self.held_tokens))
+                if self.held_text != "":
+                    self.full_completion += self.held_text
+                    r["text"] = self.held_text
+                    self.held_text = ""
+                if self.held_tokens:
+                    r["token_ids"] = FakeTensor(self.held_tokens)
+                    self.held_tokens = []
+            if emit_eos or requeue_now:
+                assert self.time_first_prefill is not None and self.time_enqueue is not None
+                assert self.time_first_token is not None
+                self.time_last_token = time.time()
+                self.time_enqueued += self.time_first_prefill - self.time_enqueue
+                self.time_prefill += self.time_first_token - self.time_first_prefill
+                self.time_generate += self.time_last_token - self.time_first_token
+            if emit_eos:
+                self.is_finished = True
+                cached = self.rq_cached or self._cached()
+                r.update(
+                    {
+                        "full_completion": self.full_completion,
+                        "new_tokens": self.rq_new_tokens + self.new_tokens,
+                        "prompt_tokens": self.rq_prompt_tokens or len(self.input_ids),
+                        "time_enqueued": self.time_enqueued,
+                        "time_prefill": self.time_prefill,
+                        "time_generate": self.time_generate,
+                        "cached_pages": cached[0],
+                        "cached_tokens": cached[1],
+                    }
+                )
+                if gen.draft_model or gen.ngram_match_min:
+                    r["accepted_draft_tokens"] = self.accepted_draft_tokens
+                    r["rejected_draft_tokens"] = self.rejected_draft_tokens
+                if eos_reason == "stop_string":
+                    assert rem_held_text is not None
+                    self.held_text = rem_held_text
+                rh: dict[str, Any] = {}
+                if self.held_text:
+                    rh["text"] = self.held_text
+                if self.held_tokens:
+                    rh["token_ids"] = FakeTensor(self.held_tokens)
+                if rh:
+                    r["held"] = rh
+            if self.identifier is not None:
+                r["identifier"] = self.identifier
+            results.append(r)
+            return emit_eos, requeue_now
+
+        self.held_text += _piece(token)
+        self.held_tokens.append(token)
+        if token in self.stop_tokens:
+            return emit(emit_eos=True, eos_reason="stop_token", stop_token=token)
+        assert self.max_new_tokens is not None
+        if self.new_tokens >= self.max_new_tokens:
+            return emit(emit_eos=True, emit_held=True, eos_reason="max_new_tokens")
+        if "\ufffd" in self.held_text:
+            test = str(gen.tokenizer.decode(self.held_tokens))
+            if test.endswith("\ufffd") and len(test) <= self.stop_string_max_length + 20:
+                return emit()
+            self.held_text = test
+        if self.stop_strings:
+            match = _partial_strings_match(self.held_text, sorted(self.stop_strings))
+            if match >= 0:
+                held = self.held_text[match:]
+                self.held_text = self.held_text[:match]
+                for s in self.stop_strings:
+                    if held.startswith(s):
+                        return emit(
+                            emit_eos=True,
+                            emit_held=True,
+                            eos_reason="stop_string",
+                            stop_string=s,
+                            rem_held_text=held,
+                        )
+                raise AssertionError("Detected stop string but couldn't identify it (logic error)")
+            if match == -2:
+                return emit()
+        return emit(emit_held=True)
+
+    def prepare_for_requeue(self) -> Job:
+        """``job.py:1194-1261``: the same object, re-initialised with its sequence as the prompt."""
+        gen = self.generator
+        assert gen is not None and self.serial_number is not None and self.max_new_tokens is not None
+        last_completed = len(self.sequence_ids) - len(self.input_ids)
+        rq_state = {
+            "stop_strings": self.stop_strings,
+            "stop_tokens": self.stop_tokens,
+            "held_text": self.held_text,
+            "held_tokens": self.held_tokens,
+            "full_completion": self.full_completion,
+            "time_enqueued": self.time_enqueued,
+            "time_prefill": self.time_prefill,
+            "time_generate": self.time_generate,
+            "rq_new_tokens": self.rq_new_tokens + self.new_tokens,
+            "accepted_draft_tokens": self.accepted_draft_tokens,
+            "rejected_draft_tokens": self.rejected_draft_tokens,
+            "prompt_tokens": self.rq_prompt_tokens or len(self.input_ids),
+            "cached": self.rq_cached or self._cached(),
+            "client_prompt": self.client_prompt,
+        }
+        serial = self.serial_number
+        self.__init__(  # type: ignore[misc]
+            input_ids=FakeTensor(self.sequence_ids),
+            max_new_tokens=self.max_new_tokens - last_completed,
+            min_new_tokens=max(self.min_new_tokens - last_completed, 0),
+            sampler=self.sampler,
+            identifier=self.identifier,
+            max_rq_tokens=self.orig_max_rq_tokens,
+            rq_state=rq_state,
+        )
+        self.prepare_for_queue(gen, serial, rq=True)
+        return self
+
+
+# ---------------------------------------------------------------- generator
+
+
+class Generator:
+    """``exllamav3.Generator`` with the exact 1.6.5 parameter list
+    (``generator/generator.py:41-73``)."""
+
+    def __init__(
+        self,
+        model: Model,
+        cache: Cache,
+        tokenizer: Tokenizer,
+        max_batch_size: int = 256,
+        max_chunk_size: int = 2048,
+        shared_chunk_size: int | None = None,
+        prefill_cooldown: int | None = 4,
+        max_q_size: int = 8,
+        draft_model: Model | None = None,
+        draft_cache: Cache | None = None,
+        num_draft_tokens: int | None = None,
+        show_visualizer: bool = False,
+        enable_defrag: bool = True,
+        cpu_cache_size: int = 0,
+        disk_cache_dir: str | None = None,
+        disk_cache_size: int = 50 * 1024**3,
+        disk_cache_flush_on_idle: bool = True,
+        disk_cache_checkpoint_interval: int = 4096,
+        disk_cache_write_interval: float = 2.0,
+        recurrent_cache_size: int = 4 * 1024**3,
+        recurrent_checkpoint_interval: int | None = None,
+        recurrent_checkpoint_interval_pp: int = 32768,
+        ngram_match_min: int = 0,
+        dynamic_draft_tokens: bool = False,
+        draft_confidence: float = 0.4,
+        record_draft_stats: bool = False,
+        ngram_corpus: str | None = None,
+        hybrid_draft_tokens: int = 0,
+        draft_max_rows: int = 0,
+        sparse_draft_head: int = 0,
+    ) -> None:
+        if cpu_cache_size or disk_cache_dir or ngram_corpus or hybrid_draft_tokens or sparse_draft_head:
+            raise NotImplementedError("feature not modelled by the fake")
+        self.model = model
+        self.cache = cache
+        self.tokenizer = tokenizer
+        cache.owner = self
+        self.pagetable = _PageTable(cache.max_num_tokens // PAGE_SIZE)
+        self.max_total_tokens = PAGE_SIZE * self.pagetable.max_pages
+        self.draft_model = draft_model
+        self.draft_cache = draft_cache
+        if draft_model:
+            assert not ngram_match_min, "Cannot use both draft model and n-gram draft."
+            assert draft_cache is not None, "Must supply cache for draft model"
+            assert draft_cache.max_num_tokens == cache.max_num_tokens, (
+                "Cache and draft cache must be same size"
+            )
+            self.num_draft_tokens = num_draft_tokens or int(draft_model.caps.get("default_draft_size", 4))
+        elif ngram_match_min:
+            self.num_draft_tokens = num_draft_tokens if num_draft_tokens is not None else 4
+        else:
+            self.num_draft_tokens = 0
+        self.ngram_match_min = ngram_match_min
+        self.max_draft_tokens = self.num_draft_tokens
+        self.max_batch_size = max_batch_size
+        self.max_chunk_size = max_chunk_size
+        if shared_chunk_size is None:
+            shared_chunk_size = (max_chunk_size // 2 + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE
+        assert 0 < shared_chunk_size <= max_chunk_size and shared_chunk_size % PAGE_SIZE == 0, (
+            "shared_chunk_size must be a multiple of the page size (256) and no larger than max_chunk_size"
+        )
+        self.shared_chunk_size = shared_chunk_size
+        self.prefill_cooldown = 4 if prefill_cooldown is None else prefill_cooldown
+        self.prefill_cooldown_left = 0
+        self.prefill_rotation = 0
+        self.job_serial = 0
+        self.pending_jobs: list[Job] = []
+        self.active_jobs: list[Job] = []
+        self.closed = False
+        self.fail_next_iterate: Exception | None = None
+        self.iterations = 0
+
+    def num_remaining_jobs(self) -> int:
+        return len(self.pending_jobs) + len(self.active_jobs)
+
+    def num_active_jobs(self) -> int:
+        return len(self.active_jobs)
+
+    def num_pending_jobs(self) -> int:
+        return len(self.pending_jobs)
+
+    def enqueue(self, job: Job) -> int:
+        job.prepare_for_queue(self, self.job_serial)
+        self.job_serial += 1
+        self.pending_jobs.append(job)
+        assert job.serial_number is not None
+        return job.serial_number
+
+    def cancel(self, job: Job) -> None:
+        if job in self.pending_jobs:
+            self.pending_jobs.remove(job)
+        elif job in self.active_jobs:
+            job.deallocate_pages()
+            self.active_jobs.remove(job)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def _reap(self, job: Job, error: Exception, results: list[dict[str, Any]]) -> None:
+        job.deallocate_pages()
+        if job in self.active_jobs:
+            self.active_jobs.remove(job)
+        # No "identifier" key here, unlike every other result.
+        results.append(
+            {"job": job, "serial": job.serial_number, "stage": "error", "eos": True, "error": error}
+        )
+
+    def _start_jobs(self, results: list[dict[str, Any]]) -> None:
+        batch = len(self.active_jobs)
+        free = self.pagetable.num_unreferenced_pages()
+        if not (free and self.pending_jobs and batch < self.max_batch_size):
+            return
+        skipped: list[Job] = []
+        for job in list(self.pending_jobs):
+            if 1 + batch > self.max_batch_size or (
+                job.current_new_pages_required() > self.pagetable.num_unreferenced_pages()
+            ):
+                skipped.append(job)
+                continue
+            if any(j.skips >= (j.max_skips or 0) for j in skipped):
+                return
+            for j in skipped:
+                j.skips += 1
+            self.pending_jobs.remove(job)
+            self.active_jobs.append(job)
+            try:
+                job.allocate_pages()
+            except Exception as e:
+                self._reap(job, e, results)
+                continue
+            batch += 1
+            r: dict[str, Any] = {"job": job, "stage": "started", "eos": False, "serial": job.serial_number}
+            if job.identifier is not None:
+                r["identifier"] = job.identifier
+            results.append(r)
+
+    def iterate(self) -> list[dict[str, Any]]:
+        assert self.cache.initialized, (
+            "Cache tensors were never allocated. Construct the Cache BEFORE calling model.load()"
+        )
+        self.iterations += 1
+        if self.fail_next_iterate is not None:
+            e, self.fail_next_iterate = self.fail_next_iterate, None
+            raise e
+        results: list[dict[str, Any]] = []
+        self._start_jobs(results)
+
+        prefilling = [j for j in self.active_jobs if not j.is_prefill_done()]
+        chunk_size = None
+        deferred: list[Job] = []
+        if (
+            prefilling
+            and len(prefilling) < len(self.active_jobs)
+            and (self.shared_chunk_size < self.max_chunk_size or self.prefill_cooldown > 0)
+        ):
+            if self.shared_chunk_size < self.max_chunk_size:
+                chunk_size = self.shared_chunk_size
+            if self.prefill_cooldown_left > 0:
+                self.prefill_cooldown_left -= 1
+                deferred = prefilling
+            else:
+                self.prefill_cooldown_left = self.prefill_cooldown
+                selected = prefilling[self.prefill_rotation % len(prefilling)]
+                self.prefill_rotation += 1
+                deferred = [j for j in prefilling if j is not selected]
+        else:
+            self.prefill_cooldown_left = 0
+        for job in list(self.active_jobs):
+            if any(job is d for d in deferred):
+                continue
+            try:
+                job.prefill(results, chunk_size)
+            except Exception as e:
+                self._reap(job, e, results)
+
+        self._decode(results)
+        return results
+
+    def _target(self, job: Job) -> int:
+        generated = job.sequence_ids[len(job.client_prompt) :]
+        token = self.model.script(job.client_prompt, generated)
+        if job.new_tokens < job.min_new_tokens and token in job.stop_tokens:
+            # Stop tokens are masked out of the logits until min_new_tokens (job.py:461-462):
+            # the fake model's next choice is a space.
+            token = 0x20
+        return token
+
+    def _drafts(self, batch: list[Job]) -> dict[int, list[int]] | None:
+        w = self.num_draft_tokens
+        if self.draft_model is not None:
+            drafts = {}
+            for job in batch:
+                generated = job.sequence_ids[len(job.client_prompt) :]
+                d: list[int] = []
+                for _ in range(w):
+                    d.append(self.draft_model.script(job.client_prompt, generated + d))
+                drafts[id(job)] = d
+            return drafts
+        if self.ngram_match_min:
+            raw = {id(job): job.ngram_draft(w, self.ngram_match_min) for job in batch}
+            n = min(len(d) for d in raw.values())
+            return None if n == 0 else {k: d[:n] for k, d in raw.items()}
+        return None
+
+    def _decode(self, results: list[dict[str, Any]]) -> None:
+        batch = [j for j in self.active_jobs if j.is_prefill_done()]
+        if not batch:
+            return
+        for job in batch:
+            if job.time_first_token is None:
+                job.time_first_token = time.time()
+        drafts = self._drafts(batch)
+        completed: list[Job] = []
+        requeuing: list[Job] = []
+        for job in batch:
+            draft = drafts[id(job)] if drafts is not None else []
+            width = len(draft) + 1
+            for i in range(width):
+                token = self._target(job)
+                eos, rq = job.receive_sample(token, results)
+                if rq:
+                    job.rejected_draft_tokens += width - 1 - i
+                    requeuing.append(job)
+                    break
+                if eos:
+                    unresolved = width - 1 - i
+                    if unresolved:
+                        job.rejected_draft_tokens += unresolved
+                        for r in reversed(results):
+                            if r.get("eos") and r["job"] is job:
+                                if "rejected_draft_tokens" in r:
+                                    r["rejected_draft_tokens"] = job.rejected_draft_tokens
+                                break
+                    completed.append(job)
+                    break
+                if i < width - 1:
+                    if draft[i] != token:
+                        job.rejected_draft_tokens += width - 1 - i
+                        break
+                    job.accepted_draft_tokens += 1
+        for job in completed + requeuing:
+            job.deallocate_pages()
+            self.active_jobs.remove(job)
+        for job in requeuing:
+            self.pending_jobs.insert(0, job.prepare_for_requeue())
+
+
+# ---------------------------------------------------------------- test helpers
+
+
+def make_handle(
+    *,
+    script: Script = DEFAULT_SCRIPT,
+    cache_tokens: int = 4096,
+    max_position_embeddings: int = 8192,
+    max_chunk_size: int = 512,
+    max_batch_size: int = 8,
+    drafting: str | None = None,
+    num_draft_tokens: int | None = None,
+    ngram_match_min: int = 2,
+    draft_script: Script | None = None,
+    fail_prefill: Callable[[Sequence[int]], bool] | None = None,
+    eos_token_ids: tuple[int, ...] = (EOS, IM_END),
+) -> Any:
+    """An ``EngineHandle`` over a fake generator, as ``loader.load_engine`` would build it.
+    The generator is ``handle.generator`` (a ``Generator``)."""
+    from engine_worker.exllamav3.engine import EngineHandle
+
+    model = Model(script=script, fail_prefill=fail_prefill)
+    cache = Cache(model, cache_tokens)
+    draft_model = draft_cache = None
+    if drafting in ("draft_model", "mtp"):
+        draft_model = Model(script=draft_script or script)
+        draft_cache = Cache(draft_model, cache_tokens)
+    model.load()
+    if draft_model is not None:
+        draft_model.load()
+    tok = Tokenizer()
+    gen = Generator(
+        model,
+        cache,
+        tok,
+        max_batch_size=max_batch_size,
+        max_chunk_size=max_chunk_size,
+        draft_model=draft_model,
+        draft_cache=draft_cache,
+        num_draft_tokens=num_draft_tokens,
+        ngram_match_min=ngram_match_min if drafting == "ngram" else 0,
+    )
+
+    def encode(text: str, add_bos: bool) -> FakeTensor:
+        return tok.encode(text, add_bos=add_bos and not text.startswith("<s>"), encode_special_tokens=True)
+
+    def encode_chat(messages: list[dict[str, str]], add_generation_prompt: bool) -> FakeTensor:
+        return tok.hf_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+    def decode(ids: list[int]) -> str:
+        return str(tok.decode(ids))
+
+    return EngineHandle(
+        generator=gen,
+        new_job=Job,
+        new_sampler=ComboSampler,
+        encode=encode,
+        encode_chat=encode_chat,
+        decode=decode,
+        pieces=tok.get_id_to_piece_list(False),
+        eos_token_ids=eos_token_ids,
+        vocab_size=VOCAB_SIZE,
+        max_position_embeddings=max_position_embeddings,
+        cache_tokens=gen.max_total_tokens,
+        max_draft_tokens=gen.max_draft_tokens,
+        drafting=drafting,
+        model_id="fake-exl3",
+        close=gen.close,
+    )

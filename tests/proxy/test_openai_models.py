@@ -1,0 +1,168 @@
+"""Request validation and conversion into ``protocol.Submit``."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+import pytest
+
+from protocol import ChatMessage
+from proxy.errors import InvalidRequest
+from proxy.openai_models import parse_chat_request, parse_completion_request, to_submits
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields: Any) -> bytes:
+    return orjson.dumps({"messages": MSGS, **fields})
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "fragment"),
+    [
+        (b'{"messages": [', None, "not valid JSON"),
+        (b"[1, 2]", None, "JSON object"),
+        (b"{}", "messages", "messages"),
+        (b'{"messages": "hi"}', "messages", "array"),
+        (b'{"messages": []}', "messages", "at least one"),
+        (b'{"messages": [{"content": "x"}]}', "messages[0].role", "role"),
+        (b'{"messages": [{"role": "user", "content": 5}]}', "messages[0].content", "content"),
+        (chat(max_tokens=-1), "max_tokens", ">= 1"),
+        (chat(max_tokens="10"), "max_tokens", "str"),
+        (chat(max_completion_tokens=0), "max_completion_tokens", ">= 1"),
+        (chat(n=0), "n", ">= 1"),
+        (chat(temperature=2.5), "temperature", "<= 2.0"),
+        (chat(temperature=-0.1), "temperature", ">= 0.0"),
+        (chat(temperature="hot"), "temperature", "str"),
+        (chat(top_p=0), "top_p", "> 0.0"),
+        (chat(stop=3), "stop", "int"),
+        (chat(stream="yes"), "stream", "str"),
+        (chat(logit_bias={"abc": 1}), "logit_bias", "abc"),
+        (chat(logit_bias={"5": 101}), "logit_bias", "100"),
+        (
+            orjson.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}),
+            "messages[0].content[0]",
+            "image_url",
+        ),
+    ],
+)
+def test_bad_chat_bodies_name_the_param(body: bytes, param: str | None, fragment: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        req = parse_chat_request(body)
+        to_submits(req, "r", 100)
+    err = info.value
+    assert err.status == 400
+    assert err.type == "invalid_request_error"
+    assert err.param == param
+    assert fragment in err.message
+    if param is not None:
+        assert param.split("[")[0].split(".")[0] in err.message
+
+
+def test_completion_prompt_must_be_one_string() -> None:
+    with pytest.raises(InvalidRequest) as info:
+        parse_completion_request(b'{"prompt": ["a", "b"]}')
+    assert info.value.param == "prompt"
+    with pytest.raises(InvalidRequest) as info:
+        parse_completion_request(b'{"prompt": [1, 2]}')
+    assert info.value.param == "prompt[0]"
+
+
+def test_content_parts_are_flattened_and_developer_becomes_system() -> None:
+    body = orjson.dumps(
+        {
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": None},
+            ]
+        }
+    )
+    (submit,) = to_submits(parse_chat_request(body), "r1", 100)
+    assert submit.messages == (
+        ChatMessage("system", "be brief"),
+        ChatMessage("user", "a\nb"),
+        ChatMessage("assistant", ""),
+    )
+    assert submit.prompt is None
+
+
+def test_max_completion_tokens_wins_and_absent_means_context() -> None:
+    (s,) = to_submits(parse_chat_request(chat(max_tokens=7, max_completion_tokens=9)), "r", 100)
+    assert s.params.max_tokens == 9
+    (s,) = to_submits(parse_chat_request(chat(max_tokens=7)), "r", 100)
+    assert s.params.max_tokens == 7
+    (s,) = to_submits(parse_chat_request(chat()), "r", 4321)
+    assert s.params.max_tokens == 4321
+
+
+def test_sampling_fields_are_honoured() -> None:
+    body = chat(
+        temperature=0.5,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        seed=1234,
+        stop=["</s>", "", "END"],
+        logit_bias={"42": 5, "7": -100},
+        min_tokens=3,
+        ignore_eos=True,
+        stop_token_ids=[2],
+    )
+    (s,) = to_submits(parse_chat_request(body), "r", 100)
+    p = s.params
+    assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.5, 0.9, 40, 0.05)
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.1, 0.5, -0.5)
+    assert p.seed == 1234
+    assert p.stop == ("</s>", "END")
+    assert p.logit_bias == {42: 5.0, 7: -100.0}
+    assert (p.min_tokens, p.ignore_eos, p.stop_token_ids) == (3, True, (2,))
+
+
+def test_defaults_and_single_stop_string() -> None:
+    (s,) = to_submits(parse_chat_request(chat(stop="\n\n", top_k=-1)), "r", 100)
+    p = s.params
+    assert p.stop == ("\n\n",)
+    assert p.top_k == 0
+    assert (p.temperature, p.top_p, p.min_p, p.repetition_penalty) == (1.0, 1.0, 0.0, 1.0)
+    assert p.seed is None and p.logit_bias is None
+
+
+def test_n_makes_one_submit_per_choice() -> None:
+    subs = to_submits(parse_chat_request(chat(n=3)), "chatcmpl-x", 100)
+    assert [s.request_id for s in subs] == ["chatcmpl-x-0", "chatcmpl-x-1", "chatcmpl-x-2"]
+    assert len({s.params for s in subs}) == 1
+    (one,) = to_submits(parse_chat_request(chat(n=1)), "chatcmpl-x", 100)
+    assert one.request_id == "chatcmpl-x"
+
+
+def test_completion_prompt_forms() -> None:
+    (s,) = to_submits(parse_completion_request(b'{"prompt": "once", "max_tokens": 5}'), "c", 100)
+    assert (s.prompt, s.messages, s.params.max_tokens) == ("once", (), 5)
+    (s,) = to_submits(parse_completion_request(b'{"prompt": ["upon"]}'), "c", 100)
+    assert s.prompt == "upon"
+
+
+def test_unknown_fields_are_ignored_and_logged_at_debug(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG, logger="proxy.openai_models"):
+        req = parse_chat_request(chat(tools=[], frobnicate=1, user="u"))
+    assert req.messages[0].content == "hi"
+    assert any("frobnicate" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
+
+
+def test_stream_flags() -> None:
+    r = parse_chat_request(chat(stream=True, return_progress=True, stream_options={"include_usage": True}))
+    assert (r.progress, r.include_usage, r.continuous_usage) == (True, True, False)
+    r = parse_chat_request(chat(return_progress=True))
+    assert r.progress is False
+    r = parse_chat_request(
+        chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    )
+    assert r.continuous_usage is True
+    r = parse_chat_request(chat(stream=True, stream_options={"continuous_usage_stats": True}))
+    assert r.continuous_usage is False
