@@ -47,7 +47,7 @@ class ProxyConfig:
     sse_ping_interval_s: float = 15.0
     max_in_flight: int = 256
     request_queue_max: int = 256
-    heartbeat_timeout_s: float = 10.0
+    heartbeat_timeout_s: float = 30.0
     handshake_interval_s: float = 0.5
     shutdown_drain_s: float = 20.0
     log_level: str = "info"

@@ -22,7 +22,6 @@ logged once at ERROR level and never becomes ready.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import struct
 import time
@@ -191,6 +190,13 @@ class EngineClient(Protocol):
     @property
     def worker(self) -> Ready | None: ...
 
+    @property
+    def worker_active_requests(self) -> int | None:
+        """Requests the worker holds, from its latest ``Heartbeat``; ``None``
+        before the first one. Lets operators (and tests) see that abandoned
+        requests were freed in the engine, not just forgotten by the proxy."""
+        ...
+
     async def start(self) -> None:
         """Connect and begin the handshake; returns without waiting for it."""
         ...
@@ -225,6 +231,7 @@ class ZmqEngineClient:
         self.proxy_id = proxy_id or uuid.uuid4().hex
         self._ready = False
         self._worker: Ready | None = None
+        self._worker_active: int | None = None
         self._routes: dict[str, RequestStream] = {}
         self._last_rx = 0.0
         self._last_hello = -float("inf")
@@ -234,6 +241,7 @@ class ZmqEngineClient:
         self._pull: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._broken = False  # a background task died: never ready again
 
     @property
     def ready(self) -> bool:
@@ -242,6 +250,10 @@ class ZmqEngineClient:
     @property
     def worker(self) -> Ready | None:
         return self._worker
+
+    @property
+    def worker_active_requests(self) -> int | None:
+        return self._worker_active
 
     @property
     def in_flight(self) -> int:
@@ -275,14 +287,25 @@ class ZmqEngineClient:
             asyncio.create_task(self._supervise_loop(), name="engine-supervisor"),
             asyncio.create_task(self._monitor_loop(), name="engine-monitor"),
         ]
+        for t in self._tasks:
+            t.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        # These loops only end by cancellation; anything else leaves the proxy
+        # deaf, so make it loud and stop claiming readiness.
+        if task.cancelled():
+            return
+        exc = task.exception()
+        log.critical("engine client task %s stopped: %r", task.get_name(), exc, exc_info=exc)
+        self._declare_dead(f"the proxy's {task.get_name()} task failed")
+        self._broken = True
 
     async def close(self) -> None:
         """Cancel the tasks, fail pending streams with ``ShuttingDown``, close the sockets."""
         for t in self._tasks:
             t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        # A task that already failed was reported by _task_done.
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         self._fail_all(ShuttingDown("The proxy is shutting down"))
         self._ready = False
@@ -367,6 +390,8 @@ class ZmqEngineClient:
         self._ready = False
 
     def _on_ready(self, msg: Ready) -> None:
+        if self._broken:
+            return
         if msg.protocol_version != PROTOCOL_VERSION:
             self._refuse_version(str(msg.protocol_version))
             return
@@ -425,8 +450,11 @@ class ZmqEngineClient:
                 self._route(msg.events)
             elif isinstance(msg, Ready):
                 self._on_ready(msg)
-            elif isinstance(msg, Heartbeat) and msg.worker_id != self._worker_id():
-                log.debug("heartbeat from worker %s before its Ready", msg.worker_id)
+            elif isinstance(msg, Heartbeat):
+                if msg.worker_id == self._worker_id():
+                    self._worker_active = msg.active_requests
+                else:
+                    log.debug("heartbeat from worker %s before its Ready", msg.worker_id)
 
     async def _supervise_loop(self) -> None:
         cfg = self._config

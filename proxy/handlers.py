@@ -63,14 +63,21 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """Readiness: 200 ``{"status": "ready", "model": str}`` once the worker is
-    ready; 503 ``{"status": "not_ready" | "draining"}`` otherwise."""
+    """Readiness: 200 ``{"status": "ready", "model": str, "worker_active_requests":
+    int | null}`` once the worker is ready; 503 ``{"status": "not_ready" |
+    "draining"}`` otherwise."""
     state = request.app[STATE]
     if state.draining:
         return _json({"status": "draining"}, 503)
     if not state.engine.ready:
         return _json({"status": "not_ready"}, 503)
-    return _json({"status": "ready", "model": state.model_name()})
+    return _json(
+        {
+            "status": "ready",
+            "model": state.model_name(),
+            "worker_active_requests": state.engine.worker_active_requests,
+        }
+    )
 
 
 def _model_card(state: ProxyState) -> dict[str, Any]:
@@ -176,6 +183,7 @@ async def _stream(
 
     resp = web.StreamResponse(headers=sse.HEADERS)
     await resp.prepare(request)
+    last_write = loop.time()
     buf = [sse.event(c) for c in out]
     if silent:
         buf.append(sse.PING)
@@ -190,7 +198,12 @@ async def _stream(
             if buf:
                 await resp.write(b"".join(buf))
                 buf.clear()
-            events = await stream.get(ping_s)
+                last_write = loop.time()
+            # Silence is measured from the last write, not the last event: events
+            # that make no chunk (held-back text, dropped re-prefill progress) can
+            # keep arriving for a long time.
+            wait_s = ping_s - (loop.time() - last_write)
+            events = await stream.get(wait_s) if wait_s > 0 else []
             if not events:
                 buf.append(sse.PING)
                 continue

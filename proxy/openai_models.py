@@ -37,8 +37,8 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     and the usage; ``continuous_usage_stats`` (vLLM) adds running usage to every
     chunk (only together with ``include_usage``)."""
 
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
 
 
 class ContentPart(msgspec.Struct, kw_only=True):
@@ -84,7 +84,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     @property
     def include_usage(self) -> bool:
         """Streaming: send the usage chunk at the end."""
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
 
     @property
     def continuous_usage(self) -> bool:
@@ -92,7 +92,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
         return (
             self.include_usage
             and self.stream_options is not None
-            and (self.stream_options.continuous_usage_stats)
+            and bool(self.stream_options.continuous_usage_stats)
         )
 
     @property
@@ -153,6 +153,8 @@ def _decode(body: bytes, cls: type[_R]) -> _R:
         raise InvalidRequest(f"Request body is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise InvalidRequest(f"Request body must be a JSON object, got {type(raw).__name__}")
+    # OpenAI treats a top-level null as "not given"; clients send e.g. "n": null.
+    raw = {k: v for k, v in raw.items() if v is not None}
     try:
         req = msgspec.convert(raw, cls)
     except msgspec.ValidationError as e:

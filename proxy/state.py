@@ -23,7 +23,13 @@ from proxy.errors import NOT_READY_MESSAGE, EngineNotReady, ShuttingDown, TooMan
 
 @dataclass(eq=False)
 class ProxyState:
-    """Per-application state: settings, engine client, admission counters."""
+    """Per-application state: settings, engine client, admission counters.
+
+    ``started_at``: Unix seconds (the ``created`` of ``/v1/models``);
+    ``in_flight``: completion requests admitted and not yet ended; ``active``:
+    the event streams of those that reached the engine (failed with
+    ``ShuttingDown`` at the drain deadline).
+    """
 
     config: ProxyConfig
     engine: EngineClient
@@ -31,15 +37,10 @@ class ProxyState:
     draining: bool = False
     in_flight: int = 0
     active: set[RequestStream] = field(default_factory=set)
-    _idle: asyncio.Event = field(default_factory=asyncio.Event)
+    _idle: asyncio.Event = field(init=False, default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
         self._idle.set()
-
-    @property
-    def ready(self) -> bool:
-        """Serving and the worker handshake is done."""
-        return not self.draining and self.engine.ready
 
     def model_name(self) -> str | None:
         """``served_model_name``, else the worker's model id, else ``None``."""

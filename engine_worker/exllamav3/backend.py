@@ -11,12 +11,12 @@ What 1.6.5's ``Generator.iterate()`` returns and how each piece is converted
 - Several dicts per job per call, in order: ``"started"`` when pages are
   allocated (``generator.py:2214-2222``), at most one ``"prefill"`` per call
   (``job.py:1682-1693``), then one ``"streaming"`` dict per sampled token, so a
-  speculative pass yields several (``generator.py:1941-1948``).
+  speculative pass yields several (``generator.py:1897-1913``).
 - ``Started`` and the first ``PrefillProgress`` (``processed == cached``) are
   emitted on the engine's ``"started"`` dict, when the reused prefix is known:
   the job's ``cached_pages`` (``pagetable.py:650-673``, plus pages a sibling
   job filled meanwhile, ``job.py:1430-1436``) and ``cached_tokens`` (the
-  token-level match inside the first uncached page, ``job.py:1467-1499``), read
+  token-level match inside the first uncached page, ``job.py:1459-1499``), read
   after the ``iterate()`` that started it. A job that waits in the engine's
   queue (batch or cache full) gets its ``Started`` when the engine starts it.
 - ``"prefill"``: ``curr_progress`` counts prompt tokens in the KV cache, reused

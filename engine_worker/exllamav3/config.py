@@ -14,7 +14,7 @@ Facts from the exllamav3 1.6.5 source that constrain the values:
   pages (``cache/quant.py:28``).
 - A quantized cache takes 2..8 bits for keys and for values
   (``cache/quant.py:30``); ``model_init.py:300`` parses ``"k,v"`` or ``"n"``.
-- Prefill chunks end on page boundaries (``generator/job.py:1416``), and the
+- Prefill chunks end on page boundaries (``generator/job.py:1415-1418``), and the
   shared chunk size (half a chunk, rounded up to a page) must not exceed the
   chunk size (``generator/generator.py:300-303``): the chunk size is a
   positive multiple of 256.

@@ -37,7 +37,7 @@ class GeneratorLike(Protocol):
 
     def enqueue(self, job: Any) -> int:
         """Queue a job; returns its serial. Raises ``AssertionError`` when it can never fit the
-        cache (``generator/job.py:1341``)."""
+        cache (``generator/job.py:1342``)."""
         ...
 
     def cancel(self, job: Any) -> None: ...
@@ -58,7 +58,7 @@ class EngineHandle:
       tokenized; ``messages`` are ``{"role", "content"}`` dicts.
     - ``decode(ids)``: token ids -> text, special tokens dropped (``Tokenizer.decode``).
     - ``pieces``: token id -> the text ``Job`` appends for it (``get_id_to_piece_list`` with
-      ``decode_special_tokens=False``, ``generator/job.py:968``).
+      ``decode_special_tokens=False``, ``generator/job.py:971``).
     - ``eos_token_ids``: the model's end-of-sequence ids (``Config.eos_token_id_list``).
     - ``vocab_size``: ids ``0 .. vocab_size - 1`` are valid (``Tokenizer.actual_vocab_size``).
     - ``max_position_embeddings``: the model's trained context, tokens.

@@ -17,9 +17,9 @@ The load order follows ExLlamaV3's own ``model_init.py`` (1.6.5):
    for its split (``model_init.py:379-405``). ``Model.load_gen`` yields
    ``(modules_done, modules_total)`` (``model/model_ls.py:140``,
    ``model/model_tp.py:615``): that drives the console progress bar.
-4. ``Model.warmup`` before a generator owns the cache (``model/model.py:203-242``).
+4. ``Model.warmup`` before a generator owns the cache (``model/model.py:203``, ``232-233``).
 5. ``Tokenizer.from_config`` (which extends ``config.eos_token_id_list`` from
-   ``tokenizer_config.json``/``generation_config.json``, ``tokenizer/tokenizer.py:205-217``),
+   ``tokenizer_config.json``/``generation_config.json``, ``tokenizer/tokenizer.py:199-215``),
    then ``Generator``. Every keyword passed exists in ``Generator.__init__``
    (``generator/generator.py:41-73``), which would silently swallow a typo.
 """
@@ -38,7 +38,7 @@ from engine_worker.exllamav3.engine import EngineHandle
 log = logging.getLogger(__name__)
 
 DEFAULT_NGRAM_DRAFT_TOKENS = 4
-"""Draft window when none is configured (``generator/generator.py:273``)."""
+"""Draft window when none is configured (``generator/generator.py:275``)."""
 
 
 def _round_up_pages(n: int) -> int:

@@ -12,7 +12,7 @@ choosing tokens instead of a network:
   another job decodes, lines 763-786), then one decode or speculative
   verification pass. Several dicts per job per call: ``"started"``,
   ``"prefill"`` and ``"streaming"`` in one call, and one ``"streaming"`` dict per
-  accepted draft position (``generator.py:1941-1948``).
+  accepted draft position (``generator.py:1897-1913``).
 - ``"started"`` when pages are allocated, with ``identifier`` only when the job
   has one (``generator.py:2165-2222``); jobs that do not fit the batch or the
   free pages wait (``generator.py:2189-2192``).
@@ -21,7 +21,7 @@ choosing tokens instead of a network:
   cached when already filled (``pagetable.py:650-673``); pages a sibling job
   filled since are skipped and counted during prefill (``generator/job.py:1424-1436``);
   a token-level match inside the first uncached page copies keys from any page
-  with the same predecessor (``job.py:1458-1499``), counted in ``cached_tokens``.
+  with the same predecessor (``job.py:1459-1499``), counted in ``cached_tokens``.
   Unreferenced pages keep their content until evicted.
 - ``"prefill"`` only when the pass advanced (``job.py:1682-1693``), with
   ``curr_progress`` up to ``len(prompt) - 1``: a fully cached, page-aligned prompt
@@ -31,7 +31,7 @@ choosing tokens instead of a network:
   (``job.py:978-993``, ``948-962``); ``max_new_tokens`` flushes it; text with an
   incomplete UTF-8 character is held until it completes (``job.py:1005-1016``);
   a partial stop-string match is held, a full one ends the job with the rest in
-  ``"held"`` (``job.py:1160-1183``, matching rules of
+  ``"held"`` (``job.py:1161-1183``, matching rules of
   ``exllamav3_ext/generator/strings.cpp:partial_strings_match``).
 - ``"requeue": True`` when ``max_rq_tokens`` is reached (``job.py:815``,
   ``879``); the job object then re-initialises itself with its sequence as the
@@ -41,11 +41,11 @@ choosing tokens instead of a network:
 - EOS dict keys (``job.py:926-946``), ``accepted_draft_tokens``/
   ``rejected_draft_tokens`` only when the generator drafts (``job.py:942``);
   drafted positions past an EOS count as rejected and the EOS dict is patched
-  (``generator.py:1970-1982``); after the first mismatch the rest of the window
-  is rejected (``generator.py:1770-1790``, ``2009-2013``).
+  (``generator.py:1925-1940``); after the first mismatch the rest of the window
+  is rejected (``generator.py:1770-1775``, ``1956-1962``).
 - A failure inside a job's prefill is contained: the job is dropped and an
   ``"error"`` dict with ``job``/``serial``/``stage``/``eos``/``error`` and no
-  ``identifier`` is appended (``generator.py:2135-2162``, ``774-777``).
+  ``identifier`` is appended (``generator.py:2135-2162``, ``781-787``).
 - ``enqueue`` asserts the job can ever fit, with 1.6.5's message
   (``job.py:1340-1344``), after capping ``max_new_tokens`` to the room left
   (``job.py:1287-1292``).
@@ -381,7 +381,7 @@ class CacheLayer_quant:
 
 class Cache:
     """``Cache(model, max_num_tokens, layer_type, max_batch_size, max_history, recurrent_dtype,
-    **kwargs)`` (``cache/cache.py:92-185``); ``k_bits``/``v_bits``/``compand_a`` are the
+    **kwargs)`` (``cache/cache.py:93-185``); ``k_bits``/``v_bits``/``compand_a`` are the
     keyword arguments ``CacheLayer_quant`` takes (``cache/quant.py:15-30``)."""
 
     def __init__(
@@ -496,10 +496,20 @@ class _PageTable:
         return self.serial
 
     def _evict(self, protected: set[Any]) -> _Page:
-        # Empty pages first, then the least recently used unreferenced one.
-        free = [p for p in self.pages if p.ref_count == 0 and p.phash not in protected]
-        free.sort(key=lambda p: (p.content_hashed, p.access))
-        page = free[0]
+        """Least valuable unreferenced page (``pagetable.py:411-520``): empty pages first, then
+        cached chains least recently used first, each eaten from its tail."""
+        by_content = {p.phash: p for p in self.pages}
+
+        def rank(p: _Page) -> tuple[int, int, int]:
+            if p.kv_position == 0:
+                return (0, p.access, 0)
+            root, depth = p, 0
+            while root.prev_hash is not None and root.prev_hash in by_content and depth < len(self.pages):
+                root, depth = by_content[root.prev_hash], depth + 1
+            return (1, root.access, -depth)
+
+        free = [p for p in self.pages if p.ref_count == 0]
+        page = min(free, key=lambda p: (p.phash in protected, *rank(p)))
         if self.by_hash.get(page.phash) is page:
             del self.by_hash[page.phash]
         page.tokens, page.kv_position, page.prev_hash = [], 0, None
@@ -836,7 +846,7 @@ class Job:
         self.new_tokens += 1
         requeue_now = self.new_tokens > self.max_rq_tokens - self.rq_margin
         # The forward pass wrote the K/V of the token it was fed (the last one of the sequence,
-        # generator.py:1647-1656); the sampled token is fed by the next pass.
+        # generator.py:1671-1679); the sampled token is fed by the next pass.
         page_before = self.kv_position // PAGE_SIZE
         page = self.allocated_pages[page_before]
         page.tokens.append(self.sequence_ids[self.kv_position])

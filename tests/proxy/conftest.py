@@ -58,5 +58,5 @@ def no_blocking_calls() -> Iterator[None]:
     """Fail a test when code of the ``proxy`` package makes a blocking call (file
     or socket I/O, sleep) on the event loop, as aiohttp's own suite does. Test
     code and client libraries are not checked."""
-    with blockbuster_ctx("proxy") as bb:
-        yield bb
+    with blockbuster_ctx("proxy"):
+        yield

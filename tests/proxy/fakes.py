@@ -125,6 +125,10 @@ class FakeEngineClient:
     def worker(self) -> Ready | None:
         return self.worker_ready
 
+    @property
+    def worker_active_requests(self) -> int | None:
+        return len(self._tasks)
+
     async def start(self) -> None:
         self.started = True
 

@@ -375,7 +375,11 @@ async def test_not_ready(make_client: MakeClient, fake: FakeEngineClient) -> Non
 
     fake.worker_ready = WORKER
     r = await client.get("/ready")
-    assert r.status == 200 and (await r.json()) == {"status": "ready", "model": "fake-model"}
+    assert r.status == 200 and (await r.json()) == {
+        "status": "ready",
+        "model": "fake-model",
+        "worker_active_requests": 0,
+    }
     assert (await client.post(URL, json=body())).status == 200
 
 
@@ -476,11 +480,14 @@ async def test_disconnect_aborts_the_engine_request(
     assert fake.submits[0].request_id == frame["id"]
 
 
-async def test_disconnect_before_headers_aborts(make_client: MakeClient, fake: FakeEngineClient) -> None:
+@pytest.mark.parametrize("stream", [True, False])
+async def test_disconnect_before_headers_aborts(
+    make_client: MakeClient, fake: FakeEngineClient, stream: bool
+) -> None:
     never = asyncio.Event()
     fake.script = lambda s: [Gate(never)]
     client = await make_client()
-    payload = orjson.dumps(body(stream=True))
+    payload = orjson.dumps(body(stream=stream))
     reader, writer = await asyncio.open_connection(client.host, client.port)
     writer.write(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -493,3 +500,20 @@ async def test_disconnect_before_headers_aborts(make_client: MakeClient, fake: F
     await writer.wait_closed()
     assert await fake.wait_abort() == [fake.submits[0].request_id]
     assert await reader.read() == b""
+
+
+async def test_pings_while_events_make_no_chunk(make_client: MakeClient, fake: FakeEngineClient) -> None:
+    def script(s: Submit) -> list[Step]:
+        rid = s.request_id
+        held: list[Step] = []
+        for _ in range(8):  # text held back (e.g. a partial stop string): empty deltas
+            held += [Pause(0.05), TokenDelta(rid, "", 1)]
+        return [Started(rid, 2, 0), TokenDelta(rid, "a", 1), *held, *completion_events(rid, ["b"])[-2:]]
+
+    fake.script = script
+    client = await make_client(sse_ping_interval_s=0.1)
+    frames = frames_of(await (await client.post(URL, json=body(stream=True))).read())
+    kinds = ["ping" if f == b": ping" else "data" for f in frames]
+    first_content = kinds.index("data")
+    assert "ping" in kinds[first_content + 1 : -3]
+    assert content_of(data_of(frames)[:-1]) == "ab"

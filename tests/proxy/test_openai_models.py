@@ -166,3 +166,21 @@ def test_stream_flags() -> None:
     assert r.continuous_usage is True
     r = parse_chat_request(chat(stream=True, stream_options={"continuous_usage_stats": True}))
     assert r.continuous_usage is False
+
+
+def test_top_level_nulls_mean_not_given() -> None:
+    body = chat(n=None, stream=None, max_tokens=None, stop=None, ignore_eos=None, stream_options=None)
+    req = parse_chat_request(body)
+    (s,) = to_submits(req, "r", 77)
+    assert (req.n, req.stream, s.params.max_tokens, s.params.stop, s.params.ignore_eos) == (
+        1,
+        False,
+        77,
+        (),
+        False,
+    )
+    req = parse_chat_request(chat(stream=True, stream_options={"include_usage": None}))
+    assert req.include_usage is False
+    with pytest.raises(InvalidRequest) as info:
+        parse_chat_request(b'{"messages": null}')
+    assert info.value.param == "messages"

@@ -229,6 +229,30 @@ async def test_heartbeat_timeout_fails_waiting_requests_then_recovers(
         await client.close()
 
 
+async def test_worker_active_requests_follows_heartbeats_of_the_current_worker(
+    worker: FakeWorker, addrs: tuple[str, str]
+) -> None:
+    client = make_client(addrs)
+    await client.start()
+    try:
+        assert client.worker_active_requests is None
+        await handshake(client, worker)
+        for sender, active in (("w1", 3), ("someone-else", 7), ("w1", 0)):
+            await worker.send(Heartbeat(sender, active))
+        async with asyncio.timeout(GUARD_S):
+            while client.worker_active_requests != 0:
+                await asyncio.sleep(0.01)
+        await worker.send(Heartbeat("w1", 2))
+        async with asyncio.timeout(GUARD_S):
+            while client.worker_active_requests != 2:
+                await asyncio.sleep(0.01)
+        await worker.send(Heartbeat("stale-worker", 9))
+        await asyncio.sleep(0.1)
+        assert client.worker_active_requests == 2
+    finally:
+        await client.close()
+
+
 async def test_disconnect_is_detected_by_the_socket_monitor(
     zctx: zmq.asyncio.Context, addrs: tuple[str, str]
 ) -> None:
@@ -295,4 +319,32 @@ async def test_submit_without_a_connected_input_is_unavailable(
         assert client.in_flight == 0
     finally:
         worker.push.close(linger=0)
+        await client.close()
+
+
+async def test_a_crashed_reader_fails_requests_and_never_claims_ready(
+    worker: FakeWorker,
+    addrs: tuple[str, str],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    client = make_client(addrs)
+    await client.start()
+    try:
+        await handshake(client, worker)
+        stream = client.submit([submit("r")])
+
+        def explode(events: object) -> None:
+            raise RuntimeError("bug")
+
+        monkeypatch.setattr(client, "_route", explode)
+        await worker.send(EventBatch([Started("r", 1, 0)]))
+        with pytest.raises(EngineDead):
+            async with asyncio.timeout(GUARD_S):
+                await stream.get()
+        assert not client.ready
+        assert any(
+            r.levelno == logging.CRITICAL and "engine-reader" in r.getMessage() for r in caplog.records
+        )
+    finally:
         await client.close()

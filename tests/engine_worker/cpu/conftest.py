@@ -51,9 +51,19 @@ class ScriptedLlama(LlamaForCausalLM):
     can count the drafted positions the engine verified.
     """
 
-    def setup_script(self, script: dict[int, int] | None = None, poison: int | None = None) -> None:
+    def setup_script(
+        self,
+        script: dict[int, int] | None = None,
+        poison: int | None = None,
+        boost: float = SCRIPT_BOOST,
+        default: int = -1,
+    ) -> None:
+        """``script`` maps a token to the token that must follow it (``boost`` added
+        to its logit), ``default`` follows every other token (-1: none); an input
+        holding ``poison`` makes the forward pass raise."""
         vocab = self.config.vocab_size
-        self.next_token = torch.full((vocab,), -1, dtype=torch.long)
+        self.boost = boost
+        self.next_token = torch.full((vocab,), default, dtype=torch.long)
         for src, dst in (script or {}).items():
             self.next_token[src] = dst
         self.poison = poison
@@ -67,7 +77,7 @@ class ScriptedLlama(LlamaForCausalLM):
         self.calls.append((int(input_ids.shape[1]), int(logits_to_keep)))
         targets = self.next_token[input_ids[0, -n:]]
         for pos in torch.nonzero(targets >= 0).flatten().tolist():
-            out.logits[0, pos, targets[pos]] += SCRIPT_BOOST
+            out.logits[0, pos, targets[pos]] += self.boost
         return out
 
     def drafted_positions(self) -> int:

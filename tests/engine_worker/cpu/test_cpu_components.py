@@ -174,7 +174,9 @@ def test_sequence_kv_chunked_truncated_and_seeded_match_full_forward(tiny: objec
     with torch.inference_mode():
         full = model(input_ids=ids).logits[0]
         kv = SequenceKV(layers, initial_capacity=8)  # forces several regrowths
-        parts = [model(input_ids=ids[:, i : i + 7], cache=kv, use_cache=True).logits[0] for i in range(0, 50, 7)]
+        parts = [
+            model(input_ids=ids[:, i : i + 7], cache=kv, use_cache=True).logits[0] for i in range(0, 50, 7)
+        ]
         torch.testing.assert_close(torch.cat(parts), full, rtol=1e-4, atol=1e-4)
         assert kv.length == 50 and kv.get_seq_length() == 50
         kv.truncate(30)

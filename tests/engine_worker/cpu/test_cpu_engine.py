@@ -150,7 +150,7 @@ def test_prefix_cache_eviction_under_small_budget(tiny, tokenizer, make_backend,
     config = tiny.model.config
     head_dim = config.hidden_size // config.num_attention_heads
     per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
-    a, b = words(300), "Other " + words(300, 1000)
+    a, b = words(200), "Other " + words(170, 1000)
     n_a, n_b = len(ids(tokenizer, a)), len(ids(tokenizer, b))
     assert (n_a + n_b) * per_token > 2**20 > max(n_a, n_b) * per_token  # one fits, not both
 
@@ -278,7 +278,7 @@ def _split_char(tokenizer: Any) -> tuple[str, list[int]]:
 
 def test_utf8_split_character_is_held_until_complete(scripted, tokenizer, make_backend, run_one, raw) -> None:
     char, _ = _split_char(tokenizer)
-    answer_text = f" x{char}{char}y"
+    answer_text = f" x{char}y"
     answer = ids(tokenizer, answer_text, special=False)
     prompt = "Emoji:"
     scripted.model.setup_script(chain(ids(tokenizer, prompt)[-1], answer))
@@ -391,7 +391,10 @@ def test_failure_is_isolated_to_its_request(scripted, tokenizer, make_backend, r
     err = results["bad"].error
     assert err.code is ErrorCode.INTERNAL and "poisoned" in err.message
     assert isinstance(results["bad"].events[0], Started)
-    assert results["ok"].finished.completion_tokens == 4 or results["ok"].finished.finish_reason is FinishReason.STOP
+    assert (
+        results["ok"].finished.completion_tokens == 4
+        or results["ok"].finished.finish_reason is FinishReason.STOP
+    )
     assert len(backend.prefix_cache) == 1  # the failed sequence's KV was not kept
     assert not any(isinstance(e, RequestError) for e in results["ok"].events)
 
@@ -416,11 +419,14 @@ def test_drafting_accepts_a_scripted_cycle(scripted, tokenizer, make_backend, ru
     prompt = "Repeat:" + tokenizer.decode(cycle * 2)
     p_ids = ids(tokenizer, prompt)
     assert p_ids[-len(cycle) :] == cycle
-    scripted.model.setup_script(chain(cycle[-1], cycle, end=cycle[0]))
+    assert len(set(cycle)) == len(cycle)
+    scripted.model.setup_script({c: cycle[(i + 1) % len(cycle)] for i, c in enumerate(cycle)})
     results = {}
     for drafting in (False, True):
         scripted.model.calls.clear()
-        r = run_one(make_backend(scripted, ngram_drafting=drafting), raw(str(drafting), prompt, max_tokens=20))
+        r = run_one(
+            make_backend(scripted, ngram_drafting=drafting), raw(str(drafting), prompt, max_tokens=20)
+        )
         results[drafting] = r
     plain, drafted = results[False].finished, results[True].finished
     assert results[True].text == results[False].text == tokenizer.decode(cycle * 5)
@@ -440,7 +446,9 @@ def test_drafts_past_eos_are_rejected(scripted, tokenizer, make_backend, run_one
     x = p_ids[first + 2]
     assert p_ids[first + 3] == EOS and len(p_ids) - (first + 4) >= 5
     scripted.model.setup_script({b: x, x: EOS})
-    r = run_one(make_backend(scripted, ngram_drafting=True, num_draft_tokens=4), raw("d", prompt, max_tokens=50))
+    r = run_one(
+        make_backend(scripted, ngram_drafting=True, num_draft_tokens=4), raw("d", prompt, max_tokens=50)
+    )
     fin = r.finished
     assert r.text == tokenizer.decode([x])
     assert (fin.finish_reason, fin.completion_tokens) == (FinishReason.STOP, 2)  # x, then EOS (a draft)
@@ -448,20 +456,31 @@ def test_drafts_past_eos_are_rejected(scripted, tokenizer, make_backend, run_one
     assert scripted.model.drafted_positions() == 4
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_drafting_matches_plain_decoding_on_random_model(
-    scripted, make_backend, run_one, raw, temperature
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_drafting_matches_plain_decoding(
+    scripted, tokenizer, make_backend, run_one, raw, temperature
 ) -> None:
-    prompt = "one two three four " * 6 + words(3)
+    """Same tokens with and without drafting, greedy and seeded sampling. A weak
+    script (the cycle, entered from any token, gets about 3/4 of the probability
+    at temperature 1) makes some drafts right and some wrong."""
+    cycle = ids(tokenizer, " one two three four", special=False)
+    script = {c: cycle[(i + 1) % len(cycle)] for i, c in enumerate(cycle)}
+    scripted.model.setup_script(script, boost=12.0, default=cycle[0])
+    prompt = "Count:" + tokenizer.decode(cycle * 3) + " then" + words(2)
     texts, counts = [], []
     for drafting in (False, True):
         scripted.model.calls.clear()
         backend = make_backend(scripted, ngram_drafting=drafting, num_draft_tokens=3)
-        r = run_one(backend, raw("r", prompt, max_tokens=40, temperature=temperature, seed=5, ignore_eos=True))
+        r = run_one(
+            backend, raw("r", prompt, max_tokens=40, temperature=temperature, seed=5, ignore_eos=True)
+        )
         texts.append(r.text)
         counts.append(r.finished.completion_tokens)
         if drafting:
             fin = r.finished
             assert fin.draft_accepted + fin.draft_rejected == scripted.model.drafted_positions() > 0
+            assert fin.draft_accepted > 0
+            if temperature > 0:
+                assert fin.draft_rejected > 0
     assert texts[0] == texts[1]
     assert counts == [40, 40]

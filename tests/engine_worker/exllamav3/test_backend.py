@@ -96,9 +96,11 @@ def test_fully_cached_prompt_without_engine_prefill_still_gets_progress() -> Non
 
 def test_sibling_jobs_of_one_prompt_share_its_prefill() -> None:
     n = 1001
-    backend, _ = make_backend(script=fx.reply("same"), max_chunk_size=512)
+    # max_rq_tokens small enough that both jobs fit the cache at once
+    cfg = dataclasses.replace(CFG, max_rq_tokens=256)
+    backend, _ = make_backend(cfg, script=fx.reply("same"), max_chunk_size=512)
     for i in range(2):
-        backend.add(chat(f"req-{i}", _letters(n)))
+        backend.add(raw(f"req-{i}", _letters(n)))
     events = run(backend)
     for i in range(2):
         check_lifecycle(events, f"req-{i}")
@@ -107,7 +109,7 @@ def test_sibling_jobs_of_one_prompt_share_its_prefill() -> None:
     assert first.cached_tokens == 0
     # the second job found the first one's pages filled during the same steps
     assert of(events, "req-1")[0].cached_tokens == 512  # type: ignore[union-attr]
-    assert second.cached_tokens == second.prompt_tokens - 1
+    assert second.cached_tokens == n - 1
 
 
 # ------------------------------------------------------------------ text and finish
@@ -469,7 +471,14 @@ def _canned_backend(script: list[list[dict[str, Any]]]) -> ExLlamaV3Backend:
 
 
 def _stream(text: str, **extra: Any) -> dict[str, Any]:
-    return {"stage": "streaming", "serial": 0, "eos": False, "text": text, "token_ids": fx.FakeTensor([1]), **extra}
+    return {
+        "stage": "streaming",
+        "serial": 0,
+        "eos": False,
+        "text": text,
+        "token_ids": fx.FakeTensor([1]),
+        **extra,
+    }
 
 
 def test_prefill_after_requeue_or_first_token_is_not_progress() -> None:

@@ -1,0 +1,11 @@
+# The proxy sidecar: base install only (aiohttp, pyzmq, orjson, msgspec, click); no torch.
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY protocol ./protocol
+COPY proxy ./proxy
+COPY engine_worker ./engine_worker
+RUN pip install --no-cache-dir . && useradd --uid 10001 sidecar
+USER 10001
+EXPOSE 5000
+ENTRYPOINT ["exl3-sidecar", "proxy"]
