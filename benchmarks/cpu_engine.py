@@ -42,9 +42,10 @@ TOPICS = (
 def long_prompt() -> str:
     """About 1000 tokens of varied English text."""
     sentences = [
-        f"Paragraph {i}: a short note on {topic}, written for readers who enjoy {TOPICS[(i + 3) % len(TOPICS)]} "
-        f"and who visited {i * 7 % 31 + 2} museums last year while reading about {topic} in the evening."
-        for i, topic in enumerate(TOPICS * 4)
+        f"Paragraph {i}: a short note on {topic}, written for readers who enjoy "
+        f"{TOPICS[(i + 3) % len(TOPICS)]} and who visited {i * 7 % 31 + 2} museums last year "
+        f"while reading about {topic} in the evening."
+        for i, topic in enumerate(TOPICS * 3)
     ]
     return " ".join(sentences)
 
@@ -120,7 +121,7 @@ def main() -> None:
         draft_rate, fin, draft_text = bench_decode(loaded, prompt, True, args.repeats)
         print(
             f"{name:30} {plain_rate:12.1f} {draft_rate:12.1f} {draft_rate / plain_rate:7.2f}x "
-            f"{fin.draft_accepted:9d} {fin.draft_rejected:9d} {str(plain_text == draft_text):>10}"
+            f"{fin.draft_accepted:9d} {fin.draft_rejected:9d} {plain_text == draft_text!s:>10}"
         )
 
 

@@ -108,7 +108,11 @@ _WORKER_SPECS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
     (
         ("--num-draft-tokens",),
         "NUM_DRAFT_TOKENS",
-        dict(default=4, type=click.IntRange(min=1), help="Draft length in tokens per verification pass."),
+        dict(
+            default=None,
+            type=click.IntRange(min=1),
+            help="Draft length in tokens per verification (default: cpu 4, exllamav3 the drafter's own).",
+        ),
     ),
     (
         ("--ngram-match-min",),
@@ -208,6 +212,34 @@ _WORKER_SPECS: list[tuple[tuple[str, ...], str, dict[str, Any]]] = [
         dict(default="FP16", help="[exllamav3] Draft model KV cache precision, as --cache-mode."),
     ),
     (
+        ("--draft-gpu-split",),
+        "DRAFT_GPU_SPLIT",
+        dict(default=None, help="[exllamav3] GB of VRAM per GPU for the draft model, comma-separated."),
+    ),
+    (
+        ("--tensor-parallel-backend",),
+        "TENSOR_PARALLEL_BACKEND",
+        dict(
+            default="native",
+            type=click.Choice(["native", "nccl"]),
+            help="[exllamav3] Tensor-parallel transport.",
+        ),
+    ),
+    (
+        ("--max-rq-tokens",),
+        "MAX_RQ_TOKENS",
+        dict(
+            default=None,
+            type=click.IntRange(min=1),
+            help="[exllamav3] Output chunking: requeue a job after this many new tokens (default 2048).",
+        ),
+    ),
+    (
+        ("--warmup/--no-warmup",),
+        "WARMUP",
+        dict(default=True, help="[exllamav3] Run one warm-up pass before serving."),
+    ),
+    (
         ("--heartbeat-interval",),
         "HEARTBEAT_INTERVAL",
         dict(default=1.0, type=click.FloatRange(min=0.05), help="Seconds between worker heartbeats."),
@@ -285,10 +317,10 @@ def _make_backend_factory(p: dict[str, Any]) -> Callable[[], Any]:
             raise click.UsageError(f"--draft-mode {p['draft_mode']} needs --backend exllamav3")
         kw: dict[str, Any] = {
             "model_dir": p["model_dir"],
+            "num_draft_tokens": p["num_draft_tokens"] or 4,
             "dtype": p["dtype"],
             "prefix_cache_mb": p["prefix_cache_mb"],
             "ngram_drafting": p["draft_mode"] == "ngram",
-            "num_draft_tokens": p["num_draft_tokens"],
             "ngram_match_min": p["ngram_match_min"],
             "num_threads": p["threads"],
         }
@@ -298,7 +330,10 @@ def _make_backend_factory(p: dict[str, Any]) -> Callable[[], Any]:
             kw["max_context_tokens"] = p["max_seq_len"]
         if p["chunk_size"] is not None:
             kw["prefill_chunk_size"] = p["chunk_size"]
-        cpu_config = CpuEngineConfig(**kw)
+        try:
+            cpu_config = CpuEngineConfig(**kw)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from e
 
         def make_cpu() -> Any:
             from engine_worker.cpu.engine import CpuBackend
@@ -311,7 +346,10 @@ def _make_backend_factory(p: dict[str, Any]) -> Callable[[], Any]:
 
     if p["model_dir"] is None:
         raise click.UsageError("--backend exllamav3 needs --model-dir (an EXL3 model directory)")
-    exl3_config = ExLlamaV3Config.from_cli(p)
+    try:
+        exl3_config = ExLlamaV3Config.from_cli(p)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
 
     def make_exl3() -> Any:
         from engine_worker.exllamav3.loader import build_backend

@@ -55,6 +55,7 @@ CHATML = (
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB_SIZE = 512  # model rows; the tokenizer uses 256 bytes + 3 specials
+EMBED_SCALE = 50.0  # embedding std 0.02 -> 1.0
 CHUNK = 256  # prefill chunk size, tokens: a ~1500-token prompt gives several progress chunks
 PROMPT = "Summarise the following notes. " + " ".join(
     f"Note {i}: the sidecar streams prefill progress and reports cache reuse." for i in range(22)
@@ -113,10 +114,14 @@ def build_hf_model(out: Path) -> int:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
     fast.chat_template = CHATML
     fast.save_pretrained(out)
-    eos = int(tok.token_to_id("<|im_end|>"))
+    eos = tok.token_to_id("<|im_end|>")
+    pad = tok.token_to_id("<|endoftext|>")
+    assert eos is not None and pad is not None
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
@@ -132,14 +137,18 @@ def build_hf_model(out: Path) -> int:
         tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=eos,
-        pad_token_id=int(tok.token_to_id("<|endoftext|>")),
+        pad_token_id=pad,
     )
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():
-        # A scaled copy of the embeddings as the head makes "repeat the input" the
-        # likeliest continuation: a looping output that n-gram drafting can predict.
-        model.lm_head.weight.copy_(model.model.embed_tokens.weight * 8.0)
-    model.to(torch.float16).save_pretrained(out, safe_serialization=True)
+        # Large embeddings dominate the residual stream, and a head equal to the embedding
+        # table scores the current token highest: the model repeats itself, a looping output
+        # that n-gram drafting can predict. (At the default init the layers' random output
+        # dominates and greedy decoding wanders.)
+        emb = model.model.embed_tokens.weight
+        emb.mul_(EMBED_SCALE)
+        model.lm_head.weight.copy_(emb)
+    model.half().save_pretrained(out, safe_serialization=True)  # type: ignore[no-untyped-call]
     return eos
 
 
@@ -149,7 +158,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_ready(base: str, procs: dict[str, subprocess.Popen[bytes]], logs: dict[str, Path], timeout_s: float) -> None:
+def wait_ready(
+    base: str, procs: dict[str, subprocess.Popen[bytes]], logs: dict[str, Path], timeout_s: float
+) -> None:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         for name, p in procs.items():
@@ -243,7 +254,9 @@ def stream_chat(base: str, prompt: str, max_tokens: int, timeout_s: float) -> di
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--work-dir", type=Path, default=None, help="Keep models and logs here (default: a temp dir).")
+    ap.add_argument(
+        "--work-dir", type=Path, default=None, help="Keep models and logs here (default: a temp dir)."
+    )
     ap.add_argument("--budget", type=float, default=480.0, help="Overall time limit, seconds.")
     ap.add_argument("--bits", type=float, default=4.0, help="EXL3 bits per weight for the conversion.")
     ap.add_argument("--max-tokens", type=int, default=200)
@@ -254,7 +267,6 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.pop("HF_HUB_OFFLINE", None)
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"
     summary: dict[str, Any] = {"work_dir": str(work), "ok": False}
@@ -269,7 +281,11 @@ def main() -> int:
         log(f"GPU: {summary['gpu']}; work dir {work}")
 
         took = run_child(
-            [sys.executable, "-c", "import exllamav3, sys; print(exllamav3.__version__ if hasattr(exllamav3, '__version__') else '?')"],
+            [
+                sys.executable,
+                "-c",
+                "import exllamav3; from exllamav3.version import __version__; print(__version__)",
+            ],
             work / "import.log",
             budget.step(300),
             env,
@@ -329,7 +345,8 @@ def main() -> int:
             "progress_chunks>=3": first["progress_chunks"] >= 3,
             "progress_starts_at_cache": bool(first["progress_first"])
             and first["progress_first"]["processed"] == first["progress_first"]["cache"],
-            "progress_ends_at_total": bool(first["progress_last"]) and first["progress_last"]["processed"] == n,
+            "progress_ends_at_total": bool(first["progress_last"])
+            and first["progress_last"]["processed"] == n,
             "first_uncached": first["cached_tokens"] == 0,
             "repeat_cached": again["cached_tokens"] >= n - 256,
             "draft_counters_present": first["accepted_draft_tokens"] is not None
@@ -350,7 +367,12 @@ def main() -> int:
                 "ok": all(checks.values()),
             }
         )
-        for k in ("progress_chunks", "cached_tokens_repeat", "accepted_draft_tokens", "rejected_draft_tokens"):
+        for k in (
+            "progress_chunks",
+            "cached_tokens_repeat",
+            "accepted_draft_tokens",
+            "rejected_draft_tokens",
+        ):
             print(f"{k}: {summary[k]}")
         print(f"decode tokens/s: {summary['decode_tokens_per_s']}")
         failed = [k for k, v in checks.items() if not v]

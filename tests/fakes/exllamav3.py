@@ -124,8 +124,9 @@ class Tokenizer:
     actual_vocab_size = VOCAB_SIZE
     tokenizer_config_dict: dict[str, Any] = {"add_bos_token": True}  # noqa: RUF012
 
-    def __init__(self, config: Config | None = None) -> None:
+    def __init__(self, config: Config | None = None, special_pieces: bool = True) -> None:
         self.config = config
+        self.special_pieces = special_pieces
 
     @staticmethod
     def from_config(config: Config) -> Tokenizer:
@@ -186,9 +187,13 @@ class Tokenizer:
         return text + out.decode("utf-8", errors="replace")
 
     def get_id_to_piece_list(self, include_special_tokens: bool = False) -> list[str]:
-        # Special ids inside the raw vocabulary decode to their text in both lists
-        # (tokenizer/tokenizer.py:704-756).
-        return [_piece(i) for i in range(VOCAB_SIZE)]
+        """Piece per id. Without special tokens, 1.6.5 decodes each id alone, with special
+        tokens kept, when ``" t"`` is one token, else after a prefix with them skipped
+        (``tokenizer/tokenizer.py:704-725``): special pieces are their text or empty,
+        depending on the tokenizer. ``special_pieces=False`` gives the empty kind."""
+        if include_special_tokens or self.special_pieces:
+            return [_piece(i) for i in range(VOCAB_SIZE)]
+        return ["" if i in SPECIAL_PIECES else _piece(i) for i in range(VOCAB_SIZE)]
 
     def hf_chat_template(
         self,
@@ -931,7 +936,7 @@ class Job:
             results.append(r)
             return emit_eos, requeue_now
 
-        self.held_text += _piece(token)
+        self.held_text += gen.tokenizer.get_id_to_piece_list(self.decode_special_tokens)[token]
         self.held_tokens.append(token)
         if token in self.stop_tokens:
             return emit(emit_eos=True, eos_reason="stop_token", stop_token=token)
@@ -1269,6 +1274,7 @@ def make_handle(
     draft_script: Script | None = None,
     fail_prefill: Callable[[Sequence[int]], bool] | None = None,
     eos_token_ids: tuple[int, ...] = (EOS, IM_END),
+    special_pieces: bool = True,
 ) -> Any:
     """An ``EngineHandle`` over a fake generator, as ``loader.load_engine`` would build it.
     The generator is ``handle.generator`` (a ``Generator``)."""
@@ -1283,7 +1289,7 @@ def make_handle(
     model.load()
     if draft_model is not None:
         draft_model.load()
-    tok = Tokenizer()
+    tok = Tokenizer(special_pieces=special_pieces)
     gen = Generator(
         model,
         cache,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -229,6 +230,14 @@ async def test_heartbeat_timeout_fails_waiting_requests_then_recovers(
         await client.close()
 
 
+async def _until(cond: Callable[[], bool]) -> None:
+    async with asyncio.timeout(GUARD_S):
+        for _ in itertools.count():
+            if cond():
+                return
+            await asyncio.sleep(0.01)
+
+
 async def test_worker_active_requests_follows_heartbeats_of_the_current_worker(
     worker: FakeWorker, addrs: tuple[str, str]
 ) -> None:
@@ -239,13 +248,9 @@ async def test_worker_active_requests_follows_heartbeats_of_the_current_worker(
         await handshake(client, worker)
         for sender, active in (("w1", 3), ("someone-else", 7), ("w1", 0)):
             await worker.send(Heartbeat(sender, active))
-        async with asyncio.timeout(GUARD_S):
-            while client.worker_active_requests != 0:
-                await asyncio.sleep(0.01)
+        await _until(lambda: client.worker_active_requests == 0)
         await worker.send(Heartbeat("w1", 2))
-        async with asyncio.timeout(GUARD_S):
-            while client.worker_active_requests != 2:
-                await asyncio.sleep(0.01)
+        await _until(lambda: client.worker_active_requests == 2)
         await worker.send(Heartbeat("stale-worker", 9))
         await asyncio.sleep(0.1)
         assert client.worker_active_requests == 2

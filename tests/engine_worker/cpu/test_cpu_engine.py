@@ -4,6 +4,7 @@ from the token ids in the tests, not taken from the engine."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -47,7 +48,7 @@ def chain(first: int, tokens: list[int], end: int | None = EOS) -> dict[int, int
     """Bigram script: first -> tokens[0] -> tokens[1] ... -> end."""
     seq = [first, *tokens] + ([end] if end is not None else [])
     assert len(set(seq[:-1])) == len(seq) - 1, "precondition: scripted tokens are distinct"
-    return dict(zip(seq[:-1], seq[1:], strict=True))
+    return dict(itertools.pairwise(seq))
 
 
 def check_order(r: Any, cached: int, total: int, chunk: int) -> None:
@@ -121,7 +122,7 @@ def test_prefix_cache_reuse_counts(tiny, tokenizer, make_backend, run_one, raw) 
     for rid, prompt in (("3", p1 + " and then " + words(3, 50)), ("4", words(5) + " other " + words(4, 70))):
         new = ids(tokenizer, prompt)
         expected = min(lcp(new, ids1), len(new) - 1)
-        assert 0 < expected
+        assert expected > 0
         r = run_one(backend, raw(rid, prompt, max_tokens=1))
         check_order(r, cached=expected, total=len(new), chunk=16)
 

@@ -115,12 +115,15 @@ def test_sibling_jobs_of_one_prompt_share_its_prefill() -> None:
 # ------------------------------------------------------------------ text and finish
 
 
-def test_held_text_is_flushed_when_a_stop_token_ends_the_job() -> None:
-    backend, rec = make_backend(script=fx.reply("abcEN"))
+@pytest.mark.parametrize("special_pieces", [True, False])
+def test_held_text_is_flushed_when_a_stop_token_ends_the_job(special_pieces: bool) -> None:
+    backend, rec = make_backend(script=fx.reply("abcEN"), special_pieces=special_pieces)
     backend.add(raw("a", "x", stop=("END",)))
     events = run(backend)
     eos = rec.results[-1]
     assert eos["eos_reason"] == "stop_token" and "text" not in eos  # the engine dropped it
+    stop_piece = fx.SPECIAL_PIECES[fx.IM_END] if special_pieces else ""
+    assert eos["held"]["text"] == "EN" + stop_piece
     assert text_of(events, "a") == "abcEN"
     check_lifecycle(events, "a")
     fin = finished(events, "a")
