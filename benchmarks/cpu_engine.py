@@ -23,7 +23,10 @@ PASSAGE = (
     "The committee met on Tuesday to review the quarterly budget. Revenue rose by four percent, "
     "while operating costs fell slightly after the new suppliers were contracted. The chair asked "
     "each department to submit revised forecasts before the end of the month, and the treasurer "
-    "noted that the reserve fund remains above its target level. "
+    "noted that the reserve fund remains above its target level. After a short break, the members "
+    "discussed the plan to renovate the library on the east side of town. The architect presented "
+    "three designs, each with a larger reading room, a cafe near the entrance and solar panels on "
+    "the roof. Most members preferred the second design because it keeps the old stone facade."
 )
 TOPICS = (
     "astronomy",
@@ -77,9 +80,9 @@ def bench_prefill(loaded: LoadedModel, repeats: int) -> tuple[int, float]:
 
 
 def bench_decode(
-    loaded: LoadedModel, prompt: str, drafting: bool, repeats: int
+    loaded: LoadedModel, prompt: str, config: CpuEngineConfig, repeats: int
 ) -> tuple[float, Finished, str]:
-    backend = CpuBackend.from_loaded(loaded, CpuEngineConfig(ngram_drafting=drafting, prefix_cache_mb=0))
+    backend = CpuBackend.from_loaded(loaded, config)
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     rates: list[float] = []
     text, fin = "", None
@@ -95,6 +98,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--repeats", type=int, default=2)
+    defaults = CpuEngineConfig()
+    parser.add_argument("--num-draft-tokens", type=int, default=defaults.num_draft_tokens)
+    parser.add_argument("--ngram-min", type=int, default=defaults.ngram_match_min)
+    parser.add_argument("--ngram-max", type=int, default=defaults.ngram_match_max)
     args = parser.parse_args()
 
     if args.threads:
@@ -109,7 +116,7 @@ def main() -> None:
     print(f"prefill: {tokens} tokens, {rate:.0f} tok/s (chunk 256, median of {args.repeats})")
 
     prompts = {
-        "repetitive": "Repeat the following text exactly, twice:\n\n" + PASSAGE,
+        "repetitive": "Repeat the following text exactly:\n\n" + PASSAGE,
         "open-ended": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
     }
     print(
@@ -117,8 +124,16 @@ def main() -> None:
         f"{'accepted':>9} {'rejected':>9} {'same text':>10}"
     )
     for name, prompt in prompts.items():
-        plain_rate, _, plain_text = bench_decode(loaded, prompt, False, args.repeats)
-        draft_rate, fin, draft_text = bench_decode(loaded, prompt, True, args.repeats)
+        plain = CpuEngineConfig(prefix_cache_mb=0)
+        ngram = CpuEngineConfig(
+            prefix_cache_mb=0,
+            ngram_drafting=True,
+            num_draft_tokens=args.num_draft_tokens,
+            ngram_match_min=args.ngram_min,
+            ngram_match_max=args.ngram_max,
+        )
+        plain_rate, _, plain_text = bench_decode(loaded, prompt, plain, args.repeats)
+        draft_rate, fin, draft_text = bench_decode(loaded, prompt, ngram, args.repeats)
         print(
             f"{name:30} {plain_rate:12.1f} {draft_rate:12.1f} {draft_rate / plain_rate:7.2f}x "
             f"{fin.draft_accepted:9d} {fin.draft_rejected:9d} {plain_text == draft_text!s:>10}"

@@ -322,6 +322,7 @@ def _make_backend_factory(p: dict[str, Any]) -> Callable[[], Any]:
             "prefix_cache_mb": p["prefix_cache_mb"],
             "ngram_drafting": p["draft_mode"] == "ngram",
             "ngram_match_min": p["ngram_match_min"],
+            "ngram_match_max": max(4, p["ngram_match_min"]),
             "num_threads": p["threads"],
         }
         if p["cache_dir"] is not None:

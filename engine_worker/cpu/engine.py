@@ -27,11 +27,11 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine_worker.backend import ModelInfo, RequestRejected
+from engine_worker.backend import Backend, ModelInfo, RequestRejected
 from engine_worker.cpu.config import CpuEngineConfig
 from engine_worker.cpu.detokenize import IncrementalDetokenizer, StopStringMatcher
 from engine_worker.cpu.kv_cache import SequenceKV
@@ -131,6 +131,7 @@ class CpuBackend:
             max_context_tokens=self._max_context,
             drafting="ngram" if config.ngram_drafting else None,
         )
+        self._warm_up()
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, config: CpuEngineConfig | None = None) -> CpuBackend:
@@ -234,6 +235,15 @@ class CpuBackend:
         self._model = None
         self._decoder = None
 
+    def _warm_up(self) -> None:
+        """One small forward pass, so the first request does not pay for paging in
+        the memory-mapped weights and for the kernels' first-call setup."""
+        with torch.inference_mode():
+            kv = SequenceKV(self._num_layers, 8)
+            self._model(
+                input_ids=torch.zeros((1, 4), dtype=torch.long), cache=kv, use_cache=True, logits_to_keep=1
+            )
+
     # ------------------------------------------------------------------ admission
 
     def _find_end_ids(self) -> frozenset[int]:
@@ -328,7 +338,8 @@ class CpuBackend:
     def _start(self, req: _Request, events: list[Event]) -> None:
         req.t_start = time.perf_counter()
         room = min(req.params.max_tokens, _INITIAL_DECODE_ROOM) + self._config.num_draft_tokens + 1
-        req.kv = SequenceKV(self._num_layers, min(req.prompt_len + room, self._max_context + room))
+        # Positions never exceed the context: drafts are limited to fit in it.
+        req.kv = SequenceKV(self._num_layers, min(req.prompt_len + room, self._max_context))
         cached = 0
         if self._prefix_cache.capacity_bytes > 0:
             hit = self._prefix_cache.lookup(req.prompt_ids, max_length=req.prompt_len - 1)
@@ -462,3 +473,9 @@ class CpuBackend:
         if kv is None or not keep_kv or self._prefix_cache.capacity_bytes == 0 or kv.length == 0:
             return
         self._prefix_cache.insert(req.tokens[: kv.length], kv.export())
+
+
+if TYPE_CHECKING:
+
+    def _conforms_to_backend(backend: CpuBackend) -> Backend:  # checked by mypy only
+        return backend

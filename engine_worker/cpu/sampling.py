@@ -83,9 +83,12 @@ class TokenSampler:
             self._counts[token] += 1.0
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
-        """Steps 1-4 above on ``logits`` (``[vocab]``); returns a new float32 tensor."""
+        """Steps 1-4 above on ``logits`` (``[vocab]``, left unchanged); returns float32
+        logits (``logits`` itself when nothing applies)."""
         p = self.params
-        x = logits.to(dtype=torch.float32, copy=True)
+        # Copy only when a step below writes in place: `logits` may be a view of the model output.
+        in_place = self._bias_ids is not None or self._suppressed is not None
+        x = logits.to(dtype=torch.float32, copy=in_place)
         if self._bias_ids is not None and self._bias_values is not None:
             x.index_add_(0, self._bias_ids, self._bias_values)
         if self._seen is not None:

@@ -64,12 +64,13 @@ def start_server(tmp: Path, *args: str) -> Server:
     port = _free_port()
     log_path = tmp / f"serve-{port}.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("EXL3_SIDECAR_")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
-        stdout=log_path.open("wb"),
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
+    with log_path.open("wb") as log_file:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     server = Server(proc, f"http://127.0.0.1:{port}", log_path)
     try:
         server.wait_ready()

@@ -22,11 +22,11 @@ pytestmark = pytest.mark.slow
 TIMING_KEYS = {"prompt_time", "completion_time", "total_time"}
 
 
-def long_notes(n_notes: int, tag: str) -> str:
+def long_notes(n_notes: int, tag: str, title: str = "Field notes") -> str:
     colours = ["red", "green", "blue", "amber", "violet", "silver", "black"]
     animals = ["fox", "heron", "otter", "lynx", "badger", "falcon", "moose", "newt"]
     cities = ["Lisbon", "Oslo", "Kyoto", "Quito", "Perth", "Tunis", "Riga", "Lima", "Hanoi"]
-    lines = [f"Field notes {tag}."]
+    lines = [f"{title} {tag}."]
     for i in range(n_notes):
         lines.append(
             f"Note {i}: the {colours[i % 7]} {animals[i % 8]} was near {cities[i % 9]} on day {i * 3 + 1}."
@@ -84,7 +84,7 @@ def usage_of(chunks: list[dict[str, Any]]) -> dict[str, Any]:
 
 def test_long_prompt_streams_progress_before_content(server: Server) -> None:
     body = chat_body(
-        long_notes(100, uuid.uuid4().hex), return_progress=True, stream_options={"include_usage": True}
+        long_notes(75, uuid.uuid4().hex), return_progress=True, stream_options={"include_usage": True}
     )
     chunks = stream_chunks(server, body)
     usage = usage_of(chunks)
@@ -144,8 +144,9 @@ def _template_prefix_len() -> int:
 
 
 def test_same_long_prompt_twice_hits_prefix_cache(server: Server) -> None:
+    # A title no other test's prompt starts with: only the template prefix can be shared.
     body = chat_body(
-        long_notes(90, uuid.uuid4().hex), return_progress=True, stream_options={"include_usage": True}
+        long_notes(90, uuid.uuid4().hex, title="Ledger"), return_progress=True, stream_options={"include_usage": True}
     )
     first = stream_chunks(server, body)
     second = stream_chunks(server, body)
