@@ -146,7 +146,9 @@ def _template_prefix_len() -> int:
 def test_same_long_prompt_twice_hits_prefix_cache(server: Server) -> None:
     # A title no other test's prompt starts with: only the template prefix can be shared.
     body = chat_body(
-        long_notes(90, uuid.uuid4().hex, title="Ledger"), return_progress=True, stream_options={"include_usage": True}
+        long_notes(90, uuid.uuid4().hex, title="Ledger"),
+        return_progress=True,
+        stream_options={"include_usage": True},
     )
     first = stream_chunks(server, body)
     second = stream_chunks(server, body)
