@@ -186,3 +186,19 @@ def tiny_random_llama(
         model = LlamaForCausalLM(config)
     model.eval()  # type: ignore[no-untyped-call]
     return LoadedModel(model=model, tokenizer=tokenizer, model_id=model_id)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m engine_worker.cpu.model_store [CACHE_DIR]``: convert the embedded
+    model ahead of time (a container build), so the first worker start loads in
+    about a second. Prints the converted folder."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    cache_dir = Path(args[0]) if args else default_cache_dir()
+    gguf = find_embedded_gguf()
+    print(convert_gguf(gguf, converted_dir(cache_dir, gguf)))
+
+
+if __name__ == "__main__":
+    main()
