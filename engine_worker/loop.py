@@ -113,7 +113,12 @@ class EngineLoop:
             log.exception("engine step failed; failing %d active requests", len(self._active))
             failed = sorted(self._active)
             for rid in failed:
-                self._backend.abort(rid)
+                try:
+                    self._backend.abort(rid)
+                except Exception:
+                    # The engine may be too broken to cancel cleanly; the request
+                    # is failed towards the proxy either way.
+                    log.exception("abort of %s after a failed step also failed", rid)
             self._active.clear()
             return [RequestError(rid, ErrorCode.INTERNAL, f"engine step failed: {e}") for rid in failed]
         for ev in events:

@@ -268,14 +268,18 @@ def to_submits(
     req: ChatCompletionRequest | CompletionRequest, request_id: str, max_context_tokens: int
 ) -> list[Submit]:
     """One ``Submit`` per choice (ids from ``choice_request_ids``), in choice order.
+    With a ``seed``, choice ``i`` samples with ``seed + i``: the request stays
+    reproducible while its choices differ, as OpenAI's and vLLM's do.
     Raises ``InvalidRequest``."""
-    params = sampling_params(req, max_context_tokens)
+    base = sampling_params(req, max_context_tokens)
     ids = choice_request_ids(request_id, req.n)
+    seed = base.seed
+    params = [base if seed is None else msgspec.structs.replace(base, seed=seed + i) for i in range(len(ids))]
     if isinstance(req, ChatCompletionRequest):
         messages = chat_messages(req)
         return [
-            Submit(rid, params, messages=messages, add_generation_prompt=req.add_generation_prompt)
-            for rid in ids
+            Submit(rid, p, messages=messages, add_generation_prompt=req.add_generation_prompt)
+            for rid, p in zip(ids, params, strict=True)
         ]
     prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
-    return [Submit(rid, params, prompt=prompt) for rid in ids]
+    return [Submit(rid, p, prompt=prompt) for rid, p in zip(ids, params, strict=True)]

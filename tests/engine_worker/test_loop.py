@@ -48,6 +48,7 @@ class ScriptedBackend:
         self.aborted: list[str] = []
         self.thread_ids: set[int] = set()
         self._explode = False
+        self.broken_cancel = False
 
     @property
     def info(self) -> ModelInfo:
@@ -65,6 +66,8 @@ class ScriptedBackend:
     def abort(self, request_id: str) -> None:
         self.thread_ids.add(threading.get_ident())
         self.aborted.append(request_id)
+        if self.broken_cancel:
+            raise RuntimeError("cannot cancel in this state")
         self.remaining.pop(request_id, None)
 
     def num_active(self) -> int:
@@ -252,6 +255,21 @@ def test_step_failure_fails_active_requests_and_keeps_serving(
     assert set(errs) == {"victim", "trigger"}
     assert all(e.code == ErrorCode.INTERNAL and "kaboom" in e.message for e in errs.values())
     assert set(backend.aborted) == {"victim", "trigger"}
+    peer.send(_submit("next", max_tokens=1))
+    assert any(isinstance(e, Finished) for e in peer.events_until_terminal({"next"}))
+
+
+def test_failing_aborts_after_a_failed_step_do_not_kill_the_loop(
+    running: tuple[ScriptedBackend, Peer, EngineLoop],
+) -> None:
+    backend, peer, _ = running
+    backend.broken_cancel = True
+    peer.send(_submit("victim", max_tokens=10_000))
+    _first(peer, EventBatch)
+    peer.send(_submit("trigger", prompt="explode"))
+    events = peer.events_until_terminal({"victim", "trigger"})
+    assert {e.request_id for e in events if isinstance(e, RequestError)} == {"victim", "trigger"}
+    backend.broken_cancel = False
     peer.send(_submit("next", max_tokens=1))
     assert any(isinstance(e, Finished) for e in peer.events_until_terminal({"next"}))
 

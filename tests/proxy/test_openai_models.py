@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import msgspec
 import orjson
 import pytest
 
@@ -139,6 +140,14 @@ def test_n_makes_one_submit_per_choice() -> None:
     assert len({s.params for s in subs}) == 1
     (one,) = to_submits(parse_chat_request(chat(n=1)), "chatcmpl-x", 100)
     assert one.request_id == "chatcmpl-x"
+
+
+def test_seeded_choices_get_distinct_reproducible_seeds() -> None:
+    subs = to_submits(parse_chat_request(chat(n=3, seed=7, temperature=0.9)), "c", 100)
+    assert [s.params.seed for s in subs] == [7, 8, 9]
+    assert len({msgspec.structs.replace(s.params, seed=None) for s in subs}) == 1
+    (one,) = to_submits(parse_chat_request(chat(n=1, seed=7)), "c", 100)
+    assert one.params.seed == 7
 
 
 def test_completion_prompt_forms() -> None:
