@@ -101,6 +101,16 @@ def run_child(cmd: list[str], log_path: Path, timeout_s: float, env: dict[str, s
     return time.monotonic() - t0
 
 
+def check_converted(exl3_dir: Path, log_path: Path) -> None:
+    """Raise ``RuntimeError`` with the converter log's tail unless ``exl3_dir/config.json``
+    exists: ``convert_model.py`` (1.6.5, lines 1791-1797) prints ``" !! Error: ..."`` for a
+    bad argument and still exits 0."""
+    if (exl3_dir / "config.json").is_file():
+        return
+    tail = log_path.read_text(errors="replace")[-3000:] if log_path.exists() else "(no log)"
+    raise RuntimeError(f"the converter wrote no {exl3_dir / 'config.json'} (exit status 0):\n{tail}")
+
+
 def build_hf_model(out: Path) -> int:
     """Write a random-weight Llama with a byte-level tokenizer to ``out``; returns the
     id of ``<|im_end|>`` (the EOS)."""
@@ -310,6 +320,7 @@ def main() -> int:
             budget.step(240),
             env,
         )  # fmt: skip
+        check_converted(exl3_dir, work / "convert.log")
         summary["convert_s"] = round(took, 1)
         log(f"converted to EXL3 in {took:.1f} s")
 

@@ -94,8 +94,8 @@ def _split(value: Any, setting: str) -> tuple[float, ...] | None:
 class ExLlamaV3Config:
     """Everything needed to load an EXL3 model and serve it.
 
-    Token counts are tokens; memory sizes are GB (10^9 bytes as ExLlamaV3 counts
-    them, ``1024**3`` in ``model/model.py:load_gen``).
+    Token counts are tokens; memory sizes are in ExLlamaV3's "GB", which are GiB
+    (``1024**3`` bytes, ``model/model.py:651,662``).
 
     - ``model_dir``: EXL3 model directory (``config.json``, ``*.safetensors``, tokenizer files).
     - ``max_seq_len``: longest prompt + completion per request. Default: the model's
@@ -110,8 +110,11 @@ class ExLlamaV3Config:
     - ``tensor_parallel``/``tensor_parallel_backend``: ``model.load(tensor_p=True,
       tp_backend="native"|"nccl")``.
     - ``draft_mode``: see ``DraftMode``. ``draft_model_dir``/``draft_cache_mode``/
-      ``draft_gpu_split`` configure ``draft_model``; ``draft_cache_size`` must equal the
-      main cache size if given.
+      ``draft_gpu_split`` configure ``draft_model``; without ``draft_gpu_split`` the
+      drafter is placed automatically, not with ``gpu_split`` (ExLlamaV3 counts
+      ``use_per_device`` on top of memory already in use, ``model/model.py:522-526``,
+      so the drafter and the model would take about twice the split together);
+      ``draft_cache_size`` must equal the main cache size if given.
     - ``num_draft_tokens``: tokens drafted per verification pass. Default: 4, or what a
       draft model or MTP head prefers (``generator/generator.py:265-268``).
     - ``ngram_match_min``: shortest suffix match (tokens) before n-gram drafting proposes.

@@ -65,6 +65,14 @@ def _progress_bar(steps: Iterable[Any], label: str) -> None:
                 bar.refresh()
 
 
+def _start_moe_cpu_hosts(model: Any) -> None:
+    """What ``Model.load`` does after draining ``load_gen`` (``model/model.py:767-772``):
+    make sure the worker processes of CPU-offloaded MoE experts are up before the first
+    forward pass. ``ensure_started`` is idempotent; configs without offload have none."""
+    for host in getattr(model.config, "moe_cpu_hosts", {}).values():
+        host.ensure_started()
+
+
 def _wants_bos(tokenizer: Any) -> bool:
     """Whether the model's own tokenizer puts BOS in front of plain text: ``add_bos_token``
     in ``tokenizer_config.json`` (Llama 2, Mistral, Gemma) or a post-processor that adds it
@@ -99,6 +107,8 @@ def load_engine(config: ExLlamaV3Config) -> EngineHandle:
     mpe = int(getattr(ex_config, "max_position_embeddings", 0) or 0)
     if config.max_seq_len:
         max_seq_len = config.max_seq_len
+        # A no-op in 1.6.5 (model/config.py:337-343); kept because later versions use it to pick
+        # the RoPE factors of models with two sets (Phi) before the model is created.
         ex_config.override_dynamic_seq_len(max_seq_len)
     elif config.cache_size:
         max_seq_len = min(mpe, config.cache_size) if mpe else config.cache_size
@@ -153,11 +163,14 @@ def load_engine(config: ExLlamaV3Config) -> EngineHandle:
     split = list(config.gpu_split) if config.gpu_split else None
     with torch.inference_mode():
         if draft_model is not None:
-            draft_split = list(config.draft_gpu_split) if config.draft_gpu_split else split
+            # use_per_device counts on top of what is already allocated (model/model.py:522-526):
+            # reusing gpu_split here would let drafter + model take about twice the split.
+            draft_split = list(config.draft_gpu_split) if config.draft_gpu_split else None
             _progress_bar(
                 draft_model.load_gen(use_per_device=draft_split, max_chunk_size=config.chunk_size),
                 f"Loading {draft_label}",
             )
+            _start_moe_cpu_hosts(draft_model)
         _progress_bar(
             model.load_gen(
                 use_per_device=split,
@@ -168,9 +181,15 @@ def load_engine(config: ExLlamaV3Config) -> EngineHandle:
             ),
             f"Loading {config.model_dir.name}",
         )
+        _start_moe_cpu_hosts(model)
     if config.warmup:
         log.info("exllamav3: warming up (kernel compilation and tuning)")
-        model.warmup(cache=cache, max_chunk_size=config.chunk_size, max_batch_size=max_batch)
+        failed = model.warmup(cache=cache, max_chunk_size=config.chunk_size, max_batch_size=max_batch)
+        # warmup() reports a failing pass and goes on; it returns their labels (model/model.py:252-253).
+        if failed:
+            log.warning(
+                "exllamav3: warmup passes failed (first use will compile them): %s", ", ".join(failed)
+            )
 
     tokenizer = ex.Tokenizer.from_config(ex_config)
     eos_ids = tuple(dict.fromkeys(int(e) for e in ex_config.eos_token_id_list))

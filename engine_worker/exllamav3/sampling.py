@@ -1,8 +1,10 @@
 """``SamplingParams`` -> ExLlamaV3 sampler and job arguments, with validation.
 
-Every keyword produced here exists in the exllamav3 1.6.5 signatures (both
-``Job.__init__`` and ``ComboSampler.__init__`` silently accept unknown names, so
-a typo would simply do nothing):
+Every keyword produced here exists in the exllamav3 1.6.5 signatures
+(``ComboSampler.__init__`` has no ``**kwargs`` and would raise ``TypeError`` on
+a typo, ``generator/sampler/presets.py:84-104``; ``Job.__init__`` and
+``Generator.__init__`` silently accept unknown names, so a typo there would
+simply do nothing):
 
 - ``ComboSampler(rep_p, freq_p, pres_p, temperature, min_p, top_k, top_p, logit_bias)``
   (``generator/sampler/presets.py``, class ``ComboSampler``). Its stack is
@@ -32,6 +34,9 @@ from typing import Any
 
 from engine_worker.backend import RequestRejected
 from protocol.messages import ErrorCode, SamplingParams
+
+FLOAT32_MAX = 3.4028234663852886e38
+"""Largest finite float32: ExLlamaV3's bias vector is float32 (``generator/sampler/custom.py:604-611``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,9 +97,15 @@ def job_settings(
     logit_bias: dict[int, float] = {}
     for token_id, bias in (p.logit_bias or {}).items():
         _check_token_id(token_id, vocab_size, "logit_bias")
-        # LogitBias drops nan and +inf without a word (generator/sampler/custom.py, class LogitBias).
-        if math.isnan(bias) or bias == math.inf:
-            raise _reject(f"logit_bias: bias for token {token_id} must be finite or -inf", "logit_bias")
+        # LogitBias silently drops nan and anything above float32 max, +inf included
+        # (generator/sampler/custom.py:604-611); a finite bias below -float32 max would
+        # become -inf in its float32 vector, a ban nobody asked for. -inf is a deliberate ban.
+        if math.isnan(bias) or (abs(bias) > FLOAT32_MAX and bias != -math.inf):
+            raise _reject(
+                f"logit_bias: bias for token {token_id} must be -inf or within float32 range "
+                f"(|bias| <= {FLOAT32_MAX:.4g}), got {bias}",
+                "logit_bias",
+            )
         logit_bias[int(token_id)] = float(bias)
 
     stop_conditions: list[int | str] = [s for s in p.stop if s]

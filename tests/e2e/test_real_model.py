@@ -55,7 +55,7 @@ def stream_chunks(
         httpx.Client(timeout=120) as client,
         httpx_sse.connect_sse(client, "POST", server.base_url + path, json={**body, "stream": True}) as es,
     ):
-        assert es.response.status_code == 200
+        assert es.response.status_code == 200, es.response.read()
         for sse in es.iter_sse():
             if sse.data == "[DONE]":
                 return chunks
@@ -340,7 +340,7 @@ def test_killed_worker_fails_requests_cleanly_and_comes_back(
 ) -> None:
     from tests.e2e.conftest import start_server, stop_server
 
-    srv = start_server(tmp_path_factory.mktemp("serve-kill"), "--heartbeat-timeout", "5")
+    srv = start_server(tmp_path_factory.mktemp("serve-kill"))
     try:
         body = chat_body(long_notes(300, uuid.uuid4().hex), return_progress=True, max_tokens=4)
         got_error = None
@@ -350,6 +350,7 @@ def test_killed_worker_fails_requests_cleanly_and_comes_back(
                 client, "POST", srv.base_url + "/v1/chat/completions", json={**body, "stream": True}
             ) as es,
         ):
+            assert es.response.status_code == 200, es.response.read()
             events = es.iter_sse()
             for sse in events:
                 if sse.data != "[DONE]" and "prompt_progress" in orjson.loads(sse.data):

@@ -22,7 +22,21 @@ choosing tokens instead of a network:
   filled since are skipped and counted during prefill (``generator/job.py:1424-1436``);
   a token-level match inside the first uncached page copies keys from any page
   with the same predecessor (``job.py:1459-1499``), counted in ``cached_tokens``.
-  Unreferenced pages keep their content until evicted.
+  Unreferenced pages keep their content until evicted. Pages a job reserves
+  for new tokens are backed up and, if the job never writes them, restored on
+  release (``pagetable.py:112-127``, ``151-174``); any prefill or decode write
+  clears that (``job.py:1435,1497,1662``, ``generator.py:1678``). A page missing by
+  hash is cleared with no backup (``pagetable.py:139-149``). A completed page
+  whose hash another page holds takes over that page if referenced, else clears
+  it (``job.py:652-697``).
+- MTP (a drafter with ``caps["mtp_draft"]``): the page holding the last prompt
+  token is left out of the reusable prefix and allocated fresh
+  (``job.py:1329-1333``, ``pagetable.py:291-296``), and the token-level match
+  leaves the last prompt token to prefill (``job.py:1476-1479``).
+- ``Tokenizer.decode`` wants a tensor (anything with ``.tolist()`` here) and drops
+  every EOS, pad and above-vocabulary id (``tokenizer/tokenizer.py:556-562``,
+  ``608-613``). ``max_skips=None`` fails with ``TypeError`` once a job is skipped,
+  as in 1.6.5 (``generator.py:2196``).
 - ``"prefill"`` only when the pass advanced (``job.py:1682-1693``), with
   ``curr_progress`` up to ``len(prompt) - 1``: a fully cached, page-aligned prompt
   emits none (``job.py:1453``).
@@ -73,18 +87,19 @@ __version__ = "1.6.5+fake"
 
 
 class FakeTensor:
-    """``(1, n)`` token ids; the backend uses only ``.shape`` and ``.tolist()``, like a
-    ``torch.LongTensor``."""
+    """``(1, n)`` token ids, or ``(n,)`` with ``flat=True``; the backend uses only ``.shape``
+    and ``.tolist()``, like a ``torch.LongTensor``."""
 
-    def __init__(self, ids: Sequence[int]) -> None:
+    def __init__(self, ids: Sequence[int], flat: bool = False) -> None:
         self._ids = [int(i) for i in ids]
+        self.flat = flat
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return (1, len(self._ids))
+    def shape(self) -> tuple[int, ...]:
+        return (len(self._ids),) if self.flat else (1, len(self._ids))
 
-    def tolist(self) -> list[list[int]]:
-        return [list(self._ids)]
+    def tolist(self) -> list[int] | list[list[int]]:
+        return list(self._ids) if self.flat else [list(self._ids)]
 
     def __repr__(self) -> str:
         return f"FakeTensor({self._ids})"
@@ -164,18 +179,28 @@ class Tokenizer:
             ids.append(EOS)
         return FakeTensor(ids)
 
-    def decode(self, ids: Any, decode_special_tokens: bool = False) -> str | list[str]:
-        """Like ``Tokenizer.decode`` (``tokenizer/tokenizer.py:586-627``): a 2-D input gives a
-        list, a 1-D input a string; special tokens vanish unless ``decode_special_tokens``."""
-        rows = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    def decode(self, ids: Any, decode_special_tokens: bool = False) -> Any:
+        """Like ``Tokenizer.decode`` (``tokenizer/tokenizer.py:586-627``): a 2-D tensor gives a
+        list of strings, a 1-D tensor a string, a Python list a list of each element decoded
+        (so a list of ints fails its tensor assertion, as in 1.6.5). Anything with
+        ``.tolist()`` stands in for a tensor. Without ``decode_special_tokens`` every EOS, pad
+        and above-vocabulary id is removed and other special tokens vanish
+        (``tokenizer.py:556-562``)."""
+        if isinstance(ids, list):
+            return [self.decode(i, decode_special_tokens) for i in ids]
+        assert hasattr(ids, "tolist"), "ids must be Tensor"
+        rows = ids.tolist()
         if rows and isinstance(rows[0], list):
             return [self._decode(r, decode_special_tokens) for r in rows]
         return self._decode(rows, decode_special_tokens)
 
+    pad_token_id: int | None = None
+
     @staticmethod
     def _decode(seq: list[int], decode_special_tokens: bool) -> str:
-        if not decode_special_tokens and EOS in seq:
-            seq = seq[: seq.index(EOS)]
+        if not decode_special_tokens:
+            pad = Tokenizer.pad_token_id
+            seq = [t for t in seq if t != pad and t < VOCAB_SIZE and t != EOS]
         out = bytearray()
         text = ""
         for t in seq:
@@ -283,6 +308,9 @@ class Model:
     """A model whose next token is ``script(prompt, generated)``. ``fail_prefill(prompt)``
     returning True makes prefill raise for that job (to produce ``"error"`` results)."""
 
+    warmup_failures: tuple[str, ...] = ()
+    """What ``warmup`` returns: labels of passes that raised (tests set it)."""
+
     def __init__(
         self,
         config: Config | None = None,
@@ -368,7 +396,8 @@ class Model:
         assert self.loaded, "warmup before load"
         assert cache is None or cache.owner is None, "warmup must run before a Generator owns the cache"
         self.warmup_calls.append({"cache": cache, "max_chunk_size": max_chunk_size})
-        return []
+        # Labels of the passes that raised (model/model.py:252-253); set by tests.
+        return list(self.warmup_failures)
 
     def unload(self) -> None:
         self.loaded = False
@@ -461,6 +490,10 @@ class ComboSampler:
 
 
 class _Page:
+    """One cache page (``pagetable.py:45-81``). ``*_revert`` and ``can_revert`` keep what the
+    page held before a job reserved it for new tokens, so that a reservation the job never
+    writes gives the page back unchanged (``pagetable.py:112-127``)."""
+
     def __init__(self, index: int) -> None:
         self.index = index
         self.phash: Any = ("unique", index, 0)
@@ -469,10 +502,23 @@ class _Page:
         self.kv_position = 0
         self.ref_count = 0
         self.access = 0
+        self.can_revert = False
+        self.phash_revert: Any = self.phash
+        self.prev_hash_revert: Any = None
+        self.tokens_revert: list[int] = []
+        self.kv_position_revert = 0
+        self.access_revert = 0
 
     @property
     def content_hashed(self) -> bool:
         return bool(self.phash[0] == "content")
+
+    def backup(self) -> None:
+        """``CachePage.backup`` (``pagetable.py:112-118``)."""
+        self.phash_revert, self.prev_hash_revert = self.phash, self.prev_hash
+        self.tokens_revert, self.kv_position_revert = self.tokens, self.kv_position
+        self.access_revert = self.access
+        self.can_revert = True
 
 
 def _chain_hash(prev: Any, tokens: Sequence[int]) -> tuple[str, int]:
@@ -481,7 +527,14 @@ def _chain_hash(prev: Any, tokens: Sequence[int]) -> tuple[str, int]:
 
 class _PageTable:
     """Pages of ``PAGE_SIZE`` tokens; ``by_hash`` holds content-hashed pages whether
-    referenced or not (``pagetable.py:553-680``)."""
+    referenced or not (``pagetable.py:553-680``).
+
+    Reserved pages keep a backup: a page taken for new tokens (``add_ref_unique``,
+    ``pagetable.py:151-162``) is restored to its previous hash, tokens and position when
+    its last job releases it without having written it (``sub_ref``,
+    ``pagetable.py:164-174``). Every prefill or decode write clears ``can_revert``
+    (``job.py:1435,1497,1662``, ``generator.py:1678``, ``job.py:697``). A page missing
+    by hash is cleared with no backup (``add_ref_clear``, ``pagetable.py:139-149``)."""
 
     def __init__(self, max_pages: int) -> None:
         self.pages = [_Page(i) for i in range(max_pages)]
@@ -500,9 +553,10 @@ class _PageTable:
         self.serial += 1
         return self.serial
 
-    def _evict(self, protected: set[Any]) -> _Page:
+    def _next_evictable(self, protected: set[Any]) -> _Page:
         """Least valuable unreferenced page (``pagetable.py:411-520``): empty pages first, then
-        cached chains least recently used first, each eaten from its tail."""
+        cached chains least recently used first, each eaten from its tail. The page keeps its
+        content here; the caller clears or backs it up."""
         by_content = {p.phash: p for p in self.pages}
 
         def rank(p: _Page) -> tuple[int, int, int]:
@@ -514,39 +568,54 @@ class _PageTable:
             return (1, root.access, -depth)
 
         free = [p for p in self.pages if p.ref_count == 0]
-        page = min(free, key=lambda p: (p.phash in protected, *rank(p)))
-        if self.by_hash.get(page.phash) is page:
-            del self.by_hash[page.phash]
-        page.tokens, page.kv_position, page.prev_hash = [], 0, None
-        return page
+        return min(free, key=lambda p: (p.phash in protected, *rank(p)))
 
     def set_hash(self, page: _Page, h: Any) -> None:
         if self.by_hash.get(page.phash) is page:
             del self.by_hash[page.phash]
         page.phash = h
         if h[0] == "content":
+            assert self.by_hash.get(h) in (None, page), "two pages with one content hash"
             self.by_hash[h] = page
 
     def make_unique(self, page: _Page) -> None:
         self.unique += 1
         self.set_hash(page, ("unique", page.index, self.unique))
 
+    def clear(self, page: _Page) -> None:
+        """``CachePage.clear`` (``pagetable.py:178-188``): an unreferenced page loses its content."""
+        assert page.ref_count == 0
+        self.make_unique(page)
+        page.prev_hash, page.kv_position, page.tokens, page.can_revert = None, 0, [], False
+
     def allocate(self, page_hashes: list[Any], new_unique_pages: int) -> tuple[list[_Page], int]:
+        """``PageTable.allocate_pages`` (``pagetable.py:553-680``) without the CPU tier."""
         protected = set(page_hashes)
         out: list[_Page] = []
         for h in page_hashes:
+            tick = self._tick()
             page = self.by_hash.get(h)
-            if page is None:
-                page = self._evict(protected)
+            if page is not None:
+                # add_ref (pagetable.py:130-137)
+                page.access = max(tick, page.access)
+            else:
+                # add_ref_clear (pagetable.py:139-149)
+                page = self._next_evictable(protected)
                 self.set_hash(page, h)
+                page.tokens, page.kv_position, page.prev_hash = [], 0, None
+                page.access = tick
             page.ref_count += 1
-            page.access = self._tick()
+            page.can_revert = False
             out.append(page)
         for _ in range(new_unique_pages):
-            page = self._evict(protected)
+            tick = self._tick()
+            # add_ref_unique (pagetable.py:151-162)
+            page = self._next_evictable(protected)
+            page.backup()
             self.make_unique(page)
+            page.tokens, page.kv_position, page.prev_hash = [], 0, None
             page.ref_count += 1
-            page.access = self._tick()
+            page.access = tick
             # Link the first fresh page to a complete cached prefix (pagetable.py:640-646).
             if out and out[-1].kv_position == PAGE_SIZE:
                 page.prev_hash = out[-1].phash
@@ -559,8 +628,22 @@ class _PageTable:
         return out, cached
 
     def deallocate(self, pages: list[_Page]) -> None:
+        """``sub_ref`` per page (``pagetable.py:164-174``): the last release of a reserved page
+        nobody wrote restores its previous content, under a fresh hash if another page has
+        taken that content hash meanwhile."""
         for p in pages:
             p.ref_count -= 1
+            if p.ref_count or not p.can_revert:
+                continue
+            old = p.phash_revert
+            p.prev_hash, p.tokens = p.prev_hash_revert, p.tokens_revert
+            p.kv_position, p.access = p.kv_position_revert, p.access_revert
+            p.can_revert = False
+            if any(q.phash == old for q in self.pages if q is not p):
+                self.make_unique(p)
+                p.prev_hash = None
+            else:
+                self.set_hash(p, old)
 
 
 def _partial_strings_match(text: str, strings: Sequence[str]) -> int:
@@ -639,6 +722,7 @@ class Job:
         self.client_prompt: list[int] = rq.get("client_prompt", list(ids))
         self.kv_position = 0
         self.page_hashes: list[Any] = []
+        self.max_cached_pages: int | None = None
         self.new_unique_pages = 0
         self.allocated_pages: list[_Page] = []
         self.prefill_complete = False
@@ -719,7 +803,10 @@ class Job:
             h = _chain_hash(h, seq[i * PAGE_SIZE : (i + 1) * PAGE_SIZE])
             self.page_hashes.append(h)
         self.new_unique_pages = total - context_pages
-        total_pages = len(set(self.page_hashes)) + self.new_unique_pages
+        # MTP: the page holding the last prompt token is never reused, so that prefill runs at
+        # least one real token through the target model (job.py:1329-1333).
+        self.max_cached_pages = max(0, (len(seq) - 2) // PAGE_SIZE) if generator.mtp_draft else None
+        total_pages = len(set(self._reusable_hashes())) + self._fresh_pages()
         max_pages = generator.pagetable.max_pages
         assert total_pages <= max_pages, (
             f"Job requires {total_pages} pages (only {max_pages} available) and cannot "
@@ -732,10 +819,21 @@ class Job:
             self.full_completion = ""
         self.time_enqueue = time.time()
 
+    def _reusable_hashes(self) -> list[Any]:
+        """Prompt page hashes looked up at allocation (``pagetable.py:291-296``)."""
+        return (
+            self.page_hashes if self.max_cached_pages is None else self.page_hashes[: self.max_cached_pages]
+        )
+
+    def _fresh_pages(self) -> int:
+        """Pages taken without a lookup: new tokens plus prompt pages MTP leaves out."""
+        return self.new_unique_pages + len(self.page_hashes) - len(self._reusable_hashes())
+
     def current_new_pages_required(self) -> int:
+        """``job.py:1380-1388``."""
         pt = self.pagetable
         referenced = {p.phash for p in pt.pages if p.ref_count > 0}
-        return sum(1 for h in set(self.page_hashes) if h not in referenced) + self.new_unique_pages
+        return sum(1 for h in set(self._reusable_hashes()) if h not in referenced) + self._fresh_pages()
 
     @property
     def pagetable(self) -> _PageTable:
@@ -743,7 +841,7 @@ class Job:
         return self.generator.pagetable
 
     def allocate_pages(self) -> None:
-        self.allocated_pages, cached = self.pagetable.allocate(self.page_hashes, self.new_unique_pages)
+        self.allocated_pages, cached = self.pagetable.allocate(self._reusable_hashes(), self._fresh_pages())
         self.kv_position = cached * PAGE_SIZE
         self.cached_pages += cached
 
@@ -754,6 +852,27 @@ class Job:
 
     def is_prefill_done(self) -> bool:
         return self.kv_position == len(self.sequence_ids) - 1
+
+    def _hash_completed_page(self, index: int, h: Any) -> _Page:
+        """``Job.hash_completed_page`` (``job.py:652-697``): a referenced page already holding
+        ``h`` replaces this job's page; an unreferenced one is cleared. Returns the page now
+        at ``index``."""
+        pt = self.pagetable
+        page = self.allocated_pages[index]
+        other = pt.by_hash.get(h)
+        if other is not None and other is not page:
+            if other.ref_count > 0:
+                access = page.access
+                pt.deallocate([page])
+                other.ref_count += 1
+                other.access = max(access, other.access)
+                other.can_revert = False
+                self.allocated_pages[index] = other
+                return other
+            pt.clear(other)
+        pt.set_hash(page, h)
+        page.can_revert = False
+        return page
 
     # -- prefill (job.py:1391-1693)
 
@@ -774,6 +893,7 @@ class Job:
                     break
                 start = self.kv_position = (i + 1) * PAGE_SIZE
                 self.cached_pages += 1
+                pages[i].can_revert = False
             for i in range(start // PAGE_SIZE, p1):
                 if pages[i].kv_position == PAGE_SIZE:
                     end = i * PAGE_SIZE
@@ -794,11 +914,15 @@ class Job:
                             m += 1
                         if m > best:
                             best, best_page = m, page
+                    # MTP keeps one real prompt token for the target model (job.py:1476-1479).
+                    if gen.mtp_draft and end == len(seq) - 1:
+                        best = min(best, len(chunk) - 1)
                     if best_page is not None and best > 1:
                         target = pages[p0]
                         target.tokens = list(chunk[:best])
                         target.prev_hash = best_page.prev_hash
                         target.kv_position = best
+                        target.can_revert = False
                         start += best
                         self.kv_position += best
                         self.cached_tokens += best
@@ -808,13 +932,24 @@ class Job:
                     if model.fail_prefill is not None and model.fail_prefill(self.client_prompt):
                         raise RuntimeError(f"prefill failed for job {self.serial_number}")
                     self.kv_position = end
-                    for i in range(p0, min((end + PAGE_SIZE - 1) // PAGE_SIZE + 1, len(pages))):
+                    # Pages p0..end // PAGE_SIZE, the one after an aligned end included, reset to
+                    # position 0 (job.py:1463,1646-1662); hashing follows in a second pass, so a
+                    # page rebuilt in this chunk links to its predecessor's old hash (job.py:1664-1672).
+                    touched = range(p0, min(end // PAGE_SIZE + 1, len(pages)))
+                    for i in touched:
                         page = pages[i]
                         page.kv_position = min(max(end - i * PAGE_SIZE, 0), PAGE_SIZE)
                         page.tokens = list(seq[i * PAGE_SIZE : i * PAGE_SIZE + page.kv_position])
                         page.prev_hash = None if i == 0 else pages[i - 1].phash
-                        if page.kv_position == PAGE_SIZE and i < len(self.page_hashes):
-                            gen.pagetable.set_hash(page, self.page_hashes[i])
+                        page.can_revert = False
+                    for i in touched:
+                        page = pages[i]
+                        if (
+                            page.kv_position == PAGE_SIZE
+                            and i < len(self.page_hashes)
+                            and page.phash != self.page_hashes[i]
+                        ):
+                            self._hash_completed_page(i, self.page_hashes[i])
                     progress += end - start
                     if self.kv_position >= len(seq) - 1:
                         self.prefill_complete = True
@@ -856,12 +991,15 @@ class Job:
         page = self.allocated_pages[page_before]
         page.tokens.append(self.sequence_ids[self.kv_position])
         page.kv_position += 1
+        page.can_revert = False
         self.sequence_ids.append(token)
         self.kv_position += 1
         if self.kv_position // PAGE_SIZE > page_before:
-            gen.pagetable.set_hash(page, _chain_hash(page.prev_hash, page.tokens))
+            page = self._hash_completed_page(page_before, _chain_hash(page.prev_hash, page.tokens))
             if page_before + 1 < len(self.allocated_pages):
-                self.allocated_pages[page_before + 1].prev_hash = page.phash
+                nxt = self.allocated_pages[page_before + 1]
+                nxt.prev_hash = page.phash
+                nxt.can_revert = False
 
         def emit(
             emit_eos: bool = False,
@@ -888,7 +1026,7 @@ class Job:
                 r["requeue"] = True
             if emit_held:
                 if emit_eos and "\ufffd" in self.held_text and self.held_tokens:
-                    self.held_text = str(gen.tokenizer.decode(self.held_tokens))
+                    self.held_text = gen.tokenizer.decode(FakeTensor(self.held_tokens))[0]
                 if self.held_text != "":
                     self.full_completion += self.held_text
                     r["text"] = self.held_text
@@ -944,7 +1082,7 @@ class Job:
         if self.new_tokens >= self.max_new_tokens:
             return emit(emit_eos=True, emit_held=True, eos_reason="max_new_tokens")
         if "\ufffd" in self.held_text:
-            test = str(gen.tokenizer.decode(self.held_tokens))
+            test = gen.tokenizer.decode(FakeTensor(self.held_tokens))[0]
             if test.endswith("\ufffd") and len(test) <= self.stop_string_max_length + 20:
                 return emit()
             self.held_text = test
@@ -1052,6 +1190,7 @@ class Generator:
         self.max_total_tokens = PAGE_SIZE * self.pagetable.max_pages
         self.draft_model = draft_model
         self.draft_cache = draft_cache
+        self.mtp_draft = bool(draft_model is not None and draft_model.caps.get("mtp_draft", False))
         if draft_model:
             assert not ngram_match_min, "Cannot use both draft model and n-gram draft."
             assert draft_cache is not None, "Must supply cache for draft model"
@@ -1130,7 +1269,8 @@ class Generator:
             ):
                 skipped.append(job)
                 continue
-            if any(j.skips >= (j.max_skips or 0) for j in skipped):
+            # max_skips=None fails this comparison with TypeError in 1.6.5 too (generator.py:2196).
+            if any(j.skips >= j.max_skips for j in skipped):  # type: ignore[operator]
                 return
             for j in skipped:
                 j.skips += 1
@@ -1284,7 +1424,9 @@ def make_handle(
     cache = Cache(model, cache_tokens)
     draft_model = draft_cache = None
     if drafting in ("draft_model", "mtp"):
-        draft_model = Model(script=draft_script or script)
+        draft_model = Model(
+            component="text" if drafting == "draft_model" else "mtp", script=draft_script or script
+        )
         draft_cache = Cache(draft_model, cache_tokens)
     model.load()
     if draft_model is not None:
@@ -1309,7 +1451,7 @@ def make_handle(
         return tok.hf_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
     def decode(ids: list[int]) -> str:
-        return str(tok.decode(ids))
+        return str(tok.decode(FakeTensor(ids, flat=True)))
 
     return EngineHandle(
         generator=gen,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import struct
 import threading
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,49 @@ def test_repeated_prompt_reports_the_reused_prefix() -> None:
     assert progress(events, "second") == [n - 1, n]
     fin = finished(events, "second")
     assert type(fin.cached_tokens) is int and fin.cached_tokens == n - 1
+
+
+def test_prefix_survives_jobs_that_reserve_the_whole_cache() -> None:
+    # With output chunking (max_rq_tokens 2048) every job below reserves all 8 pages of a
+    # 2048-token cache but writes only its prompt's pages and a few generated tokens; 1.6.5
+    # gives the unwritten reservations back with their old content (pagetable.py:164-174).
+    n_a, n_b = 600, 11
+    backend, rec = make_backend(script=fx.reply("Hi"), cache_tokens=2048, max_chunk_size=256)
+    backend.add(raw("a1", _letters(n_a), max_tokens=4))
+    run(backend)
+    backend.add(raw("b1", "z" * (n_b - 1), max_tokens=4))
+    backend.step()
+    (job,) = rec.inner.active_jobs
+    assert len(job.allocated_pages) == 2048 // PAGE_SIZE
+    run(backend)
+    backend.add(raw("a2", _letters(n_a), max_tokens=4))
+    events = run(backend)
+    # The two whole pages come back by hash. The partial third page does not: a2's own
+    # reservation takes it as a fresh page, which zeroes its position (pagetable.py:162),
+    # and the token-level match reads only up to a page's position (job.py:1472).
+    assert of(events, "a2")[0] == Started("a2", n_a, 2 * PAGE_SIZE)
+    assert finished(events, "a2").cached_tokens == 2 * PAGE_SIZE
+
+
+def test_partial_prompt_page_survives_a_job_that_reserved_it() -> None:
+    # Without output chunking only b1 (large max_tokens) reserves the whole cache; a2 needs
+    # three pages and takes an empty one for its third, so a1's partial page is matchable.
+    n_a, n_b = 600, 11
+    cfg = dataclasses.replace(CFG, output_chunking=False)
+    backend, rec = make_backend(cfg, script=fx.reply("Hi"), cache_tokens=2048, max_chunk_size=256)
+    backend.add(raw("a1", _letters(n_a), max_tokens=4))
+    run(backend)
+    backend.add(raw("b1", "z" * (n_b - 1), max_tokens=2000))
+    backend.step()
+    (job,) = rec.inner.active_jobs
+    assert len(job.allocated_pages) == 2048 // PAGE_SIZE
+    run(backend)
+    backend.add(raw("a2", _letters(n_a), max_tokens=4))
+    events = run(backend)
+    # whole pages by hash plus the token-level match inside the partial page: all but the
+    # last prompt token, which decode feeds
+    assert of(events, "a2")[0] == Started("a2", n_a, n_a - 1)
+    assert finished(events, "a2").cached_tokens == n_a - 1
 
 
 def test_fully_cached_prompt_without_engine_prefill_still_gets_progress() -> None:
@@ -296,6 +340,11 @@ def test_engine_assertion_on_enqueue_becomes_context_length_exceeded() -> None:
         ({"min_tokens": 9, "max_tokens": 5}, "min_tokens"),
         ({"logit_bias": {fx.VOCAB_SIZE: 1.0}}, "logit_bias"),
         ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+        ({"logit_bias": {5: float("inf")}}, "logit_bias"),
+        # finite, but past float32: LogitBias would drop it without a word
+        ({"logit_bias": {5: 1e300}}, "logit_bias"),
+        ({"logit_bias": {5: -1e300}}, "logit_bias"),
+        ({"logit_bias": {5: 3.5e38}}, "logit_bias"),
         ({"stop_token_ids": (-1,)}, "stop_token_ids"),
     ],
 )
@@ -305,6 +354,16 @@ def test_parameters_the_engine_cannot_honour_are_rejected(params: dict[str, Any]
         backend.add(raw("a", "x", **params))
     assert e.value.code is ErrorCode.INVALID_REQUEST and e.value.param == param
     assert rec.num_remaining_jobs() == 0
+
+
+def test_logit_bias_at_the_float32_limits_and_minus_inf_reach_the_sampler() -> None:
+    # largest finite float32: sign 0, exponent 254, mantissa all ones
+    (f32_max,) = struct.unpack("<f", (0x7F7FFFFF).to_bytes(4, "little"))
+    bias = {5: f32_max, 6: -f32_max, 7: float("-inf"), 8: 2.5}
+    backend, rec = make_backend()
+    backend.add(raw("a", "x", logit_bias=bias))
+    (job,) = rec.inner.pending_jobs
+    assert job.sampler.settings["logit_bias"] == bias
 
 
 def test_chat_template_failure_is_invalid_request() -> None:

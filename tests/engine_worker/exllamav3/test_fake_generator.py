@@ -145,3 +145,116 @@ def test_incomplete_utf8_is_held_until_complete() -> None:
     g.enqueue(_job(_prompt(3)))
     texts = [r.get("text") for r in _drain(g) if r["stage"] == "streaming"]
     assert texts == [None, None, "日", None]
+
+
+# ------------------------------------------------------------------ page reservations
+
+
+def _filled(pt: fx._PageTable, tokens: list[int]) -> fx._Page:
+    """Put one complete prompt page into the table, as a finished job leaves it."""
+    h = fx._chain_hash(None, tokens)
+    (page,), cached = pt.allocate([h], 0)
+    assert cached == 0
+    page.tokens, page.kv_position = list(tokens), fx.PAGE_SIZE
+    pt.deallocate([page])
+    return page
+
+
+def test_unwritten_reservation_gives_the_page_back() -> None:
+    pt = fx._PageTable(2)
+    tokens = list(range(fx.PAGE_SIZE))
+    page = _filled(pt, tokens)
+    h = page.phash
+    pages, _ = pt.allocate([], 2)
+    assert page in pages and page.kv_position == 0 and h not in pt.by_hash
+    pt.deallocate(pages)
+    assert pt.by_hash[h] is page and page.kv_position == fx.PAGE_SIZE and page.tokens == tokens
+    again, cached = pt.allocate([h], 0)
+    assert again == [page] and cached == 1
+
+
+def test_written_reservation_keeps_what_was_written() -> None:
+    g = _gen(cache_tokens=2 * fx.PAGE_SIZE, script=fx.reply("ok"))
+    page = _filled(g.pagetable, list(range(fx.PAGE_SIZE)))
+    old = page.phash
+    g.enqueue(_job(_prompt(300), max_new_tokens=2))
+    _drain(g)
+    # the prompt's second page went where the old content was: the job wrote it
+    assert old not in g.pagetable.by_hash and not page.can_revert
+    assert page.kv_position == 300 - fx.PAGE_SIZE + 1 and page.tokens[0] == _prompt(300)[fx.PAGE_SIZE]
+
+
+def test_restored_page_whose_hash_was_taken_meanwhile_gets_a_fresh_one() -> None:
+    pt = fx._PageTable(2)
+    tokens = list(range(fx.PAGE_SIZE))
+    page = _filled(pt, tokens)
+    h = page.phash
+    reserved, _ = pt.allocate([], 2)
+    assert page in reserved
+    # another job rebuilds the same content in the other page while this one is reserved
+    other = next(p for p in pt.pages if p is not page)
+    pt.set_hash(other, h)
+    other.kv_position = fx.PAGE_SIZE
+    pt.deallocate([page])
+    assert pt.by_hash[h] is other and page.phash != h and page.prev_hash is None
+    assert page.kv_position == fx.PAGE_SIZE  # content back, under a hash nobody looks up
+
+
+def test_prefill_leaves_the_page_after_a_mid_page_end_alone() -> None:
+    # A prompt of 11 tokens prefills positions 0..9: pages 0..10 // 256 = 0 only
+    # (job.py:1463,1646). The job's second page is a reservation over cached content and
+    # must come back when the job ends.
+    g = _gen(cache_tokens=2 * fx.PAGE_SIZE, script=fx.reply("ok"))
+    page = _filled(g.pagetable, [0x7A] * fx.PAGE_SIZE)
+    h = page.phash
+    job = _job(_prompt(11), max_new_tokens=300)
+    g.enqueue(job)
+    g.iterate()
+    assert page in job.allocated_pages and job.allocated_pages.index(page) == 1
+    _drain(g)
+    assert g.pagetable.by_hash.get(h) is page and page.kv_position == fx.PAGE_SIZE
+
+
+@pytest.mark.parametrize("max_skips", [None, 4])
+def test_max_skips_none_fails_like_1_6_5_once_a_job_is_skipped(max_skips: int | None) -> None:
+    g = _gen(cache_tokens=4 * fx.PAGE_SIZE, script=fx.reply("a" * 50))
+    g.enqueue(_job(_prompt(10), max_new_tokens=700))  # 3 of the 4 pages
+    g.iterate()
+    big = _job(_prompt(10), max_new_tokens=300, max_skips=max_skips)  # 2 pages: waits
+    small = _job(_prompt(5), max_new_tokens=10)  # 1 page: would start past it
+    g.enqueue(big)
+    g.enqueue(small)
+    if max_skips is None:
+        with pytest.raises(TypeError):
+            g.iterate()
+    else:
+        g.iterate()
+        assert small in g.active_jobs and big in g.pending_jobs and big.skips == 1
+
+
+def test_decode_drops_every_eos_and_out_of_vocab_id_and_wants_a_tensor() -> None:
+    tok = fx.Tokenizer()
+    ids = [0x61, fx.EOS, 0x62, fx.VOCAB_SIZE + 5, fx.IM_END, 0x63]
+    assert tok.decode(fx.FakeTensor(ids, flat=True)) == "abc"
+    assert tok.decode(fx.FakeTensor(ids)) == ["abc"]
+    assert tok.decode(fx.FakeTensor([0x61, fx.EOS], flat=True), decode_special_tokens=True) == "a</s>"
+    with pytest.raises(AssertionError, match="Tensor"):
+        tok.decode([0x61, 0x62])
+
+
+@pytest.mark.parametrize(("drafting", "cached"), [(None, fx.PAGE_SIZE), ("mtp", fx.PAGE_SIZE - 1)])
+def test_mtp_never_reuses_the_page_of_the_last_prompt_token(drafting: str | None, cached: int) -> None:
+    # 257 tokens: one complete prompt page, then the last token. MTP leaves that page out of
+    # the reusable prefix (job.py:1329-1333) and keeps one real token out of the token-level
+    # match (job.py:1476-1479), so a repeat reuses 255 tokens instead of the page.
+    g = _gen(script=fx.reply("ok"), drafting=drafting)
+    prompt = _prompt(fx.PAGE_SIZE + 1)
+    g.enqueue(_job(prompt))
+    _drain(g)
+    g.enqueue(_job(prompt))
+    out = _drain(g)
+    (fin,) = [r for r in out if r["eos"]]
+    assert fin["cached_tokens"] == cached
+    # the rebuilt page took the content hash; the stale copy was cleared (job.py:678-682)
+    full = [p for p in g.pagetable.pages if p.content_hashed and p.kv_position == fx.PAGE_SIZE]
+    assert len(full) == 1 and g.pagetable.by_hash[full[0].phash] is full[0]

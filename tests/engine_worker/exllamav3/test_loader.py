@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -105,6 +106,60 @@ def test_draft_model_is_loaded_first_with_its_own_cache_mode(tmp_path: Path, fak
     assert backend.info.drafting == "draft_model"
     # cache_size given, max_seq_len not: the model's context, capped by the cache (TabbyAPI)
     assert backend.info.max_context_tokens == 2048
+
+
+def test_draft_model_without_its_own_split_is_placed_automatically(
+    tmp_path: Path, fake_exl3: list[str]
+) -> None:
+    # use_per_device counts on top of what is already allocated (model/model.py:522-526): the
+    # main split reused for the drafter would let both together take about twice of it.
+    cfg = ExLlamaV3Config(
+        model_dir=_model_dir(tmp_path, "big"),
+        draft_mode=DraftMode.DRAFT_MODEL,
+        draft_model_dir=_model_dir(tmp_path, "small"),
+        gpu_split=(10, 12),
+        warmup=False,
+    )
+    g = _gen(loader.build_backend(cfg))
+    assert g.draft_model is not None
+    assert g.draft_model.load_calls[0]["use_per_device"] is None
+    assert g.model.load_calls[0]["use_per_device"] == [10.0, 12.0]
+
+
+def test_moe_cpu_hosts_are_started_after_each_load(
+    tmp_path: Path, fake_exl3: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Model.load() starts them after draining load_gen (model/model.py:767-772); the loader
+    # drains load_gen itself, so it must do the same.
+    started: list[tuple[str, bool]] = []
+
+    class Host:
+        def __init__(self, model: fx.Model) -> None:
+            self.model = model
+
+        def ensure_started(self) -> None:
+            started.append((self.model.component, self.model.loaded))
+
+    real = fx.Model.from_config
+
+    def from_config(config: fx.Config, component: str = "text") -> fx.Model:
+        model = real(config, component)
+        setattr(config, "moe_cpu_hosts", {component: Host(model)})  # noqa: B010
+        return model
+
+    monkeypatch.setattr(fx.Model, "from_config", staticmethod(from_config))
+    loader.load_engine(ExLlamaV3Config(model_dir=_model_dir(tmp_path, "moe"), warmup=False))
+    assert started == [("text", True)]
+
+
+def test_failed_warmup_passes_are_logged(
+    tmp_path: Path, fake_exl3: list[str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(fx.Model, "warmup_failures", ("gemm bsz 8", "attn long"))
+    with caplog.at_level(logging.WARNING, logger=loader.__name__):
+        loader.load_engine(ExLlamaV3Config(model_dir=_model_dir(tmp_path, "m")))
+    (rec,) = [r for r in caplog.records if "warmup" in r.getMessage()]
+    assert rec.levelno == logging.WARNING and "gemm bsz 8, attn long" in rec.getMessage()
 
 
 def test_mtp_uses_the_models_own_head(tmp_path: Path, fake_exl3: list[str]) -> None:
