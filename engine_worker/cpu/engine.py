@@ -207,12 +207,17 @@ class CpuBackend:
             self._release(req, keep_kv=True)
 
     def step(self) -> list[Event]:
-        """One forward pass per active request; the events produced, in order."""
+        """One forward pass per active request; the events produced, in order.
+
+        A step that admits new requests (prefix-cache lookup, ``Started`` and the
+        first ``PrefillProgress``) runs no forward pass, so those events reach the
+        client at once instead of after a prefill chunk of every request."""
         if not self._requests:
             return []
         events: list[Event] = []
         with torch.inference_mode():
-            for req in list(self._requests.values()):
+            waiting = [r for r in self._requests.values() if r.kv is None]
+            for req in waiting or list(self._requests.values()):
                 try:
                     self._advance(req, events)
                 except Exception as exc:  # one request's failure must not end the others
@@ -330,7 +335,7 @@ class CpuBackend:
     def _advance(self, req: _Request, events: list[Event]) -> None:
         if req.kv is None:
             self._start(req, events)
-        if req.processed < req.prompt_len:
+        elif req.processed < req.prompt_len:
             self._prefill_chunk(req, events)
         else:
             self._decode(req, events)

@@ -182,8 +182,11 @@ def test_abort_mid_prefill_frees_and_keeps_valid_prefix(tiny, tokenizer, make_ba
     prompt = words(12)
     n = len(ids(tokenizer, prompt))
     backend.add(raw("a", prompt))
+    events = backend.step()  # admission: no forward pass yet
+    assert [type(e) for e in events] == [Started, PrefillProgress]
+    assert events[-1].processed == 0
     events = backend.step()
-    assert [type(e) for e in events] == [Started, PrefillProgress, PrefillProgress]
+    assert [type(e) for e in events] == [PrefillProgress]
     assert events[-1].processed == 16
     backend.abort("a")
     assert backend.num_active() == 0
@@ -201,6 +204,7 @@ def test_abort_mid_decode_then_next_turn_counts(scripted, tokenizer, make_backen
     backend = make_backend(scripted)
     backend.add(raw("a", prompt, max_tokens=50))
     produced = 0
+    assert not any(isinstance(e, TokenDelta) for e in backend.step())  # admission
     for _ in range(3):  # prefill + first token, then one token per step
         produced += sum(e.num_tokens for e in backend.step() if isinstance(e, TokenDelta))
     assert produced == 3
