@@ -58,7 +58,9 @@ class InvalidRequest(ProxyError):
 
 
 class ContextLengthExceeded(InvalidRequest):
-    """The prompt (plus ``max_tokens``) does not fit the model's context (400)."""
+    """The prompt alone does not fit the model's context (400). A ``max_tokens``
+    reaching past the context is not an error: generation stops at the context
+    end with ``finish_reason: "length"``, as llama.cpp's server does."""
 
     default_code = "context_length_exceeded"
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Annotated, TypeVar
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
@@ -52,29 +52,38 @@ class ChatMessageIn(msgspec.Struct, kw_only=True):
     """One chat turn as clients send it; ``content`` may be a string, a list of
     text parts, or ``null`` (an assistant turn that only called tools)."""
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
 
 
 _Prob = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+# Token counts and ids travel as MessagePack integers and are used as tensor
+# indices: anything beyond int32 is a client error, not an overflow in the worker.
+_INT32_MAX = 2**31 - 1
+_Count = Annotated[int, msgspec.Meta(ge=1, le=_INT32_MAX)]
+_TokenId = Annotated[int, msgspec.Meta(ge=0, le=_INT32_MAX)]
+_Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+GREEDY_BELOW_TEMPERATURE = 1e-5
+"""Temperatures below this sample greedily: dividing logits by them overflows."""
 _Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):
     model: str | None = None
-    max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    max_tokens: _Count | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, msgspec.Meta(ge=-1)] | None = None
+    top_k: Annotated[int, msgspec.Meta(ge=-1, le=_INT32_MAX)] | None = None
     min_p: _Prob | None = None
-    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    # Multiplicative: below ~0.01 it scales logits past float32's range.
+    repetition_penalty: Annotated[float, msgspec.Meta(ge=0.01, le=100.0)] | None = None
     presence_penalty: _Penalty | None = None
     frequency_penalty: _Penalty | None = None
-    seed: int | None = None
+    seed: _Seed | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, msgspec.Meta(ge=0)]] | None = None
+    stop_token_ids: list[_TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=_INT32_MAX)] = 0
     logit_bias: dict[str, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]] | None = None
     n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
     stream: bool = False
@@ -110,7 +119,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     deprecated ``max_tokens``."""
 
     messages: list[ChatMessageIn]
-    max_completion_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    max_completion_tokens: _Count | None = None
     add_generation_prompt: bool = True
 
     def completion_limit(self) -> int | None:
@@ -151,6 +160,8 @@ def _decode(body: bytes, cls: type[_R]) -> _R:
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as e:
         raise InvalidRequest(f"Request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidRequest("Request body is not valid JSON: nested too deeply") from None
     if not isinstance(raw, dict):
         raise InvalidRequest(f"Request body must be a JSON object, got {type(raw).__name__}")
     # OpenAI treats a top-level null as "not given"; clients send e.g. "n": null.
@@ -227,22 +238,31 @@ def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
             raise InvalidRequest(
                 f"'logit_bias' keys must be token ids (integers as strings), got {key!r}", param="logit_bias"
             ) from None
-        if token < 0:
-            raise InvalidRequest(f"'logit_bias' token ids must be >= 0, got {token}", param="logit_bias")
+        if not 0 <= token <= _INT32_MAX:
+            raise InvalidRequest(
+                f"'logit_bias' token ids must be in 0..{_INT32_MAX}, got {token}", param="logit_bias"
+            )
         out[token] = value
     return out
+
+
+def _temperature(t: float | None) -> float:
+    if t is None:
+        return 1.0
+    return 0.0 if t < GREEDY_BELOW_TEMPERATURE else t
 
 
 def sampling_params(req: _SamplingFields, max_context_tokens: int) -> SamplingParams:
     """Wire sampling parameters. An absent completion limit becomes
     ``max_context_tokens`` (the worker stops at the end of the context);
-    ``top_k == -1`` (vLLM's "disabled") becomes 0; empty stop strings are dropped.
+    ``top_k == -1`` (vLLM's "disabled") becomes 0; a temperature below
+    ``GREEDY_BELOW_TEMPERATURE`` becomes 0 (greedy); empty stop strings are dropped.
     Raises ``InvalidRequest`` for a bad ``logit_bias`` key."""
     limit = req.completion_limit()
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     return SamplingParams(
         max_tokens=limit if limit is not None else max_context_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
+        temperature=_temperature(req.temperature),
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=0 if req.top_k is None or req.top_k == -1 else req.top_k,
         min_p=0.0 if req.min_p is None else req.min_p,
@@ -264,6 +284,10 @@ def choice_request_ids(request_id: str, n: int) -> list[str]:
     return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
 
 
+def _wrap_int64(x: int) -> int:
+    return (x + 2**63) % 2**64 - 2**63
+
+
 def to_submits(
     req: ChatCompletionRequest | CompletionRequest, request_id: str, max_context_tokens: int
 ) -> list[Submit]:
@@ -274,7 +298,10 @@ def to_submits(
     base = sampling_params(req, max_context_tokens)
     ids = choice_request_ids(request_id, req.n)
     seed = base.seed
-    params = [base if seed is None else msgspec.structs.replace(base, seed=seed + i) for i in range(len(ids))]
+    params = [
+        base if seed is None else msgspec.structs.replace(base, seed=_wrap_int64(seed + i))
+        for i in range(len(ids))
+    ]
     if isinstance(req, ChatCompletionRequest):
         messages = chat_messages(req)
         return [

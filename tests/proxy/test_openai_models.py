@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -193,3 +194,42 @@ def test_top_level_nulls_mean_not_given() -> None:
     with pytest.raises(InvalidRequest) as info:
         parse_chat_request(b'{"messages": null}')
     assert info.value.param == "messages"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        # Values that validate as JSON numbers but cannot travel to the worker as
+        # MessagePack ints or be used as token indices.
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"max_tokens": 2**64}, "max_tokens"),
+        ({"max_completion_tokens": 2**31}, "max_completion_tokens"),
+        ({"stop_token_ids": [2**64]}, "stop_token_ids[0]"),
+        ({"logit_bias": {str(2**70): 1}}, "logit_bias"),
+        ({"repetition_penalty": 1e-40}, "repetition_penalty"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user\u0000", "content": "hi"}]}, "messages[0].role"),
+    ],
+)
+def test_out_of_range_values_are_invalid_requests(fields: dict[str, Any], param: str) -> None:
+    body = json.dumps({"messages": MSGS, **fields}).encode()  # orjson refuses ints beyond 64 bits
+    with pytest.raises(InvalidRequest) as e:
+        req = parse_chat_request(body)
+        to_submits(req, "c", 100)
+    assert e.value.param == param
+
+
+def test_deeply_nested_json_is_invalid_json_not_a_crash() -> None:
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with pytest.raises(InvalidRequest, match="not valid JSON"):
+        parse_chat_request(body)
+
+
+def test_tiny_temperature_is_greedy_and_int64_seeds_wrap_per_choice() -> None:
+    (s,) = to_submits(parse_chat_request(chat(temperature=1e-300)), "c", 100)
+    assert s.params.temperature == 0.0
+    (s,) = to_submits(parse_chat_request(chat(temperature=0.5)), "c", 100)
+    assert s.params.temperature == 0.5
+    subs = to_submits(parse_chat_request(chat(n=2, seed=2**63 - 1)), "c", 100)
+    assert [x.params.seed for x in subs] == [2**63 - 1, -(2**63)]
