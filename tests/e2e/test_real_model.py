@@ -7,6 +7,7 @@ import os
 import signal
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -374,3 +375,45 @@ def test_killed_worker_fails_requests_cleanly_and_comes_back(
         assert ok.status_code == 200
     finally:
         stop_server(srv)
+
+
+def test_worker_and_proxy_as_separate_processes_over_tcp(tmp_path: Any) -> None:
+    """The two-container pod: ``exl3-sidecar worker`` and ``exl3-sidecar proxy``
+    started apart, talking over tcp:// loopback; the proxy process never maps torch."""
+    import subprocess
+    import sys
+
+    from tests.e2e.conftest import _free_port
+
+    in_addr, out_addr = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXL3_SIDECAR_")}
+    env |= {"EXL3_SIDECAR_INPUT_ADDR": in_addr, "EXL3_SIDECAR_OUTPUT_ADDR": out_addr}
+    cli = [sys.executable, "-m", "proxy.cli"]
+    with (tmp_path / "worker.log").open("wb") as wlog, (tmp_path / "proxy.log").open("wb") as plog:
+        # The proxy first: it must wait, not ready, until a worker appears.
+        proxy = subprocess.Popen(
+            [*cli, "proxy", "--host", "127.0.0.1", "--port", str(port)], stdout=plog, stderr=plog, env=env
+        )
+        worker = subprocess.Popen([*cli, "worker"], stdout=wlog, stderr=wlog, env=env)
+    srv = Server(proxy, f"http://127.0.0.1:{port}", tmp_path / "proxy.log")
+    try:
+        srv.wait_ready(120)
+        r = httpx.post(
+            srv.base_url + "/v1/chat/completions", json=chat_body("Say OK", max_tokens=3), timeout=60
+        )
+        assert r.status_code == 200
+        assert r.json()["usage"]["completion_tokens"] <= 3
+        proxy_maps = Path(f"/proc/{proxy.pid}/maps").read_text()
+        worker_maps = Path(f"/proc/{worker.pid}/maps").read_text()
+        assert "libtorch" not in proxy_maps and "libtorch" in worker_maps
+    finally:
+        for p in (worker, proxy):
+            p.send_signal(signal.SIGTERM)
+        for p in (worker, proxy):
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    assert worker.returncode == 0 and proxy.returncode == 0
