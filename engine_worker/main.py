@@ -29,7 +29,15 @@ def run_worker(config: LoopConfig, make_backend: Callable[[], Backend]) -> None:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    backend = make_backend()
+    try:
+        backend = make_backend()
+    except Exception as e:
+        # A missing model, GPU or package is an operator error: one clear line,
+        # the traceback only at debug level, and a failing exit status so a
+        # supervisor (Kubernetes, ``serve``) reports and retries it.
+        log.debug("model load failed", exc_info=True)
+        log.error("worker: cannot load the model: %s: %s", type(e).__name__, e)
+        raise SystemExit(1) from None
     info = backend.info
     sockets = WorkerSockets(config.input_addr, config.output_addr)
     log.info(

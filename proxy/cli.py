@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -417,9 +418,12 @@ def _worker_env(p: dict[str, Any], input_addr: str, output_addr: str) -> dict[st
 
 
 async def _supervise_worker(env: dict[str, str], stopping: asyncio.Event) -> None:
-    """Keep a worker subprocess running; restart it (after a pause) if it dies,
-    the way a Kubernetes pod would. Its requests fail cleanly in the proxy."""
+    """Keep a worker subprocess running; restart it if it dies, the way a
+    Kubernetes pod would, backing off from 2 s to 30 s while it keeps failing
+    fast (a bad model path). Its requests fail cleanly in the proxy."""
+    backoff = 2.0
     while True:
+        started = time.monotonic()
         proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "proxy.cli", "worker", env=env)
         try:
             rc = await proc.wait()
@@ -434,8 +438,9 @@ async def _supervise_worker(env: dict[str, str], stopping: asyncio.Event) -> Non
             raise
         if stopping.is_set():
             return
-        log.error("worker exited with code %s; restarting in 2 s", rc)
-        await asyncio.sleep(2)
+        backoff = 2.0 if time.monotonic() - started > 60 else min(backoff * 2, 30.0)
+        log.error("worker exited with code %s; restarting in %.0f s", rc, backoff)
+        await asyncio.sleep(backoff)
 
 
 @main.command()
