@@ -421,7 +421,7 @@ async def _supervise_worker(env: dict[str, str], stopping: asyncio.Event) -> Non
     """Keep a worker subprocess running; restart it if it dies, the way a
     Kubernetes pod would, backing off from 2 s to 30 s while it keeps failing
     fast (a bad model path). Its requests fail cleanly in the proxy."""
-    backoff = 2.0
+    backoff = 1.0
     while True:
         started = time.monotonic()
         proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "proxy.cli", "worker", env=env)
