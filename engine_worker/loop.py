@@ -88,6 +88,16 @@ class EngineLoop:
             except RequestRejected as e:
                 pending.append(RequestError(msg.request_id, e.code, e.message, e.param))
                 return
+            except Exception as e:
+                # A bug or an engine fault admitting one request must not take
+                # the worker (and every other request) down.
+                log.exception("admitting %s failed", msg.request_id)
+                pending.append(
+                    RequestError(
+                        msg.request_id, ErrorCode.INTERNAL, f"admission failed: {type(e).__name__}: {e}"
+                    )
+                )
+                return
             self._active.add(msg.request_id)
         elif isinstance(msg, Abort):
             for rid in msg.request_ids:

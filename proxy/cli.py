@@ -424,7 +424,11 @@ async def _supervise_worker(env: dict[str, str], stopping: asyncio.Event) -> Non
     backoff = 1.0
     while True:
         started = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "proxy.cli", "worker", env=env)
+        # A session of its own: Ctrl-C in the terminal reaches only serve, which
+        # drains in-flight requests before it stops the worker.
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "proxy.cli", "worker", env=env, start_new_session=True
+        )
         try:
             rc = await proc.wait()
         except asyncio.CancelledError:

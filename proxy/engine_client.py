@@ -62,6 +62,9 @@ from proxy.errors import (
 
 log = logging.getLogger(__name__)
 
+# Request ids already sent an Abort for as orphans (see ``_route``).
+_ORPHAN_MEMORY = 4096
+
 SEND_HWM = 10_000
 """Messages the proxy's PUSH socket queues before sends fail with EAGAIN (503)."""
 
@@ -232,6 +235,7 @@ class ZmqEngineClient:
         self._ready = False
         self._worker: Ready | None = None
         self._worker_active: int | None = None
+        self._orphans_aborted: set[str] = set()
         self._routes: dict[str, RequestStream] = {}
         self._last_rx = 0.0
         self._last_hello = -float("inf")
@@ -341,7 +345,12 @@ class ZmqEngineClient:
     def abort(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self._routes.pop(rid, None)
-        if request_ids and not self._send(Abort(tuple(request_ids))):
+        if not request_ids:
+            return
+        if self._send(Abort(tuple(request_ids))):
+            self._orphans_aborted.update(request_ids)  # late events need no second Abort
+        else:
+            # Not lost for good: the request's next event will resend it (``_route``).
             log.debug("abort of %s not sent: worker not connected", ", ".join(request_ids))
 
     def _send(self, msg: ProxyMessage) -> bool:
@@ -413,6 +422,7 @@ class ZmqEngineClient:
         self._ready = True
 
     def _route(self, events: list[Event]) -> None:
+        orphans: list[str] = []
         for ev in events:
             rid = ev.request_id
             if rid is None:  # a RequestError of the whole worker
@@ -425,10 +435,28 @@ class ZmqEngineClient:
                 continue
             stream = self._routes.get(rid)
             if stream is None:
-                continue  # aborted, or owned by a request that already failed
+                # Aborted, owned by a request that already failed, or left over
+                # from before a proxy restart. A request still producing events
+                # is still using the engine: (re)send its Abort, once per id, so
+                # an orphan never runs to max_tokens (a lost Abort included).
+                if not isinstance(ev, Finished | RequestError):
+                    orphans.append(rid)
+                continue
             stream.put(ev)
             if isinstance(ev, Finished | RequestError):
                 del self._routes[rid]
+
+        if orphans:
+            self._abort_orphans(orphans)
+
+    def _abort_orphans(self, ids: list[str]) -> None:
+        fresh = [rid for rid in dict.fromkeys(ids) if rid not in self._orphans_aborted]
+        if fresh and self._send(Abort(tuple(fresh))):
+            log.info("aborting %d engine request(s) no client waits for: %s", len(fresh), ", ".join(fresh))
+            # Bounded memory: only recent ids matter, late events stop soon after.
+            if len(self._orphans_aborted) > _ORPHAN_MEMORY:
+                self._orphans_aborted.clear()
+            self._orphans_aborted.update(fresh)
 
     # ------------------------------------------------------------- tasks
 
@@ -453,6 +481,11 @@ class ZmqEngineClient:
             elif isinstance(msg, Heartbeat):
                 if msg.worker_id == self._worker_id():
                     self._worker_active = msg.active_requests
+                elif self._ready:
+                    # Another worker process speaks on our socket: ours restarted and
+                    # its Ready was lost before we reconnected. Our requests died with
+                    # the old process; handshake again with the new one.
+                    self._declare_dead(f"worker {msg.worker_id} replaced {self._worker_id()}")
                 else:
                     log.debug("heartbeat from worker %s before its Ready", msg.worker_id)
 

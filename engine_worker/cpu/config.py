@@ -34,6 +34,10 @@ class CpuEngineConfig:
     - ``ngram_match_min`` / ``ngram_match_max``: n-gram lengths (tokens) looked up
       in the prompt and output, longest first.
     - ``num_threads``: torch intra-op threads; ``None`` keeps torch's default.
+    - ``step_budget_s``: seconds after which a step stops advancing further
+      requests (each request still gets its turn, round-robin); bounds how long
+      heartbeats and aborts wait when many requests are in flight. 0 advances one
+      request per step.
 
     Raises ``ValueError`` naming the setting when a value is out of range.
     """
@@ -49,6 +53,7 @@ class CpuEngineConfig:
     ngram_match_min: int = 2
     ngram_match_max: int = 4
     num_threads: int | None = None
+    step_budget_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -66,5 +71,7 @@ class CpuEngineConfig:
                 "need 1 <= ngram_match_min <= ngram_match_max, got "
                 f"{self.ngram_match_min} and {self.ngram_match_max}"
             )
+        if self.step_budget_s < 0:
+            raise ValueError(f"step_budget_s must be >= 0, got {self.step_budget_s}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 or None, got {self.num_threads}")

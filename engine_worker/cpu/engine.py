@@ -126,6 +126,7 @@ class CpuBackend:
         self._end_ids = self._find_end_ids()
         self._prefix_cache = PrefixCache(config.prefix_cache_mb * 2**20)
         self._requests: dict[str, _Request] = {}
+        self._next_turn = 0  # round-robin position for steps cut by step_budget_s
         self._info = ModelInfo(
             model_id=loaded.model_id,
             max_context_tokens=self._max_context,
@@ -207,31 +208,53 @@ class CpuBackend:
             self._release(req, keep_kv=True)
 
     def step(self) -> list[Event]:
-        """One forward pass per active request; the events produced, in order.
+        """One forward pass per active request, within a time budget; the events
+        produced, in order.
 
         A step that admits new requests (prefix-cache lookup, ``Started`` and the
         first ``PrefillProgress``) runs no forward pass, so those events reach the
-        client at once instead of after a prefill chunk of every request."""
+        client at once instead of after a prefill chunk of every request.
+
+        Otherwise requests are advanced round-robin until ``step_budget_s`` has
+        passed: with many requests in flight a step still ends within about one
+        forward pass of the budget, so the worker loop keeps sending heartbeats
+        and handling aborts, and the next step resumes with the request after the
+        last one advanced."""
         if not self._requests:
             return []
         events: list[Event] = []
         with torch.inference_mode():
             waiting = [r for r in self._requests.values() if r.kv is None]
-            for req in waiting or list(self._requests.values()):
-                try:
-                    self._advance(req, events)
-                except Exception as exc:  # one request's failure must not end the others
-                    logger.exception("request %s failed", req.request_id)
-                    if self._requests.pop(req.request_id, None) is not None:
-                        self._release(req, keep_kv=False)
-                    events.append(
-                        RequestError(
-                            request_id=req.request_id,
-                            code=ErrorCode.INTERNAL,
-                            message=f"CPU engine error: {type(exc).__name__}: {exc}",
-                        )
-                    )
+            if waiting:
+                for req in waiting:
+                    self._guarded_advance(req, events)
+                return events
+            order = list(self._requests.values())
+            start = self._next_turn % len(order)
+            t0 = time.perf_counter()
+            advanced = 0
+            for req in order[start:] + order[:start]:
+                self._guarded_advance(req, events)
+                advanced += 1
+                if time.perf_counter() - t0 >= self._config.step_budget_s:
+                    break
+            self._next_turn = start + advanced
         return events
+
+    def _guarded_advance(self, req: _Request, events: list[Event]) -> None:
+        try:
+            self._advance(req, events)
+        except Exception as exc:  # one request's failure must not end the others
+            logger.exception("request %s failed", req.request_id)
+            if self._requests.pop(req.request_id, None) is not None:
+                self._release(req, keep_kv=False)
+            events.append(
+                RequestError(
+                    request_id=req.request_id,
+                    code=ErrorCode.INTERNAL,
+                    message=f"CPU engine error: {type(exc).__name__}: {exc}",
+                )
+            )
 
     def close(self) -> None:
         """Drop all requests, the prefix cache and the model."""

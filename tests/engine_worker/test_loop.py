@@ -60,6 +60,8 @@ class ScriptedBackend:
             raise RequestRejected(ErrorCode.CONTEXT_LENGTH_EXCEEDED, "too long", "messages")
         if submit.prompt == "explode":
             self._explode = True
+        if submit.prompt == "buggy":
+            raise KeyError("tokenizer bug")
         self.remaining[submit.request_id] = -submit.params.max_tokens
         self.max_tokens[submit.request_id] = submit.params.max_tokens
 
@@ -209,6 +211,18 @@ def test_rejected_request_becomes_error_event(running: tuple[ScriptedBackend, Pe
     events = peer.events_until_terminal({"bad", "good"})
     errors = [e for e in events if isinstance(e, RequestError)]
     assert errors == [RequestError("bad", ErrorCode.CONTEXT_LENGTH_EXCEEDED, "too long", "messages")]
+    assert any(isinstance(e, Finished) and e.request_id == "good" for e in events)
+
+
+def test_unexpected_admission_failure_fails_only_that_request(
+    running: tuple[ScriptedBackend, Peer, EngineLoop],
+) -> None:
+    _, peer, _ = running
+    peer.send(_submit("bad", prompt="buggy"))
+    peer.send(_submit("good", max_tokens=1))
+    events = peer.events_until_terminal({"bad", "good"})
+    (err,) = [e for e in events if isinstance(e, RequestError)]
+    assert err.request_id == "bad" and err.code == ErrorCode.INTERNAL and "tokenizer bug" in err.message
     assert any(isinstance(e, Finished) and e.request_id == "good" for e in events)
 
 

@@ -141,9 +141,55 @@ async def test_handshake_submit_route_abort(worker: FakeWorker, addrs: tuple[str
         assert received == [events[0], events[1], events[3]]
         assert client.in_flight == 1  # r-0 finished, r-1 still routed
 
+        # No client waits for "unknown": the engine is told to drop it.
+        assert await worker.recv_until(Abort) == Abort(("unknown",))
         client.abort(["r-1"])
         assert await worker.recv_until(Abort) == Abort(("r-1",))
         assert client.in_flight == 0
+    finally:
+        await client.close()
+
+
+async def test_orphaned_engine_requests_are_aborted_once(worker: FakeWorker, addrs: tuple[str, str]) -> None:
+    """Events for ids no stream owns (a proxy restart, a lost Abort) make the
+    proxy abort them, once per id; terminal events and late events of an
+    already aborted request do not."""
+    client = make_client(addrs)
+    await client.start()
+    try:
+        await handshake(client, worker)
+        stream = client.submit([submit("mine")])
+        await worker.recv_until(Submit)
+        client.abort(["mine"])
+        assert await worker.recv_until(Abort) == Abort(("mine",))
+        await worker.send(EventBatch([TokenDelta("mine", "late", 1), TokenDelta("orphan-a", "x", 1)]))
+        await worker.send(EventBatch([TokenDelta("orphan-a", "y", 1), TokenDelta("orphan-b", "z", 1)]))
+        await worker.send(EventBatch([Finished("orphan-c", FinishReason.STOP, 1, 0, 1)]))
+        await worker.send(EventBatch([TokenDelta("orphan-b", "w", 1), TokenDelta("orphan-d", "v", 1)]))
+        aborts = [await worker.recv_until(Abort) for _ in range(3)]
+        assert aborts == [Abort(("orphan-a",)), Abort(("orphan-b",)), Abort(("orphan-d",))]
+        await worker.send(Heartbeat("w1", 0))
+        await asyncio.sleep(0.1)
+        assert client.ready and not stream.failed
+    finally:
+        await client.close()
+
+
+async def test_heartbeat_of_another_worker_means_ours_restarted(
+    worker: FakeWorker, addrs: tuple[str, str]
+) -> None:
+    client = make_client(addrs, heartbeat_timeout_s=3600.0)
+    await client.start()
+    try:
+        await handshake(client, worker)
+        stream = client.submit([submit("lost")])
+        await worker.recv_until(Submit)
+        await worker.send(Heartbeat("w2-restarted", 0))
+        with pytest.raises(EngineDead):
+            async with asyncio.timeout(GUARD_S):
+                await stream.get()
+        assert not client.ready
+        assert await worker.recv_until(Hello)  # handshakes again with the new process
     finally:
         await client.close()
 

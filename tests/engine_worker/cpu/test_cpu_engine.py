@@ -487,3 +487,30 @@ def test_drafting_matches_plain_decoding(
                 assert fin.draft_rejected > 0
     assert texts[0] == texts[1]
     assert counts == [40, 40]
+
+
+def test_step_budget_cuts_steps_and_rotates_fairly(tiny, make_backend, raw) -> None:
+    """With a zero budget every step advances exactly one request, taking turns,
+    so a worker with many requests still returns to its loop after each pass."""
+    backend = make_backend(tiny, prefill_chunk_size=4, step_budget_s=0.0)
+    for rid in ("a", "b", "c"):
+        backend.add(raw(rid, "one two three four five six seven eight", max_tokens=20))
+    admitted = backend.step()
+    assert [e.request_id for e in admitted if isinstance(e, Started)] == ["a", "b", "c"]
+    turns = []
+    for _ in range(9):
+        ids_ = {e.request_id for e in backend.step()}
+        assert len(ids_) == 1
+        turns.append(ids_.pop())
+    assert turns == ["a", "b", "c"] * 3
+    for rid in ("a", "b", "c"):
+        backend.abort(rid)
+
+
+def test_default_budget_advances_every_request_each_step(tiny, make_backend, raw) -> None:
+    backend = make_backend(tiny, prefill_chunk_size=4)
+    for rid in ("a", "b", "c"):
+        backend.add(raw(rid, "one two three four five six seven eight", max_tokens=20))
+    backend.step()
+    for _ in range(3):
+        assert {e.request_id for e in backend.step()} == {"a", "b", "c"}
