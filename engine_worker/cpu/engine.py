@@ -24,13 +24,13 @@ KV may be half-written).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine_worker.admission import check_prompt_fits, validate_sampling
 from engine_worker.backend import Backend, ModelInfo, RequestRejected
 from engine_worker.cpu.config import CpuEngineConfig
 from engine_worker.cpu.detokenize import IncrementalDetokenizer, StopStringMatcher
@@ -170,18 +170,18 @@ class CpuBackend:
             raise RequestRejected(
                 ErrorCode.INVALID_REQUEST, f"request id {submit.request_id!r} is already active"
             )
-        self._validate_params(submit.params)
+        validate_sampling(submit.params, self._vocab_size)
         prompt_ids, param = self._tokenize(submit)
-        if not prompt_ids:
-            raise RequestRejected(ErrorCode.INVALID_REQUEST, "the prompt is empty", param=param)
-        if len(prompt_ids) >= self._max_context:
-            raise RequestRejected(
-                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                f"the prompt has {len(prompt_ids)} tokens; this model's context holds at most "
-                f"{self._max_context} tokens for prompt and completion together, so the prompt must be "
-                f"shorter than {self._max_context} tokens (setting: max_context_tokens)",
-                param=param,
-            )
+        check_prompt_fits(
+            len(prompt_ids), self._max_context, param, "setting: max_context_tokens, --max-seq-len"
+        )
+        for token_id, bias in (submit.params.logit_bias or {}).items():
+            if not -100.0 <= bias <= 100.0:  # OpenAI's range; the sampler adds it to fp32 logits
+                raise RequestRejected(
+                    ErrorCode.INVALID_REQUEST,
+                    f"logit_bias: bias {bias} for token {token_id} is outside [-100, 100]",
+                    param="logit_bias",
+                )
         params = submit.params
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._end_ids)
         drafter = None
@@ -293,39 +293,6 @@ class CpuBackend:
                 if isinstance(token_id, int) and token_id >= 0:
                     ids.add(token_id)
         return frozenset(i for i in ids if 0 <= i < self._vocab_size)
-
-    def _validate_params(self, p: SamplingParams) -> None:
-        def reject(param: str, message: str) -> RequestRejected:
-            return RequestRejected(ErrorCode.INVALID_REQUEST, message, param=param)
-
-        if p.max_tokens < 1:
-            raise reject("max_tokens", f"max_tokens must be >= 1, got {p.max_tokens}")
-        if not (p.temperature >= 0.0 and math.isfinite(p.temperature)):
-            raise reject("temperature", f"temperature must be a finite number >= 0, got {p.temperature}")
-        if not 0.0 < p.top_p <= 1.0:
-            raise reject("top_p", f"top_p must be in (0, 1], got {p.top_p}")
-        if p.top_k < 0:
-            raise reject("top_k", f"top_k must be >= 0 (0 disables it), got {p.top_k}")
-        if not 0.0 <= p.min_p <= 1.0:
-            raise reject("min_p", f"min_p must be in [0, 1], got {p.min_p}")
-        if not (p.repetition_penalty > 0.0 and math.isfinite(p.repetition_penalty)):
-            raise reject("repetition_penalty", f"repetition_penalty must be > 0, got {p.repetition_penalty}")
-        for name, value in (
-            ("presence_penalty", p.presence_penalty),
-            ("frequency_penalty", p.frequency_penalty),
-        ):
-            if not -2.0 <= value <= 2.0:
-                raise reject(name, f"{name} must be in [-2, 2], got {value}")
-        if not 0 <= p.min_tokens <= p.max_tokens:
-            raise reject("min_tokens", f"min_tokens must be in [0, max_tokens], got {p.min_tokens}")
-        for token_id in p.stop_token_ids:
-            if not 0 <= token_id < self._vocab_size:
-                raise reject("stop_token_ids", f"token id {token_id} is outside the vocabulary")
-        for token_id, bias in (p.logit_bias or {}).items():
-            if not 0 <= token_id < self._vocab_size:
-                raise reject("logit_bias", f"token id {token_id} is outside the vocabulary")
-            if not -100.0 <= bias <= 100.0:
-                raise reject("logit_bias", f"bias {bias} for token {token_id} is outside [-100, 100]")
 
     def _tokenize(self, submit: Submit) -> tuple[list[int], str]:
         """Prompt token ids and the request field they came from."""

@@ -63,6 +63,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from engine_worker.admission import check_prompt_fits
 from engine_worker.backend import ModelInfo, RequestRejected
 from engine_worker.exllamav3.config import PAGE_SIZE, ExLlamaV3Config
 from engine_worker.exllamav3.engine import EngineHandle
@@ -194,16 +195,7 @@ class ExLlamaV3Backend:
                 ErrorCode.INVALID_REQUEST, f"could not build the prompt: {type(e).__name__}: {e}", param
             ) from e
         n = _token_count(input_ids)
-        if n == 0:
-            raise RequestRejected(ErrorCode.INVALID_REQUEST, "the prompt is empty", param)
-        if n >= self._max_context:
-            raise RequestRejected(
-                ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-                f"This model's maximum context length is {self._max_context} tokens "
-                f"(max_seq_len/cache_size), but the prompt has {n} tokens, leaving no room "
-                "for a completion.",
-                param,
-            )
+        check_prompt_fits(n, self._max_context, param, "settings: max_seq_len, cache_size")
         max_new = min(submit.params.max_tokens, self._max_context - n)
         settings = job_settings(
             submit.params,

@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from engine_worker.admission import validate_sampling
 from engine_worker.backend import RequestRejected
 from protocol.messages import ErrorCode, SamplingParams
 
@@ -52,11 +53,6 @@ def _reject(message: str, param: str) -> RequestRejected:
     return RequestRejected(ErrorCode.INVALID_REQUEST, message, param)
 
 
-def _check_token_id(token_id: int, vocab_size: int, param: str) -> None:
-    if not 0 <= token_id < vocab_size:
-        raise _reject(f"{param}: token id {token_id} is outside the vocabulary (0..{vocab_size - 1})", param)
-
-
 def job_settings(
     params: SamplingParams,
     *,
@@ -72,31 +68,10 @@ def job_settings(
     (``INVALID_REQUEST``) with the offending field as ``param``.
     """
     p = params
-    if not (p.temperature >= 0.0 and math.isfinite(p.temperature)):
-        raise _reject(f"temperature must be >= 0, got {p.temperature}", "temperature")
-    if not 0.0 <= p.top_p <= 1.0:
-        raise _reject(f"top_p must be in [0, 1], got {p.top_p}", "top_p")
-    if p.top_k < 0:
-        raise _reject(f"top_k must be >= 0 (0 disables), got {p.top_k}", "top_k")
-    if not 0.0 <= p.min_p <= 1.0:
-        raise _reject(f"min_p must be in [0, 1], got {p.min_p}", "min_p")
-    if not (p.repetition_penalty > 0.0 and math.isfinite(p.repetition_penalty)):
-        raise _reject(f"repetition_penalty must be > 0, got {p.repetition_penalty}", "repetition_penalty")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if not math.isfinite(getattr(p, name)):
-            raise _reject(f"{name} must be finite", name)
-    if p.max_tokens < 1:
-        raise _reject(f"max_tokens must be at least 1, got {p.max_tokens}", "max_tokens")
-    if p.min_tokens < 0:
-        raise _reject(f"min_tokens must be >= 0, got {p.min_tokens}", "min_tokens")
-    if p.min_tokens > p.max_tokens:
-        raise _reject(f"min_tokens ({p.min_tokens}) exceeds max_tokens ({p.max_tokens})", "min_tokens")
-    for t in p.stop_token_ids:
-        _check_token_id(t, vocab_size, "stop_token_ids")
+    validate_sampling(p, vocab_size)
 
     logit_bias: dict[int, float] = {}
     for token_id, bias in (p.logit_bias or {}).items():
-        _check_token_id(token_id, vocab_size, "logit_bias")
         # LogitBias silently drops nan and anything above float32 max, +inf included
         # (generator/sampler/custom.py:604-611); a finite bias below -float32 max would
         # become -inf in its float32 vector, a ban nobody asked for. -inf is a deliberate ban.
