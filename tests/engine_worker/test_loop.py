@@ -228,7 +228,8 @@ def test_unexpected_admission_failure_fails_only_that_request(
 
 def test_duplicate_request_id_is_refused(running: tuple[ScriptedBackend, Peer, EngineLoop]) -> None:
     _, peer, _ = running
-    peer.send(_submit("dup", max_tokens=50))
+    # Long enough to still be active whenever the second Submit arrives.
+    peer.send(_submit("dup", max_tokens=10**9))
     peer.send(_submit("dup", max_tokens=1))
     msg = _first(peer, EventBatch)
     events = list(msg.events)  # type: ignore[attr-defined]
