@@ -242,7 +242,7 @@ def test_duplicate_request_id_is_refused(running: tuple[ScriptedBackend, Peer, E
 
 def test_abort_stops_events(running: tuple[ScriptedBackend, Peer, EngineLoop]) -> None:
     backend, peer, _ = running
-    peer.send(_submit("long", max_tokens=10_000))
+    peer.send(_submit("long", max_tokens=10**9))
     _first(peer, EventBatch)
     peer.send(Abort(("long", "unknown")))
     deadline = time.monotonic() + 5
@@ -262,7 +262,7 @@ def test_step_failure_fails_active_requests_and_keeps_serving(
     running: tuple[ScriptedBackend, Peer, EngineLoop],
 ) -> None:
     backend, peer, _ = running
-    peer.send(_submit("victim", max_tokens=10_000))
+    peer.send(_submit("victim", max_tokens=10**9))
     _first(peer, EventBatch)
     peer.send(_submit("trigger", prompt="explode"))
     events = peer.events_until_terminal({"victim", "trigger"})
@@ -279,7 +279,7 @@ def test_failing_aborts_after_a_failed_step_do_not_kill_the_loop(
 ) -> None:
     backend, peer, _ = running
     backend.broken_cancel = True
-    peer.send(_submit("victim", max_tokens=10_000))
+    peer.send(_submit("victim", max_tokens=10**9))
     _first(peer, EventBatch)
     peer.send(_submit("trigger", prompt="explode"))
     events = peer.events_until_terminal({"victim", "trigger"})
