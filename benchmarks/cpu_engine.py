@@ -57,7 +57,7 @@ def run(backend: CpuBackend, submit: Submit) -> tuple[str, Finished]:
     backend.add(submit)
     text: list[str] = []
     finished: Finished | None = None
-    while backend.num_active():
+    while len(backend.active_ids()):
         for event in backend.step():
             if isinstance(event, TokenDelta):
                 text.append(event.text)
@@ -127,7 +127,7 @@ def main() -> None:
         plain = CpuEngineConfig(prefix_cache_mb=0)
         ngram = CpuEngineConfig(
             prefix_cache_mb=0,
-            ngram_drafting=True,
+            draft_mode="ngram",
             num_draft_tokens=args.num_draft_tokens,
             ngram_match_min=args.ngram_min,
             ngram_match_max=args.ngram_max,

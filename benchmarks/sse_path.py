@@ -2,8 +2,9 @@
 
 Two measurements, printed as numbers (no pass/fail):
 
-1. ``render``: ``ResponseState.feed`` + ``sse.event`` + join for ``TokenDelta``
-   events, in-process, no I/O: microseconds per chunk and chunks per second,
+1. ``render``: ``ResponseState.feed`` (typed ``StreamChunk``) + ``sse.event``
+   (one msgspec encode) + join for ``TokenDelta`` events, in-process, no I/O:
+   microseconds per chunk and chunks per second,
    with and without ``continuous_usage_stats``, and for text that needs the
    U+2028 escape.
 2. ``http``: one streamed chat completion through the real aiohttp app
@@ -21,7 +22,6 @@ import asyncio
 import statistics
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -38,9 +38,9 @@ from protocol import (
 )
 from proxy import sse
 from proxy.app import create_app
-from proxy.chunks import ChunkHeader
-from proxy.config import ProxyConfig
 from proxy.engine_client import RequestStream
+from proxy.responses import CHAT, ChunkHeader, StreamChunk
+from proxy.settings import ProxySettings
 from proxy.streaming import ResponseState, StreamFlags
 
 
@@ -50,11 +50,11 @@ def bench_render(n: int, repeat: int, *, text: str, continuous: bool) -> list[fl
     per_chunk: list[float] = []
     for _ in range(repeat):
         state = ResponseState(
-            ChunkHeader("chat", "chatcmpl-0123456789abcdef0123456789abcdef", 1_700_000_000, "model-name"),
+            ChunkHeader(CHAT, "chatcmpl-0123456789abcdef0123456789abcdef", 1_700_000_000, "model-name"),
             ["r"],
             StreamFlags(progress=True, include_usage=continuous, continuous_usage=continuous),
         )
-        out: list[dict[str, Any]] = []
+        out: list[StreamChunk] = []
         state.feed(Started("r", 1000, 0), out)
         state.feed(PrefillProgress("r", 1000, 0, 1000, 50), out)
         out.clear()
@@ -79,6 +79,7 @@ class _FloodEngine:
         self.batch = batch
         self.worker = Ready(PROTOCOL_VERSION, "bench", "bench-model", "bench", 1 << 20, None)
         self.ready = True
+        self.worker_active_requests: int | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
@@ -110,7 +111,7 @@ class _FloodEngine:
 async def bench_http(tokens: int, batch: int) -> tuple[float, int, int]:
     """(seconds, data events received, bytes received) for one streamed request."""
     # The addresses are never used: the flood engine replaces the ZeroMQ client.
-    config = ProxyConfig(input_addr="inproc://unused-in", output_addr="inproc://unused-out")
+    config = ProxySettings(input_addr="inproc://unused-in", output_addr="inproc://unused-out")
     app = create_app(config, _FloodEngine(tokens, batch))
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
@@ -136,7 +137,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5, help="render runs per case (median reported)")
     args = parser.parse_args()
 
-    print(f"render: {args.chunks} TokenDelta -> chunk dict -> SSE bytes, median of {args.repeat}")
+    print(f"render: {args.chunks} TokenDelta -> StreamChunk -> SSE bytes, median of {args.repeat}")
     cases = [
         ("plain text, usage off", " token", False),
         ("plain text, continuous usage", " token", True),

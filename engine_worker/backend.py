@@ -8,6 +8,7 @@ concurrently. A backend converts its engine's native results into
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,16 +52,20 @@ class Backend(Protocol):
     def info(self) -> ModelInfo: ...
 
     def add(self, submit: Submit) -> None:
-        """Admit a request. Raises ``RequestRejected``; work starts in ``step``."""
+        """Admit a request whose id is not active (the loop checks that). Raises
+        ``RequestRejected``; work starts in ``step``."""
         ...
 
     def abort(self, request_id: str) -> None:
         """Drop a request and free its engine memory now; unknown ids are ignored.
-        No further events are emitted for it."""
+        The id leaves ``active_ids`` even when freeing fails. No further events are
+        emitted for it."""
         ...
 
-    def num_active(self) -> int:
-        """Requests admitted and not yet finished or aborted."""
+    def active_ids(self) -> Collection[str]:
+        """Ids admitted and not yet finished, failed or aborted: the one record of
+        them in the worker (the loop reads it for duplicate ids, heartbeats and
+        failing a broken step's requests)."""
         ...
 
     def step(self) -> list[Event]:

@@ -14,7 +14,6 @@ import time
 import uuid
 
 from engine_worker.backend import Backend, RequestRejected
-from engine_worker.config import LoopConfig
 from engine_worker.sockets import WorkerSockets
 from protocol import (
     PROTOCOL_VERSION,
@@ -22,7 +21,6 @@ from protocol import (
     ErrorCode,
     Event,
     EventBatch,
-    Finished,
     Heartbeat,
     Hello,
     Ready,
@@ -36,14 +34,11 @@ log = logging.getLogger(__name__)
 class EngineLoop:
     """Runs ``backend`` behind ``sockets`` until ``stop`` is set."""
 
-    def __init__(self, backend: Backend, sockets: WorkerSockets, config: LoopConfig) -> None:
+    def __init__(self, backend: Backend, sockets: WorkerSockets, heartbeat_interval: float) -> None:
         self._backend = backend
         self._sockets = sockets
-        self._config = config
+        self._heartbeat_interval = heartbeat_interval
         self.worker_id = uuid.uuid4().hex
-        # Ids admitted to the backend and not yet terminal: the loop needs them to
-        # fail exactly these requests when a step blows up.
-        self._active: set[str] = set()
 
     def _ready(self) -> Ready:
         info = self._backend.info
@@ -59,26 +54,26 @@ class EngineLoop:
     def run(self, stop: threading.Event) -> None:
         """Serve until ``stop`` is set; the caller closes backend and sockets."""
         self._sockets.send(self._ready())
-        interval = self._config.heartbeat_interval_s
+        interval = self._heartbeat_interval
+        backend = self._backend
         next_beat = time.monotonic() + interval
         while not stop.is_set():
-            busy = bool(self._active)
-            wait_ms = 0 if busy else max(0, int((next_beat - time.monotonic()) * 1000))
+            wait_ms = 0 if backend.active_ids() else max(0, int((next_beat - time.monotonic()) * 1000))
             pending: list[Event] = []
             for msg in self._sockets.receive(min(wait_ms, 100)):
                 self._handle(msg, pending)
-            if self._active:
+            if backend.active_ids():
                 pending.extend(self._step())
             if pending:
                 self._sockets.send(EventBatch(pending))
             now = time.monotonic()
             if now >= next_beat:
-                self._sockets.send(Heartbeat(self.worker_id, len(self._active)))
+                self._sockets.send(Heartbeat(self.worker_id, len(backend.active_ids())))
                 next_beat = now + interval
 
     def _handle(self, msg: Hello | Submit | Abort, pending: list[Event]) -> None:
         if isinstance(msg, Submit):
-            if msg.request_id in self._active:
+            if msg.request_id in self._backend.active_ids():
                 pending.append(
                     RequestError(msg.request_id, ErrorCode.INVALID_REQUEST, "duplicate request id")
                 )
@@ -97,13 +92,11 @@ class EngineLoop:
                         msg.request_id, ErrorCode.INTERNAL, f"admission failed: {type(e).__name__}: {e}"
                     )
                 )
-                return
-            self._active.add(msg.request_id)
         elif isinstance(msg, Abort):
+            active = self._backend.active_ids()
             for rid in msg.request_ids:
-                if rid in self._active:
+                if rid in active:
                     self._backend.abort(rid)
-                    self._active.discard(rid)
         elif msg.protocol_version == PROTOCOL_VERSION:
             self._sockets.send(self._ready())
         else:
@@ -120,8 +113,8 @@ class EngineLoop:
         except Exception as e:
             # The backend's state for these requests is unknown now: fail them all
             # and keep serving new ones rather than taking the worker down.
-            log.exception("engine step failed; failing %d active requests", len(self._active))
-            failed = sorted(self._active)
+            failed = sorted(self._backend.active_ids())
+            log.exception("engine step failed; failing %d active requests", len(failed))
             for rid in failed:
                 try:
                     self._backend.abort(rid)
@@ -129,9 +122,5 @@ class EngineLoop:
                     # The engine may be too broken to cancel cleanly; the request
                     # is failed towards the proxy either way.
                     log.exception("abort of %s after a failed step also failed", rid)
-            self._active.clear()
             return [RequestError(rid, ErrorCode.INTERNAL, f"engine step failed: {e}") for rid in failed]
-        for ev in events:
-            if isinstance(ev, Finished | RequestError) and ev.request_id is not None:
-                self._active.discard(ev.request_id)
         return events

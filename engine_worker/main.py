@@ -5,21 +5,34 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Callable
 
 from engine_worker.backend import Backend
-from engine_worker.config import LoopConfig
 from engine_worker.loop import EngineLoop
+from engine_worker.settings import WorkerSettings
 from engine_worker.sockets import WorkerSockets
 
 log = logging.getLogger(__name__)
 
 
-def run_worker(config: LoopConfig, make_backend: Callable[[], Backend]) -> None:
+def make_backend(settings: WorkerSettings) -> Backend:
+    """Load the model of ``settings.backend``. The engine packages (torch,
+    exllamav3) are imported here, not when the worker's settings are parsed, so
+    ``--check`` and a bad option answer in a fraction of a second."""
+    if settings.backend == "cpu":
+        from engine_worker.cpu.engine import CpuBackend
+
+        return CpuBackend(settings)
+    from engine_worker.exllamav3.loader import build_backend
+
+    return build_backend(settings)
+
+
+def run_worker(settings: WorkerSettings) -> None:
     """Load the model, then serve until SIGTERM/SIGINT.
 
     Sockets are bound only after the model is loaded, so a proxy sees the worker
-    as not ready (its ``Hello`` goes unanswered) for the whole load.
+    as not ready (its ``Hello`` goes unanswered) for the whole load. A model that
+    cannot load is one ERROR line and ``SystemExit(1)``.
     """
     stop = threading.Event()
 
@@ -31,7 +44,7 @@ def run_worker(config: LoopConfig, make_backend: Callable[[], Backend]) -> None:
     signal.signal(signal.SIGINT, _on_signal)
     log.info("worker: loading the model")
     try:
-        backend = make_backend()
+        backend = make_backend(settings)
     except Exception as e:
         # A missing model, GPU or package is an operator error: one clear line,
         # the traceback only at debug level, and a failing exit status so a
@@ -40,17 +53,18 @@ def run_worker(config: LoopConfig, make_backend: Callable[[], Backend]) -> None:
         log.error("worker: cannot load the model: %s: %s", type(e).__name__, e)
         raise SystemExit(1) from None
     info = backend.info
-    sockets = WorkerSockets(config.input_addr, config.output_addr)
+    input_addr, output_addr = settings.addresses
+    sockets = WorkerSockets(input_addr, output_addr)
     log.info(
         "worker: serving %s (context %d tokens, drafting %s) on %s / %s",
         info.model_id,
         info.max_context_tokens,
         info.drafting or "off",
-        config.input_addr,
-        config.output_addr,
+        input_addr,
+        output_addr,
     )
     try:
-        EngineLoop(backend, sockets, config).run(stop)
+        EngineLoop(backend, sockets, settings.heartbeat_interval).run(stop)
     finally:
         sockets.close()
         backend.close()

@@ -4,14 +4,15 @@
 implements it over ZeroMQ (tests use a scripted fake). ``RequestStream`` is the
 bounded per-request event stream both hand out.
 
-Socket contract (``engine_worker.sockets`` is the other side): the worker binds a
+Socket contract (the worker's ``engine_worker/sockets.py`` is the other side; default
+addresses in ``protocol.endpoints``): the worker binds a
 PULL socket at ``input_addr`` and a PUSH socket at ``output_addr``; the proxy
 connects a PUSH to ``input_addr`` and a PULL to ``output_addr``. Frames are
 ``protocol.codec``'s ``[version, payload]``.
 
-Life cycle: the client sends ``Hello`` every ``handshake_interval_s`` until a
+Life cycle: the client sends ``Hello`` every ``handshake_interval`` until a
 ``Ready`` of our protocol version arrives. The worker is declared dead when
-nothing arrives for ``heartbeat_timeout_s`` or the PULL socket's connection
+nothing arrives for ``heartbeat_timeout`` or the PULL socket's connection
 drops (socket monitor ``EVENT_DISCONNECTED``); a ``Ready`` carrying another
 ``worker_id`` means the worker restarted. In each case every request in flight
 gets one ``EngineDead`` and the client goes back to sending ``Hello``, so a
@@ -50,7 +51,6 @@ from protocol.messages import (
     TokenDelta,
 )
 from protocol.version import PROTOCOL_VERSION
-from proxy.config import ProxyConfig
 from proxy.errors import (
     NOT_READY_MESSAGE,
     EngineDead,
@@ -59,6 +59,7 @@ from proxy.errors import (
     ProxyError,
     ShuttingDown,
 )
+from proxy.settings import ProxySettings
 
 log = logging.getLogger(__name__)
 
@@ -229,8 +230,8 @@ class ZmqEngineClient:
     PULL socket's monitor for disconnects.
     """
 
-    def __init__(self, config: ProxyConfig, *, proxy_id: str | None = None) -> None:
-        self._config = config
+    def __init__(self, settings: ProxySettings, *, proxy_id: str | None = None) -> None:
+        self._settings = settings
         self.proxy_id = proxy_id or uuid.uuid4().hex
         self._ready = False
         self._worker: Ready | None = None
@@ -279,12 +280,13 @@ class ZmqEngineClient:
         # once instead of piling up for a worker that may never come.
         push.setsockopt(zmq.IMMEDIATE, 1)
         push.setsockopt(zmq.SNDHWM, SEND_HWM)
-        push.connect(self._config.input_addr)
+        input_addr, output_addr = self._settings.addresses
+        push.connect(input_addr)
         self._push = push
         pull = ctx.socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
         self._monitor = pull.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        pull.connect(self._config.output_addr)
+        pull.connect(output_addr)
         self._pull = pull
         self._tasks = [
             asyncio.create_task(self._read_loop(), name="engine-reader"),
@@ -328,7 +330,7 @@ class ZmqEngineClient:
     def submit(self, submits: Sequence[Submit]) -> RequestStream:
         if not self._ready:
             raise EngineNotReady(NOT_READY_MESSAGE)
-        stream = RequestStream([s.request_id for s in submits], self._config.request_queue_max)
+        stream = RequestStream([s.request_id for s in submits], self._settings.request_queue_max)
         for i, s in enumerate(submits):
             if not self._send(s):
                 if i:
@@ -490,13 +492,13 @@ class ZmqEngineClient:
                     log.debug("heartbeat from worker %s before its Ready", msg.worker_id)
 
     async def _supervise_loop(self) -> None:
-        cfg = self._config
-        tick = min(cfg.handshake_interval_s, cfg.heartbeat_timeout_s / 4)
+        cfg = self._settings
+        tick = min(cfg.handshake_interval, cfg.heartbeat_timeout / 4)
         while True:
             now = time.monotonic()
-            if self._ready and now - self._last_rx > cfg.heartbeat_timeout_s:
-                self._declare_dead(f"no message for {cfg.heartbeat_timeout_s:g} s, see heartbeat_timeout_s")
-            if not self._ready and now - self._last_hello >= cfg.handshake_interval_s:
+            if self._ready and now - self._last_rx > cfg.heartbeat_timeout:
+                self._declare_dead(f"no message for {cfg.heartbeat_timeout:g} s, see heartbeat_timeout")
+            if not self._ready and now - self._last_hello >= cfg.handshake_interval:
                 self._last_hello = now
                 self._send(Hello(PROTOCOL_VERSION, self.proxy_id))
             await asyncio.sleep(tick)

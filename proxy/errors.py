@@ -19,19 +19,19 @@ produce the envelope, ``from_request_error`` the only place that maps the
 worker's ``RequestError`` codes, and ``from_http_exception`` the only place that
 maps aiohttp's own HTTP errors (unknown route, wrong method, body too large).
 
-Envelope (OpenAI API reference, error object)::
+Envelope (OpenAI API reference, error object; ``proxy.responses.ErrorEnvelope``)::
 
     {"error": {"message": str, "type": str, "param": str | null, "code": str | null}}
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
-import orjson
 from aiohttp import web
 
 from protocol.messages import ErrorCode, RequestError
+from proxy.responses import ErrorDetail, ErrorEnvelope, encode
 
 NOT_READY_MESSAGE = "The engine worker is not ready (handshake pending, worker down or restarting)"
 
@@ -127,14 +127,14 @@ class EngineInternalError(ProxyError):
     default_code = "internal_error"
 
 
-def envelope(exc: ProxyError) -> dict[str, Any]:
+def envelope(exc: ProxyError) -> ErrorEnvelope:
     """The OpenAI error envelope of ``exc`` (shape in the module docstring)."""
-    return {"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}}
+    return ErrorEnvelope(ErrorDetail(exc.message, exc.type, exc.param, exc.code))
 
 
 def error_response(exc: ProxyError) -> web.Response:
     """A JSON response with ``exc.status`` and its envelope as the body."""
-    return web.Response(status=exc.status, body=orjson.dumps(envelope(exc)), content_type="application/json")
+    return web.Response(status=exc.status, body=encode(envelope(exc)), content_type="application/json")
 
 
 def from_request_error(ev: RequestError) -> ProxyError:

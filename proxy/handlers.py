@@ -1,7 +1,8 @@
 """HTTP handlers: the OpenAI endpoints, health and readiness.
 
 - ``POST /v1/chat/completions``, ``POST /v1/completions``: stream (SSE) or one
-  JSON response; shapes in ``proxy.chunks`` and ``proxy.streaming``.
+  JSON response; shapes in ``proxy.responses``, per-request rules in
+  ``proxy.streaming``.
 - ``GET /v1/models``, ``GET /v1/models/{model}``: the one served model.
 - ``GET /health``: liveness, 200 while the process serves HTTP.
 - ``GET /ready``: readiness, 200 only once the worker handshake is done and the
@@ -23,13 +24,12 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
 
-import orjson
+import msgspec
 from aiohttp import web
 
 from proxy import sse
-from proxy.chunks import ChunkHeader, Kind
 from proxy.engine_client import RequestStream
 from proxy.errors import (
     NOT_READY_MESSAGE,
@@ -47,19 +47,31 @@ from proxy.openai_models import (
     parse_completion_request,
     to_submits,
 )
+from proxy.responses import (
+    CHAT,
+    TEXT,
+    ChunkHeader,
+    HealthStatus,
+    ModelCard,
+    ModelList,
+    ReadyStatus,
+    ResponseFormat,
+    StreamChunk,
+    encode,
+)
 from proxy.state import STATE, ProxyState
 from proxy.streaming import ResponseState, StreamFlags
 
 log = logging.getLogger(__name__)
 
 
-def _json(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json")
+def _json(body: msgspec.Struct, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=encode(body), content_type="application/json")
 
 
 async def health(request: web.Request) -> web.Response:
     """Liveness: ``{"status": "ok"}``, 200 while the process serves requests."""
-    return _json({"status": "ok"})
+    return _json(HealthStatus())
 
 
 async def ready(request: web.Request) -> web.Response:
@@ -68,44 +80,33 @@ async def ready(request: web.Request) -> web.Response:
     "draining"}`` otherwise."""
     state = request.app[STATE]
     if state.draining:
-        return _json({"status": "draining"}, 503)
+        return _json(ReadyStatus("draining"), 503)
     if not state.engine.ready:
-        return _json({"status": "not_ready"}, 503)
-    return _json(
-        {
-            "status": "ready",
-            "model": state.model_name(),
-            "worker_active_requests": state.engine.worker_active_requests,
-        }
-    )
+        return _json(ReadyStatus("not_ready"), 503)
+    return _json(ReadyStatus("ready", state.model_name(), state.engine.worker_active_requests))
 
 
-def _model_card(state: ProxyState) -> dict[str, Any]:
+def _model_card(state: ProxyState) -> ModelCard:
     name = state.model_name()
     if name is None:
         raise EngineNotReady("The model name is not known before the engine worker's handshake")
-    card: dict[str, Any] = {
-        "id": name,
-        "object": "model",
-        "created": state.started_at,
-        "owned_by": "exl3-sidecar",
-    }
     worker = state.engine.worker
-    if worker is not None:
-        # vLLM's field name; clients use it to size prompts.
-        card["max_model_len"] = worker.max_context_tokens
-    return card
+    return ModelCard(
+        id=name,
+        created=state.started_at,
+        max_model_len=worker.max_context_tokens if worker is not None else msgspec.UNSET,
+    )
 
 
 async def list_models(request: web.Request) -> web.Response:
     """``{"object": "list", "data": [model card]}``; 503 before the model name is known."""
-    return _json({"object": "list", "data": [_model_card(request.app[STATE])]})
+    return _json(ModelList(data=[_model_card(request.app[STATE])]))
 
 
 async def get_model(request: web.Request) -> web.Response:
     """The model card of the served model; 404 for any other name."""
     card = _model_card(request.app[STATE])
-    if request.match_info["model"] != card["id"]:
+    if request.match_info["model"] != card.id:
         raise NotFound(
             f"The model '{request.match_info['model']}' does not exist", param="model", code="model_not_found"
         )
@@ -114,28 +115,30 @@ async def get_model(request: web.Request) -> web.Response:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/chat/completions``."""
-    return await _serve(request, "chat")
+    return await _serve(request, parse_chat_request, CHAT)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/completions`` (legacy text completions)."""
-    return await _serve(request, "text")
+    return await _serve(request, parse_completion_request, TEXT)
 
 
-async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
+async def _serve(
+    request: web.Request,
+    parse: Callable[[bytes], ChatCompletionRequest | CompletionRequest],
+    fmt: ResponseFormat,
+) -> web.StreamResponse:
     state = request.app[STATE]
     state.admit()
     try:
         body = await request.read()
-        req: ChatCompletionRequest | CompletionRequest = (
-            parse_chat_request(body) if kind == "chat" else parse_completion_request(body)
-        )
+        req = parse(body)
         worker = state.engine.worker
         if worker is None or not state.engine.ready:
             raise EngineNotReady(NOT_READY_MESSAGE)
-        request_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        request_id = fmt.id_prefix + uuid.uuid4().hex
         submits = to_submits(req, request_id, worker.max_context_tokens)
-        header = ChunkHeader(kind, request_id, int(time.time()), state.model_name() or worker.model_id)
+        header = ChunkHeader(fmt, request_id, int(time.time()), state.model_name() or worker.model_id)
         flags = StreamFlags(
             req.progress, req.stream and req.include_usage, req.stream and req.continuous_usage
         )
@@ -156,7 +159,8 @@ async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
 
 
 async def _complete(stream: RequestStream, response: ResponseState) -> web.Response:
-    scratch: list[dict[str, Any]] = []
+    # The stream chunks are not needed, but feeding is what assembles the response.
+    scratch: list[StreamChunk] = []
     while not response.done:
         for ev in await stream.get():
             response.feed(ev, scratch)
@@ -167,8 +171,8 @@ async def _complete(stream: RequestStream, response: ResponseState) -> web.Respo
 async def _stream(
     request: web.Request, state: ProxyState, stream: RequestStream, response: ResponseState
 ) -> web.StreamResponse:
-    ping_s = state.config.sse_ping_interval_s
-    out: list[dict[str, Any]] = []
+    ping_s = state.settings.sse_ping_interval
+    out: list[StreamChunk] = []
     # Before the headers: errors are still HTTP statuses (ProxyError propagates).
     loop = asyncio.get_running_loop()
     deadline = loop.time() + ping_s

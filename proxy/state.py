@@ -2,7 +2,7 @@
 
 States: *serving* -> *draining* (SIGINT/SIGTERM: ``/ready`` answers 503 and new
 requests get 503 ``ShuttingDown``, requests in flight go on) -> *stopped*
-(after ``ProxyConfig.shutdown_drain_s`` the requests still in flight are failed
+(after ``ProxySettings.shutdown_drain`` the requests still in flight are failed
 with ``ShuttingDown``, which ends their streams with an error event and sends
 ``Abort`` to the worker).
 """
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from proxy.config import ProxyConfig
 from proxy.engine_client import EngineClient, RequestStream
 from proxy.errors import NOT_READY_MESSAGE, EngineNotReady, ShuttingDown, TooManyRequests
+from proxy.settings import ProxySettings
 
 
 @dataclass(eq=False)
@@ -31,7 +31,7 @@ class ProxyState:
     ``ShuttingDown`` at the drain deadline).
     """
 
-    config: ProxyConfig
+    settings: ProxySettings
     engine: EngineClient
     started_at: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
@@ -44,8 +44,8 @@ class ProxyState:
 
     def model_name(self) -> str | None:
         """``served_model_name``, else the worker's model id, else ``None``."""
-        if self.config.served_model_name:
-            return self.config.served_model_name
+        if self.settings.served_model_name:
+            return self.settings.served_model_name
         worker = self.engine.worker
         return worker.model_id if worker is not None else None
 
@@ -57,10 +57,10 @@ class ProxyState:
             raise ShuttingDown("The server is shutting down and accepts no new requests")
         if not self.engine.ready:
             raise EngineNotReady(NOT_READY_MESSAGE)
-        if self.in_flight >= self.config.max_in_flight:
+        if self.in_flight >= self.settings.max_in_flight:
             raise TooManyRequests(
                 f"Too many requests in flight ({self.in_flight}); the limit is max_in_flight="
-                f"{self.config.max_in_flight}"
+                f"{self.settings.max_in_flight}"
             )
         self.in_flight += 1
         self._idle.clear()
@@ -86,7 +86,7 @@ class ProxyState:
         for s in streams:
             s.fail(
                 ShuttingDown(
-                    f"The server is shutting down; shutdown_drain_s={self.config.shutdown_drain_s:g} "
+                    f"The server is shutting down; shutdown_drain={self.settings.shutdown_drain:g} "
                     "ran out before this request finished"
                 )
             )

@@ -1,9 +1,10 @@
-"""Per-request state: protocol events in, OpenAI chunks (or one response) out.
+"""Per-request state: protocol events in, typed OpenAI chunks (or one response) out.
 
 ``ResponseState`` is fed the worker's events of one HTTP request (all its
-choices) in order and returns the chunk dicts to stream; it enforces the
-client-facing rules of ``shared/reference/http-contract.md`` that depend on
-history rather than on one event:
+choices) in order and appends the ``proxy.responses.StreamChunk`` structs to
+stream; it enforces the client-facing rules of ``docs/http-contract.md`` that
+depend on history rather than on one event (the chat/text differences are in
+the request's ``proxy.responses.ResponseFormat``):
 
 - the first chunk of each chat choice carries ``delta.role = "assistant"``; empty
   ``TokenDelta`` text is never sent (no ``content: ""`` fillers);
@@ -23,12 +24,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+
+from msgspec import UNSET, UnsetType
 
 from protocol.messages import Event, Finished, PrefillProgress, RequestError, Started, TokenDelta
-from proxy import chunks
-from proxy.chunks import ChunkHeader
+from proxy import responses
 from proxy.errors import from_request_error
+from proxy.responses import ChunkHeader, Completion, PromptProgress, StreamChoice, StreamChunk, Usage
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +39,7 @@ log = logging.getLogger(__name__)
 class _Choice:
     index: int
     started: Started | None = None
-    role_sent: bool = False
+    first_sent: bool = False
     generating: bool = False
     completion_tokens: int = 0
     texts: list[str] = field(default_factory=list)
@@ -66,6 +68,8 @@ class ResponseState:
     def __init__(self, header: ChunkHeader, request_ids: list[str], flags: StreamFlags) -> None:
         self.header = header
         self.flags = flags
+        self._fmt = header.fmt
+        self._object = header.fmt.chunk_object
         self._choices = [_Choice(i) for i in range(len(request_ids))]
         self._by_id = dict(zip(request_ids, self._choices, strict=True))
         self._last_progress: PrefillProgress | None = None
@@ -86,7 +90,7 @@ class ResponseState:
         """Engine request ids of the choices without a ``Finished`` event."""
         return [rid for rid, c in self._by_id.items() if c.finished is None]
 
-    def feed(self, ev: Event, out: list[dict[str, Any]]) -> None:
+    def feed(self, ev: Event, out: list[StreamChunk]) -> None:
         """Apply one event, appending the stream chunks it produces to ``out``.
         Raises ``ProxyError`` for a ``RequestError`` of one of our choices."""
         choice = self._by_id.get(ev.request_id) if ev.request_id is not None else None
@@ -107,23 +111,28 @@ class ResponseState:
         else:
             self._on_finished(choice, ev, out)
 
-    def _with_usage(self, c: dict[str, Any]) -> dict[str, Any]:
+    def _chunk(self, choice: StreamChoice, progress: PromptProgress | UnsetType = UNSET) -> StreamChunk:
+        usage: Usage | UnsetType | None = UNSET
         if self.flags.continuous_usage:
-            c["usage"] = self.running_usage()
+            usage = self.running_usage()
         elif self.flags.include_usage:
-            c["usage"] = None
-        return c
+            usage = None
+        h = self.header
+        return StreamChunk(h.id, self._object, h.created, h.model, [choice], progress, usage)
 
-    def _on_progress(self, ev: PrefillProgress, out: list[dict[str, Any]]) -> None:
+    def _progress_chunk(self, ev: PrefillProgress) -> StreamChunk:
+        self._choices[0].first_sent = True
+        return self._chunk(self._fmt.progress_choice(), PromptProgress.of(ev))
+
+    def _on_progress(self, ev: PrefillProgress, out: list[StreamChunk]) -> None:
         last = self._last_progress
         if self._progress_closed or (last is not None and ev.processed < last.processed):
             return
         self._last_progress = ev
         self._progress_closed = ev.processed >= ev.total
-        self._choices[0].role_sent = True
-        out.append(self._with_usage(chunks.progress_chunk(self.header, ev)))
+        out.append(self._progress_chunk(ev))
 
-    def _close_progress(self, out: list[dict[str, Any]]) -> None:
+    def _close_progress(self, out: list[StreamChunk]) -> None:
         if self._progress_closed:
             return
         self._progress_closed = True
@@ -138,10 +147,16 @@ class ResponseState:
         else:
             return
         self._last_progress = final
-        self._choices[0].role_sent = True
-        out.append(self._with_usage(chunks.progress_chunk(self.header, final)))
+        out.append(self._progress_chunk(final))
 
-    def _on_delta(self, choice: _Choice, ev: TokenDelta, out: list[dict[str, Any]]) -> None:
+    def _first(self, choice: _Choice) -> bool:
+        """Whether the next chunk of ``choice`` is its first (marks it sent)."""
+        if choice.first_sent:
+            return False
+        choice.first_sent = True
+        return True
+
+    def _on_delta(self, choice: _Choice, ev: TokenDelta, out: list[StreamChunk]) -> None:
         if not choice.generating:
             choice.generating = True
             if choice.index == 0 and self.flags.progress:
@@ -150,54 +165,37 @@ class ResponseState:
         if not ev.text:
             return
         choice.texts.append(ev.text)
-        if self.header.kind == "chat":
-            delta: dict[str, Any] = {"content": ev.text}
-            if not choice.role_sent:
-                choice.role_sent = True
-                delta = {"role": "assistant", "content": ev.text}
-            c = chunks.chat_delta_choice(choice.index, delta)
-        else:
-            c = chunks.text_choice(choice.index, ev.text)
-        out.append(self._with_usage(chunks.chunk(self.header, [c])))
+        out.append(self._chunk(self._fmt.content_choice(choice.index, ev.text, self._first(choice))))
 
-    def _on_finished(self, choice: _Choice, ev: Finished, out: list[dict[str, Any]]) -> None:
+    def _on_finished(self, choice: _Choice, ev: Finished, out: list[StreamChunk]) -> None:
         if choice.index == 0 and self.flags.progress:
             self._close_progress(out)
         choice.finished = ev
         choice.completion_tokens = ev.completion_tokens
         self._unfinished -= 1
-        reason = str(ev.finish_reason)
-        if self.header.kind == "chat":
-            delta: dict[str, Any] = {}
-            if not choice.role_sent:
-                choice.role_sent = True
-                delta = {"role": "assistant"}
-            c = chunks.chat_delta_choice(choice.index, delta, reason)
-        else:
-            c = chunks.text_choice(choice.index, "", reason)
-        out.append(self._with_usage(chunks.chunk(self.header, [c])))
+        c = self._fmt.finish_choice(choice.index, str(ev.finish_reason), self._first(choice))
+        out.append(self._chunk(c))
 
-    def running_usage(self) -> dict[str, Any]:
+    def running_usage(self) -> Usage:
         """Usage so far: prompt from choice 0's ``Started``, completion tokens
         summed over choices (``TokenDelta.num_tokens``, then ``Finished``)."""
         started = self._choices[0].started
         prompt = started.prompt_tokens if started is not None else 0
         cached = started.cached_tokens if started is not None else 0
-        return chunks.running_usage(prompt, cached, sum(c.completion_tokens for c in self._choices))
+        return responses.running_usage(prompt, cached, sum(c.completion_tokens for c in self._choices))
 
-    def final_usage(self) -> dict[str, Any]:
-        """Usage of the finished response (``chunks.final_usage``). Call when ``done``."""
-        return chunks.final_usage(self._finished())
+    def final_usage(self) -> Usage:
+        """Usage of the finished response (``responses.final_usage``). Call when ``done``."""
+        return responses.final_usage(self._finished())
 
-    def usage_chunk(self) -> dict[str, Any]:
+    def usage_chunk(self) -> StreamChunk:
         """The last chunk of a stream with ``include_usage``: ``choices: []`` + usage."""
-        c = chunks.chunk(self.header, [])
-        c["usage"] = self.final_usage()
-        return c
+        h = self.header
+        return StreamChunk(h.id, self._object, h.created, h.model, [], usage=self.final_usage())
 
-    def response(self) -> dict[str, Any]:
+    def response(self) -> Completion:
         """The non-stream response body. Call when ``done``."""
-        return chunks.response(self.header, ["".join(c.texts) for c in self._choices], self._finished())
+        return responses.response(self.header, ["".join(c.texts) for c in self._choices], self._finished())
 
     def _finished(self) -> list[Finished]:
         out = [c.finished for c in self._choices]

@@ -329,7 +329,7 @@ def main() -> int:
         addr = ["--input-addr", f"ipc://{rundir / 'in'}", "--output-addr", f"ipc://{rundir / 'out'}"]
         port = free_port()
         base = f"http://127.0.0.1:{port}"
-        cli = [sys.executable, "-m", "proxy.cli"]
+        cli = [sys.executable, "-m", "launcher"]
         logs = {"worker": work / "worker.log", "proxy": work / "proxy.log"}
         worker_cmd = [
             *cli, "worker", *addr, "--backend", "exllamav3", "--model-dir", str(exl3_dir),

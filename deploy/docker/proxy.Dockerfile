@@ -1,10 +1,11 @@
-# The proxy sidecar: base install only (aiohttp, pyzmq, orjson, msgspec, click); no torch.
+# The proxy sidecar: base install only (aiohttp, pyzmq, orjson, msgspec, click); no torch and
+# no worker code (the exl3-sidecar command's launcher comes along; it never imports the worker).
 FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY protocol ./protocol
 COPY proxy ./proxy
-COPY engine_worker ./engine_worker
+COPY launcher ./launcher
 RUN pip install --no-cache-dir . && useradd --uid 10001 sidecar
 USER 10001
 EXPOSE 5000

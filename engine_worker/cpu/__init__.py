@@ -1,10 +1,11 @@
 """CPU engine backend: torch + transformers, the embedded SmolLM2-135M-Instruct by default.
 
 Importing this package needs the ``cpu`` extra (torch, transformers, gguf,
-accelerate, safetensors). ``CpuBackend`` implements ``engine_worker.backend.Backend``.
+accelerate, safetensors). ``CpuBackend`` implements ``engine_worker.backend.Backend``
+and reads its options from ``engine_worker.settings.WorkerSettings`` (those
+marked ``[cpu]`` and the shared ones).
 """
 
-from engine_worker.cpu.config import CpuEngineConfig
 from engine_worker.cpu.engine import CpuBackend
 
-__all__ = ["CpuBackend", "CpuEngineConfig"]
+__all__ = ["CpuBackend"]

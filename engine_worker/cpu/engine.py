@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,13 +33,13 @@ import torch
 
 from engine_worker.admission import check_prompt_fits, validate_sampling
 from engine_worker.backend import Backend, ModelInfo, RequestRejected
-from engine_worker.cpu.config import CpuEngineConfig
 from engine_worker.cpu.detokenize import IncrementalDetokenizer, StopStringMatcher
 from engine_worker.cpu.kv_cache import SequenceKV
 from engine_worker.cpu.model_store import LoadedModel, load_embedded, load_model
 from engine_worker.cpu.ngram import NgramDrafter
 from engine_worker.cpu.prefix_cache import PrefixCache
 from engine_worker.cpu.sampling import TokenSampler
+from engine_worker.settings import DraftMode, WorkerSettings
 from protocol.messages import (
     ErrorCode,
     Event,
@@ -106,9 +107,16 @@ class CpuBackend:
     Raises ``model_store.ModelNotFound`` when the model is missing.
     """
 
-    def __init__(self, config: CpuEngineConfig, *, loaded: LoadedModel | None = None) -> None:
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+    def __init__(self, config: WorkerSettings, *, loaded: LoadedModel | None = None) -> None:
+        # Resolved per backend when the settings were built (BACKEND_DEFAULTS).
+        assert config.max_seq_len and config.chunk_size and config.num_draft_tokens and config.ngram_match_max
+        self._max_seq_len: int = config.max_seq_len
+        self._chunk_size: int = config.chunk_size
+        self._num_draft_tokens: int = config.num_draft_tokens
+        self._ngram_match_max: int = config.ngram_match_max
+        self._ngram = config.draft_mode is DraftMode.NGRAM
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
         if loaded is None:
             if config.model_dir is not None:
                 loaded = load_model(config.model_dir, dtype=config.dtype)
@@ -121,23 +129,23 @@ class CpuBackend:
         text_config = loaded.model.config.get_text_config(decoder=True)
         self._num_layers = int(text_config.num_hidden_layers)
         self._vocab_size = int(text_config.vocab_size)
-        max_positions = getattr(text_config, "max_position_embeddings", None) or config.max_context_tokens
-        self._max_context = min(config.max_context_tokens, int(max_positions))
+        max_positions = getattr(text_config, "max_position_embeddings", None) or self._max_seq_len
+        self._max_context = min(self._max_seq_len, int(max_positions))
         self._end_ids = self._find_end_ids()
         self._prefix_cache = PrefixCache(config.prefix_cache_mb * 2**20)
         self._requests: dict[str, _Request] = {}
-        self._next_turn = 0  # round-robin position for steps cut by step_budget_s
+        self._next_turn = 0  # round-robin position for steps cut by step_budget
         self._info = ModelInfo(
             model_id=loaded.model_id,
             max_context_tokens=self._max_context,
-            drafting="ngram" if config.ngram_drafting else None,
+            drafting=config.drafting,
         )
         self._warm_up()
 
     @classmethod
-    def from_loaded(cls, loaded: LoadedModel, config: CpuEngineConfig | None = None) -> CpuBackend:
+    def from_loaded(cls, loaded: LoadedModel, config: WorkerSettings | None = None) -> CpuBackend:
         """A backend over an already loaded model (tests, benchmarks)."""
-        return cls(config or CpuEngineConfig(), loaded=loaded)
+        return cls(config or WorkerSettings(), loaded=loaded)
 
     # ------------------------------------------------------------------ Backend
 
@@ -156,20 +164,16 @@ class CpuBackend:
         the model's EOS and the chat template's end-of-turn token."""
         return self._end_ids
 
-    def num_active(self) -> int:
-        return len(self._requests)
+    def active_ids(self) -> Collection[str]:
+        return self._requests.keys()
 
     def add(self, submit: Submit) -> None:
         """Tokenize (applying the chat template to ``messages``) and admit.
 
-        Raises ``RequestRejected``: ``INVALID_REQUEST`` for a duplicate id, bad
+        Raises ``RequestRejected``: ``INVALID_REQUEST`` for bad
         parameters or an empty prompt; ``CONTEXT_LENGTH_EXCEEDED`` when the prompt
         has ``max_context_tokens`` tokens or more.
         """
-        if submit.request_id in self._requests:
-            raise RequestRejected(
-                ErrorCode.INVALID_REQUEST, f"request id {submit.request_id!r} is already active"
-            )
         validate_sampling(submit.params, self._vocab_size)
         prompt_ids, param = self._tokenize(submit)
         check_prompt_fits(
@@ -185,8 +189,8 @@ class CpuBackend:
         params = submit.params
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._end_ids)
         drafter = None
-        if self._config.ngram_drafting:
-            drafter = NgramDrafter(prompt_ids, self._config.ngram_match_min, self._config.ngram_match_max)
+        if self._ngram:
+            drafter = NgramDrafter(prompt_ids, self._config.ngram_match_min, self._ngram_match_max)
         self._requests[submit.request_id] = _Request(
             request_id=submit.request_id,
             params=params,
@@ -215,7 +219,7 @@ class CpuBackend:
         first ``PrefillProgress``) runs no forward pass, so those events reach the
         client at once instead of after a prefill chunk of every request.
 
-        Otherwise requests are advanced round-robin until ``step_budget_s`` has
+        Otherwise requests are advanced round-robin until ``step_budget`` has
         passed: with many requests in flight a step still ends within about one
         forward pass of the budget, so the worker loop keeps sending heartbeats
         and handling aborts, and the next step resumes with the request after the
@@ -236,7 +240,7 @@ class CpuBackend:
             for req in order[start:] + order[:start]:
                 self._guarded_advance(req, events)
                 advanced += 1
-                if time.perf_counter() - t0 >= self._config.step_budget_s:
+                if time.perf_counter() - t0 >= self._config.step_budget:
                     break
             self._next_turn = start + advanced
         return events
@@ -332,7 +336,7 @@ class CpuBackend:
 
     def _start(self, req: _Request, events: list[Event]) -> None:
         req.t_start = time.perf_counter()
-        room = min(req.params.max_tokens, _INITIAL_DECODE_ROOM) + self._config.num_draft_tokens + 1
+        room = min(req.params.max_tokens, _INITIAL_DECODE_ROOM) + self._num_draft_tokens + 1
         # Positions never exceed the context: drafts are limited to fit in it.
         req.kv = SequenceKV(self._num_layers, min(req.prompt_len + room, self._max_context))
         cached = 0
@@ -346,7 +350,7 @@ class CpuBackend:
         events.append(PrefillProgress(req.request_id, req.prompt_len, cached, cached, 0))
 
     def _prefill_chunk(self, req: _Request, events: list[Event]) -> None:
-        end = min(req.processed + self._config.prefill_chunk_size, req.prompt_len)
+        end = min(req.processed + self._chunk_size, req.prompt_len)
         chunk = req.prompt_ids[req.processed : end]
         last = end == req.prompt_len
         logits = self._forward(req, chunk, num_logits=1 if last else 0)
@@ -368,7 +372,7 @@ class CpuBackend:
         drafts: list[int] = []
         if req.drafter is not None:
             room = min(
-                self._config.num_draft_tokens,
+                self._num_draft_tokens,
                 req.params.max_tokens - req.num_output - 1,
                 self._max_context - history_len - 1,
             )

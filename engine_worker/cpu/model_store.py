@@ -20,6 +20,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
 import torch
 from transformers import (
@@ -31,7 +32,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from engine_worker.cpu.config import DTYPES, default_cache_dir
+from engine_worker.settings import Dtype, default_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +122,8 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
 
 
 def _torch_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}; choose one of {DTYPES}")
+    if name not in get_args(Dtype):
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {get_args(Dtype)}")
     dtype: torch.dtype = getattr(torch, name)
     return dtype
 

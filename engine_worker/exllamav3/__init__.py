@@ -1,6 +1,6 @@
 """ExLlamaV3 backend: serves an EXL3 model on CUDA with ExLlamaV3 1.6.5.
 
-- ``config``: ``ExLlamaV3Config``, every operator option.
+- ``config``: the engine facts that constrain its options (``validate``) and their parsers.
 - ``engine``: ``EngineHandle``, the engine surface the backend drives.
 - ``backend``: ``ExLlamaV3Backend``, the one place where ``Generator.iterate()``
   results become protocol events.
@@ -12,7 +12,7 @@ Importing this package never imports ``exllamav3``.
 """
 
 from engine_worker.exllamav3.backend import ExLlamaV3Backend
-from engine_worker.exllamav3.config import CacheMode, DraftMode, ExLlamaV3Config
+from engine_worker.exllamav3.config import CacheMode
 from engine_worker.exllamav3.engine import EngineHandle
 
-__all__ = ["CacheMode", "DraftMode", "EngineHandle", "ExLlamaV3Backend", "ExLlamaV3Config"]
+__all__ = ["CacheMode", "EngineHandle", "ExLlamaV3Backend"]

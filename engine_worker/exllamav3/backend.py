@@ -60,14 +60,16 @@ import enum
 import logging
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 from engine_worker.admission import check_prompt_fits
 from engine_worker.backend import ModelInfo, RequestRejected
-from engine_worker.exllamav3.config import PAGE_SIZE, ExLlamaV3Config
+from engine_worker.exllamav3.config import PAGE_SIZE
 from engine_worker.exllamav3.engine import EngineHandle
 from engine_worker.exllamav3.sampling import job_settings
+from engine_worker.settings import WorkerSettings
 from protocol.messages import (
     ErrorCode,
     Event,
@@ -118,7 +120,7 @@ def _id_list(ids: Any) -> list[int]:
     return [int(t) for t in (rows[0] if rows and isinstance(rows[0], list) else rows)]
 
 
-def resolve_max_context(config: ExLlamaV3Config, handle: EngineHandle) -> int:
+def resolve_max_context(config: WorkerSettings, handle: EngineHandle) -> int:
     """Longest prompt + completion a request may have, in tokens.
 
     ``max_seq_len`` (default: the model's ``max_position_embeddings``, capped by the
@@ -137,7 +139,7 @@ class ExLlamaV3Backend:
     fake in tests); ``config`` supplies the context limit and prompt options.
     """
 
-    def __init__(self, handle: EngineHandle, config: ExLlamaV3Config) -> None:
+    def __init__(self, handle: EngineHandle, config: WorkerSettings) -> None:
         self._h = handle
         self._config = config
         self._max_context = resolve_max_context(config, handle)
@@ -150,8 +152,8 @@ class ExLlamaV3Backend:
     def info(self) -> ModelInfo:
         return self._info
 
-    def num_active(self) -> int:
-        return len(self._requests)
+    def active_ids(self) -> Collection[str]:
+        return self._requests.keys()
 
     def _check_thread(self) -> None:
         me = threading.get_ident()
@@ -183,8 +185,6 @@ class ExLlamaV3Backend:
         """
         self._check_thread()
         rid = submit.request_id
-        if rid in self._requests:
-            raise RequestRejected(ErrorCode.INVALID_REQUEST, f"duplicate request id {rid!r}")
         param = "prompt" if submit.prompt is not None else "messages"
         try:
             input_ids, param = self._tokenize(submit)

@@ -32,8 +32,9 @@ from collections.abc import Iterable
 from typing import Any
 
 from engine_worker.exllamav3.backend import ExLlamaV3Backend
-from engine_worker.exllamav3.config import PAGE_SIZE, CacheMode, DraftMode, ExLlamaV3Config
+from engine_worker.exllamav3.config import PAGE_SIZE, CacheMode, parse_split
 from engine_worker.exllamav3.engine import EngineHandle
+from engine_worker.settings import DraftMode, WorkerSettings
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def _wants_bos(tokenizer: Any) -> bool:
         return False
 
 
-def load_engine(config: ExLlamaV3Config) -> EngineHandle:
+def load_engine(config: WorkerSettings) -> EngineHandle:
     """Load model, drafter, caches, tokenizer and generator as ``config`` says.
 
     Shows a progress bar per model load on stderr. Raises ``RuntimeError`` without
@@ -103,7 +104,9 @@ def load_engine(config: ExLlamaV3Config) -> EngineHandle:
     import exllamav3 as ex
 
     mode = config.draft_mode
-    ex_config = ex.Config.from_directory(str(config.model_dir))
+    model_dir = config.model_dir
+    assert model_dir is not None  # checked by exllamav3.config.validate
+    ex_config = ex.Config.from_directory(str(model_dir))
     mpe = int(getattr(ex_config, "max_position_embeddings", 0) or 0)
     if config.max_seq_len:
         max_seq_len = config.max_seq_len
@@ -121,14 +124,14 @@ def load_engine(config: ExLlamaV3Config) -> EngineHandle:
     draft_model: Any = None
     draft_label = ""
     if mode is DraftMode.DRAFT_MODEL:
-        assert config.draft_model_dir is not None  # checked by ExLlamaV3Config
+        assert config.draft_model_dir is not None  # checked by exllamav3.config.validate
         draft_config = ex.Config.from_directory(str(config.draft_model_dir))
         draft_model = ex.Model.from_config(draft_config)
         draft_label = f"draft model {config.draft_model_dir.name}"
     elif mode is DraftMode.MTP:
         if "mtp" not in getattr(ex_config, "model_classes", {}):
             raise ValueError(
-                f"draft_mode=mtp: {config.model_dir} ({ex_config.architecture}) has no MTP head in ExLlamaV3"
+                f"draft_mode=mtp: {model_dir} ({ex_config.architecture}) has no MTP head in ExLlamaV3"
             )
         draft_model = ex.Model.from_config(ex_config, component="mtp")
         draft_label = "MTP head"
@@ -148,7 +151,7 @@ def load_engine(config: ExLlamaV3Config) -> EngineHandle:
         max_num_tokens=cache_size,
         max_batch_size=max_batch,
         max_history=draft_window,
-        **_cache_kwargs(ex, config.kv_cache_mode),
+        **_cache_kwargs(ex, CacheMode.parse(config.cache_mode)),
     )
     draft_cache = None
     if draft_model is not None:
@@ -157,15 +160,17 @@ def load_engine(config: ExLlamaV3Config) -> EngineHandle:
             max_num_tokens=cache_size,
             max_batch_size=max_batch,
             max_history=draft_window,
-            **_cache_kwargs(ex, config.draft_kv_cache_mode),
+            **_cache_kwargs(ex, CacheMode.parse(config.draft_cache_mode, "draft_cache_mode")),
         )
 
-    split = list(config.gpu_split) if config.gpu_split else None
+    gpu_split = parse_split(config.gpu_split, "gpu_split")
+    split = list(gpu_split) if gpu_split else None
     with torch.inference_mode():
         if draft_model is not None:
             # use_per_device counts on top of what is already allocated (model/model.py:522-526):
             # reusing gpu_split here would let drafter + model take about twice the split.
-            draft_split = list(config.draft_gpu_split) if config.draft_gpu_split else None
+            draft_gpu_split = parse_split(config.draft_gpu_split, "draft_gpu_split")
+            draft_split = list(draft_gpu_split) if draft_gpu_split else None
             _progress_bar(
                 draft_model.load_gen(use_per_device=draft_split, max_chunk_size=config.chunk_size),
                 f"Loading {draft_label}",
@@ -179,7 +184,7 @@ def load_engine(config: ExLlamaV3Config) -> EngineHandle:
                 max_chunk_size=config.chunk_size,
                 draft_model=draft_model,
             ),
-            f"Loading {config.model_dir.name}",
+            f"Loading {model_dir.name}",
         )
         _start_moe_cpu_hosts(model)
     if config.warmup:
@@ -238,12 +243,12 @@ def load_engine(config: ExLlamaV3Config) -> EngineHandle:
         cache_tokens=int(generator.max_total_tokens),
         max_draft_tokens=int(generator.max_draft_tokens),
         drafting=config.drafting,
-        model_id=config.served_model_id or config.model_dir.name,
+        model_id=model_dir.name,
         close=close,
     )
 
 
-def build_backend(config: ExLlamaV3Config) -> ExLlamaV3Backend:
+def build_backend(config: WorkerSettings) -> ExLlamaV3Backend:
     """Load the model (progress bar on stderr) and return the backend serving it."""
     handle = load_engine(config)
     backend = ExLlamaV3Backend(handle, config)
@@ -253,7 +258,7 @@ def build_backend(config: ExLlamaV3Config) -> ExLlamaV3Backend:
         info.model_id,
         info.max_context_tokens,
         handle.cache_tokens,
-        config.kv_cache_mode,
+        CacheMode.parse(config.cache_mode),
         info.drafting or "off",
     )
     return backend

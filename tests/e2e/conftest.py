@@ -66,7 +66,7 @@ def start_server(tmp: Path, *args: str) -> Server:
     env = {k: v for k, v in os.environ.items() if not k.startswith("EXL3_SIDECAR_")}
     with log_path.open("wb") as log_file:  # the child keeps its own descriptor
         proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
+            [sys.executable, "-m", "launcher", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env=env,

@@ -389,7 +389,7 @@ def test_worker_and_proxy_as_separate_processes_over_tcp(tmp_path: Any) -> None:
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("EXL3_SIDECAR_")}
     env |= {"EXL3_SIDECAR_INPUT_ADDR": in_addr, "EXL3_SIDECAR_OUTPUT_ADDR": out_addr}
-    cli = [sys.executable, "-m", "proxy.cli"]
+    cli = [sys.executable, "-m", "launcher"]
     with (tmp_path / "worker.log").open("wb") as wlog, (tmp_path / "proxy.log").open("wb") as plog:
         # The proxy first: it must wait, not ready, until a worker appears.
         proxy = subprocess.Popen(
@@ -417,3 +417,12 @@ def test_worker_and_proxy_as_separate_processes_over_tcp(tmp_path: Any) -> None:
                 p.kill()
                 p.wait()
     assert worker.returncode == 0 and proxy.returncode == 0
+
+
+def test_serve_proxy_process_maps_no_torch_while_its_worker_does(server: Server) -> None:
+    """The sidecar promise under ``serve``: the process answering HTTP has no
+    torch module loaded and no libtorch mapped; only the worker child has them."""
+    proxy_maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
+    worker_maps = Path(f"/proc/{server.worker_pid()}/maps").read_text()
+    assert "libtorch" not in proxy_maps and "/torch/" not in proxy_maps
+    assert "libtorch" in worker_maps and "/torch/_C" in worker_maps

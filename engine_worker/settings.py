@@ -1,0 +1,188 @@
+"""The worker's settings: every option of ``python -m engine_worker`` written once.
+
+``WorkerSettings`` is the one source of each option's name, type, default,
+range, environment variable and help; ``protocol.settings`` derives the CLI from
+it, and the backends read it directly, so one concept has one name everywhere
+(flag ``--chunk-size``, variable ``EXL3_SIDECAR_CHUNK_SIZE``, field
+``chunk_size``). Names follow TabbyAPI's ``config.yml`` where one exists
+(``max_seq_len``, ``cache_size``, ``cache_mode``, ``chunk_size``,
+``max_batch_size``, ``gpu_split``, ``tensor_parallel``, ``draft_model_dir``,
+``output_chunking``, ...). Options marked ``[cpu]`` or ``[exllamav3]`` apply to
+that backend only.
+
+A few defaults depend on the backend; they are resolved once, when the object is
+built (``BACKEND_DEFAULTS``), so a backend never sees ``None`` for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from protocol.endpoints import LinkSettings
+from protocol.settings import setting
+
+BackendName = Literal["cpu", "exllamav3"]
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class DraftMode(enum.StrEnum):
+    """Speculative decoding mode; the values are the ``drafting`` names of ``protocol.messages.Ready``."""
+
+    NONE = "none"
+    NGRAM = "ngram"  # prompt lookup: continue an earlier occurrence of the current suffix
+    DRAFT_MODEL = "draft_model"  # exllamav3: a separate, smaller EXL3 model with the same vocabulary
+    MTP = "mtp"  # exllamav3: the model's own multi-token-prediction head
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/exl3-sidecar``, or ``~/.cache/exl3-sidecar``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "exl3-sidecar"
+
+
+BACKEND_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cpu": {"max_seq_len": 8192, "chunk_size": 256, "num_draft_tokens": 4},
+    # max_seq_len: the model's; num_draft_tokens: what the drafter prefers (loader).
+    "exllamav3": {"chunk_size": 2048},
+}
+"""Defaults of the options whose default depends on ``backend``."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WorkerSettings(LinkSettings):
+    """Everything the worker process needs, plus ``LinkSettings`` (the ZeroMQ
+    addresses it binds, the log level). Token counts are tokens, times seconds,
+    ExLlamaV3's "GB" are GiB (``model/model.py:651,662``).
+
+    Raises ``ValueError`` naming the field for a value out of range or an option
+    that does not fit the backend.
+    """
+
+    backend: BackendName = setting(
+        "cpu", "Engine: the CPU engine (embedded SmolLM2-135M-Instruct by default) or ExLlamaV3 on CUDA."
+    )
+    model_dir: Path | None = setting(
+        None,
+        "Model directory: EXL3 for exllamav3 (required), HF safetensors for cpu "
+        "(default: the embedded model).",
+    )
+    max_seq_len: int | None = setting(
+        None,
+        "Context length in tokens, prompt + completion (default: cpu 8192, exllamav3 the model's, "
+        "capped by --cache-size).",
+        ge=2,
+    )
+    chunk_size: int | None = setting(
+        None,
+        "Prefill chunk in tokens, one progress event each (default: cpu 256, exllamav3 2048; "
+        "exllamav3 needs a multiple of 256).",
+        ge=1,
+    )
+    draft_mode: DraftMode = setting(
+        DraftMode.NONE,
+        "Speculative decoding: n-gram prompt lookup (both backends), or (exllamav3) a draft model "
+        "or the model's MTP head.",
+    )
+    num_draft_tokens: int | None = setting(
+        None, "Draft length in tokens per verification (default: cpu 4, exllamav3 the drafter's own).", ge=1
+    )
+    ngram_match_min: int = setting(
+        2, "Shortest n-gram (tokens) that must match before n-gram drafting proposes tokens.", ge=1
+    )
+    heartbeat_interval: float = setting(1.0, "Seconds between worker heartbeats.", ge=0.05)
+    # cpu engine
+    cache_dir: Path = setting(
+        default_factory=default_cache_dir,
+        help="[cpu] Where the embedded model is converted once (default: $XDG_CACHE_HOME/exl3-sidecar).",
+    )
+    dtype: Dtype = setting("float32", "[cpu] Weights and KV cache dtype.")
+    prefix_cache_mb: int = setting(
+        1024, "[cpu] Memory budget of the prefix cache (KV of earlier sequences), MiB; 0 disables it.", ge=0
+    )
+    threads: int | None = setting(None, "[cpu] torch intra-op threads (default: torch's choice).", ge=1)
+    ngram_match_max: int | None = setting(
+        None, "[cpu] Longest n-gram (tokens) looked up for drafting (default: max(4, ngram_match_min)).", ge=1
+    )
+    step_budget: float = setting(
+        1.0,
+        "[cpu] Seconds after which a step stops advancing further requests (round-robin), so "
+        "heartbeats and aborts never wait long; 0 advances one request per step.",
+        ge=0,
+    )
+    # exllamav3
+    cache_size: int | None = setting(
+        None, "[exllamav3] KV cache size in tokens, a multiple of 256 (default: max-seq-len).", ge=256
+    )
+    cache_mode: str = setting(
+        "FP16", "[exllamav3] KV cache precision: FP16, or k_bits,v_bits such as 8,8 or 4,4."
+    )
+    max_batch_size: int | None = setting(
+        None, "[exllamav3] Most sequences decoded together (default: 32, or 4 with recurrent layers).", ge=1
+    )
+    gpu_split: str | None = setting(
+        None, "[exllamav3] GB of VRAM per GPU, comma-separated (default: autosplit)."
+    )
+    tensor_parallel: bool = setting(False, "[exllamav3] Load with tensor parallelism across GPUs.")
+    tensor_parallel_backend: Literal["native", "nccl"] = setting(
+        "native", "[exllamav3] Tensor-parallel transport."
+    )
+    draft_model_dir: Path | None = setting(
+        None, "[exllamav3] Draft model (EXL3) for --draft-mode draft_model."
+    )
+    draft_cache_size: int | None = setting(
+        None,
+        "[exllamav3] Draft model KV cache size in tokens; must equal the main cache size (default: it).",
+        ge=256,
+    )
+    draft_cache_mode: str = setting("FP16", "[exllamav3] Draft model KV cache precision, as --cache-mode.")
+    draft_gpu_split: str | None = setting(
+        None,
+        "[exllamav3] GB of VRAM per GPU for the draft model, comma-separated (default: placed "
+        "automatically, not with --gpu-split).",
+    )
+    output_chunking: bool = setting(
+        True,
+        "[exllamav3] Reserve cache pages for at most --max-rq-tokens completion tokens at a time; a "
+        "longer completion is re-queued with its text so far as the prompt (a prefix-cache hit).",
+    )
+    max_rq_tokens: int = setting(
+        2048, "[exllamav3] Completion tokens per job before it is re-queued (output chunking).", ge=1
+    )
+    warmup: bool = setting(True, "[exllamav3] Run one warm-up pass before serving.")
+    add_bos: bool = setting(
+        True, "[exllamav3] Prepend the tokenizer's BOS token to raw-text prompts (if the model uses one)."
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name, value in BACKEND_DEFAULTS[self.backend].items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        if self.ngram_match_max is None:
+            object.__setattr__(self, "ngram_match_max", max(4, self.ngram_match_min))
+        object.__setattr__(self, "draft_mode", DraftMode(self.draft_mode))
+        if self.model_dir is not None:
+            object.__setattr__(self, "model_dir", Path(self.model_dir))
+        if self.draft_model_dir is not None:
+            object.__setattr__(self, "draft_model_dir", Path(self.draft_model_dir))
+        assert self.ngram_match_max is not None
+        if self.ngram_match_max < self.ngram_match_min:
+            raise ValueError(
+                f"ngram_match_max={self.ngram_match_max} is below ngram_match_min={self.ngram_match_min}"
+            )
+        if self.backend == "cpu":
+            if self.draft_mode not in (DraftMode.NONE, DraftMode.NGRAM):
+                raise ValueError(f"draft_mode={self.draft_mode.value} needs backend=exllamav3")
+        else:
+            from engine_worker.exllamav3.config import validate
+
+            validate(self)
+
+    @property
+    def drafting(self) -> str | None:
+        """``Ready.drafting``: the draft mode's name, or ``None`` without drafting."""
+        return None if self.draft_mode is DraftMode.NONE else self.draft_mode.value

@@ -1,0 +1,3 @@
+from launcher.cli import main
+
+main(prog_name="exl3-sidecar")

@@ -1,0 +1,86 @@
+"""The ``exl3-sidecar`` command group: ``serve``, ``worker``, ``proxy`` (see the package docstring)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+from typing import Any
+
+import click
+
+from launcher.supervisor import WorkerSupervisor
+from protocol.endpoints import default_addresses, instance_dir
+from protocol.settings import cli_args, click_options, from_options
+from proxy.cli import main as proxy_command
+from proxy.cli import setup_logging
+from proxy.settings import ProxySettings
+
+WORKER_COMMAND = (sys.executable, "-m", "engine_worker")
+"""How the worker is started: by its command line, never by importing it."""
+
+_CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
+
+
+@click.group(context_settings=_CONTEXT)
+def main() -> None:
+    """OpenAI-compatible server that streams prefill progress and reports prefix-cache and draft usage."""
+
+
+main.add_command(proxy_command, "proxy")
+
+
+@main.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,
+)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def worker(args: tuple[str, ...]) -> None:
+    """Run the engine worker alone (one container of a pod): python -m engine_worker ARGS.
+    Its options: exl3-sidecar worker --help."""
+    os.execv(WORKER_COMMAND[0], [*WORKER_COMMAND, *args])
+
+
+@main.command(
+    context_settings={**_CONTEXT, "ignore_unknown_options": True, "allow_extra_args": True},
+    epilog="Every other option is the worker's (exl3-sidecar worker --help lists them, e.g. --backend, "
+    "--model-dir, --draft-mode); they are checked before anything starts.",
+)
+@click_options(ProxySettings)
+@click.argument("worker_args", nargs=-1, type=click.UNPROCESSED)
+def serve(worker_args: tuple[str, ...], **values: Any) -> None:
+    """Run worker and proxy together: the embedded default model on port 5000."""
+    check = subprocess.run([*WORKER_COMMAND, "--check", *worker_args], check=False)
+    if check.returncode != 0:
+        raise SystemExit(check.returncode)
+    with contextlib.ExitStack() as stack:
+        if values["input_addr"] is None or values["output_addr"] is None:
+            # A directory of its own: two serves never share sockets.
+            din, dout = default_addresses(stack.enter_context(instance_dir()))
+            values["input_addr"] = values["input_addr"] or din
+            values["output_addr"] = values["output_addr"] or dout
+        settings = from_options(ProxySettings, values)
+        setup_logging(settings.log_level)
+        argv = [
+            *WORKER_COMMAND,
+            *cli_args(settings, ("input_addr", "output_addr", "log_level")),
+            *worker_args,
+        ]
+        asyncio.run(_serve(settings, WorkerSupervisor(argv)))
+
+
+async def _serve(settings: ProxySettings, supervisor: WorkerSupervisor) -> None:
+    from proxy.app import run_proxy
+    from proxy.engine_client import ZmqEngineClient
+
+    supervision = asyncio.create_task(supervisor.run())
+    try:
+        await run_proxy(settings, ZmqEngineClient(settings))
+    finally:
+        supervision.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await supervision
+        logging.getLogger("exl3_sidecar").info("worker stopped")

@@ -1,0 +1,83 @@
+"""Keep a worker child running, the way a Kubernetes pod would.
+
+``WorkerSupervisor.run`` starts the child command, waits for it, and restarts it
+when it exits, backing off while it keeps failing fast (a bad model path);
+requests in flight on the proxy fail cleanly when their worker goes away.
+Cancelling ``run`` stops the child: SIGTERM, then SIGKILL after ``stop_timeout``
+seconds. The child runs in a session of its own, so a Ctrl-C in the terminal
+reaches only the parent, which drains its requests before it stops the child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+log = logging.getLogger("exl3_sidecar.supervisor")
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """Restart delays in seconds: ``first`` after a child that ran at least
+    ``healthy_after`` seconds, doubling up to ``most`` while it keeps exiting sooner."""
+
+    first: float = 2.0
+    most: float = 30.0
+    healthy_after: float = 60.0
+
+    def next(self, previous: float | None, ran: float) -> float:
+        """The delay before the next start, after a child that ran ``ran`` seconds
+        and was itself started ``previous`` seconds after its predecessor
+        (``None`` for the first child)."""
+        if previous is None or ran >= self.healthy_after:
+            return self.first
+        return min(previous * 2, self.most)
+
+
+class WorkerSupervisor:
+    """Runs ``argv`` (program first) until cancelled, restarting it per ``backoff``."""
+
+    def __init__(
+        self, argv: Sequence[str], *, backoff: Backoff = Backoff(), stop_timeout: float = 10.0
+    ) -> None:
+        self.argv = list(argv)
+        self.backoff = backoff
+        self.stop_timeout = stop_timeout
+        self.starts = 0
+        """Children started so far."""
+        self.pid: int | None = None
+        """The running child's pid, else ``None``."""
+
+    async def run(self) -> None:
+        """Start the child and keep it running; returns only by cancellation,
+        which stops the child first (SIGTERM, SIGKILL after ``stop_timeout``)."""
+        delay: float | None = None
+        while True:
+            started = time.monotonic()
+            proc = await asyncio.create_subprocess_exec(*self.argv, start_new_session=True)
+            self.starts += 1
+            self.pid = proc.pid
+            try:
+                rc = await proc.wait()
+            except asyncio.CancelledError:
+                await self._stop(proc)
+                raise
+            finally:
+                self.pid = None
+            delay = self.backoff.next(delay, time.monotonic() - started)
+            log.error("worker exited with code %s; restarting in %.3g s", rc, delay)
+            await asyncio.sleep(delay)
+
+    async def _stop(self, proc: asyncio.subprocess.Process) -> None:
+        if proc.returncode is not None:
+            return
+        proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), self.stop_timeout)
+        except TimeoutError:
+            log.warning("worker ignored SIGTERM for %g s; killing it", self.stop_timeout)
+            proc.kill()
+            await proc.wait()

@@ -1,0 +1,80 @@
+"""``exl3-sidecar serve`` as a process: supervision of a real worker child and
+signal handling, with a worker that cannot load its model (no model is loaded,
+so this runs in seconds)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _wait_for(cond: object, timeout: float, what: str, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not seen in {timeout} s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_serve_restarts_a_failing_worker_and_stops_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXL3_SIDECAR_")}
+    with log.open("wb") as f:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "launcher",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--model-dir",
+                str(tmp_path / "no-such-model"),
+            ],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    try:
+        _wait_for(lambda: "restarting in 4 s" in log.read_text(), 60, "a second restart", log)
+        text = log.read_text()
+        assert text.count("cannot load the model") >= 2 and "restarting in 2 s" in text
+        r = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5)
+        assert r.status_code == 503 and r.json() == {"status": "not_ready"}
+        proc.send_signal(sig)
+        assert proc.wait(20) == 0
+        assert _children(proc.pid) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

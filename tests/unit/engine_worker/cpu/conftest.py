@@ -1,0 +1,204 @@
+"""Fixtures for the CPU engine tests.
+
+Mechanics tests run on a tiny random-weight Llama over the embedded model's
+tokenizer (milliseconds per step). ``ScriptedLlama`` is that model with a
+"bigram script": at every position whose input token has a scripted successor,
+that successor gets +1000 on the logits, so the generated tokens are known in
+advance, identical however the sequence is chunked, cached or drafted.
+Tests marked ``slow`` share one real SmolLM2-135M-Instruct per session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from transformers import LlamaForCausalLM  # noqa: E402
+
+from engine_worker.cpu.engine import CpuBackend  # noqa: E402
+from engine_worker.cpu.model_store import (  # noqa: E402
+    LoadedModel,
+    load_embedded,
+    load_tokenizer_embedded,
+    tiny_random_llama,
+)
+from engine_worker.settings import WorkerSettings  # noqa: E402
+from protocol.messages import (  # noqa: E402
+    Event,
+    Finished,
+    PrefillProgress,
+    RequestError,
+    SamplingParams,
+    Started,
+    Submit,
+    TokenDelta,
+)
+
+SCRIPT_BOOST = 1000.0
+
+
+class ScriptedLlama(LlamaForCausalLM):
+    """A random Llama whose next token is forced where a bigram script says so.
+
+    Records ``(input length, logits_to_keep)`` of every call with logits, so tests
+    can count the drafted positions the engine verified.
+    """
+
+    def setup_script(
+        self,
+        script: dict[int, int] | None = None,
+        poison: int | None = None,
+        boost: float = SCRIPT_BOOST,
+        default: int = -1,
+    ) -> None:
+        """``script`` maps a token to the token that must follow it (``boost`` added
+        to its logit), ``default`` follows every other token (-1: none); an input
+        holding ``poison`` makes the forward pass raise."""
+        vocab = self.config.vocab_size
+        self.boost = boost
+        self.next_token = torch.full((vocab,), default, dtype=torch.long)
+        for src, dst in (script or {}).items():
+            self.next_token[src] = dst
+        self.poison = poison
+        self.calls: list[tuple[int, int]] = []
+
+    def forward(self, input_ids: Any = None, logits_to_keep: Any = 0, **kwargs: Any) -> Any:
+        if self.poison is not None and bool((input_ids == self.poison).any()):
+            raise RuntimeError("poisoned input")
+        out = super().forward(input_ids=input_ids, logits_to_keep=logits_to_keep, **kwargs)
+        n = out.logits.shape[1]
+        self.calls.append((int(input_ids.shape[1]), int(logits_to_keep)))
+        targets = self.next_token[input_ids[0, -n:]]
+        for pos in torch.nonzero(targets >= 0).flatten().tolist():
+            out.logits[0, pos, targets[pos]] += self.boost
+        return out
+
+    def drafted_positions(self) -> int:
+        """Drafted tokens fed in decode/verify passes (those ask logits for every input)."""
+        return sum(length - 1 for length, keep in self.calls if keep == length)
+
+
+@dataclass
+class RunResult:
+    """Events of one request and what they add up to."""
+
+    events: list[Event] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(e.text for e in self.events if isinstance(e, TokenDelta))
+
+    @property
+    def deltas(self) -> list[TokenDelta]:
+        return [e for e in self.events if isinstance(e, TokenDelta)]
+
+    @property
+    def progress(self) -> list[PrefillProgress]:
+        return [e for e in self.events if isinstance(e, PrefillProgress)]
+
+    @property
+    def started(self) -> Started:
+        first = self.events[0]
+        assert isinstance(first, Started)
+        return first
+
+    @property
+    def finished(self) -> Finished:
+        last = self.events[-1]
+        assert isinstance(last, Finished), last
+        return last
+
+    @property
+    def error(self) -> RequestError:
+        last = self.events[-1]
+        assert isinstance(last, RequestError), last
+        return last
+
+
+def run_all(backend: CpuBackend, submits: Iterable[Submit], max_steps: int = 10_000) -> dict[str, RunResult]:
+    """Admit ``submits`` and step until idle; events grouped by request id."""
+    results: dict[str, RunResult] = {}
+    for submit in submits:
+        backend.add(submit)
+        results[submit.request_id] = RunResult()
+    for _ in range(max_steps):
+        if not len(backend.active_ids()):
+            break
+        for event in backend.step():
+            rid = event.request_id
+            assert rid is not None
+            results[rid].events.append(event)
+    assert len(backend.active_ids()) == 0, "requests still active after max_steps"
+    return results
+
+
+def run_one(backend: CpuBackend, submit: Submit) -> RunResult:
+    return run_all(backend, [submit])[submit.request_id]
+
+
+def raw(request_id: str, prompt: str, **params: Any) -> Submit:
+    params.setdefault("max_tokens", 8)
+    params.setdefault("temperature", 0.0)
+    return Submit(request_id=request_id, params=SamplingParams(**params), prompt=prompt)
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Any:
+    # No skip when the model package is missing: the test command installs it,
+    # and a skip would hide a broken install.
+    return load_tokenizer_embedded()
+
+
+@pytest.fixture(scope="session")
+def tiny(tokenizer: Any) -> LoadedModel:
+    return tiny_random_llama(tokenizer, seed=0)
+
+
+@pytest.fixture
+def scripted(tiny: LoadedModel) -> Iterator[LoadedModel]:
+    """A fresh ``ScriptedLlama`` with the tiny model's weights and no script yet."""
+    model = ScriptedLlama(tiny.model.config)
+    model.load_state_dict(tiny.model.state_dict())
+    model.eval()
+    model.setup_script()
+    yield LoadedModel(model=model, tokenizer=tiny.tokenizer, model_id="scripted")
+
+
+@pytest.fixture
+def make_backend() -> Any:
+    """``make_backend(loaded, **config)``: a ``CpuBackend`` over a loaded model."""
+
+    def make(loaded: LoadedModel, **config: Any) -> CpuBackend:
+        return CpuBackend.from_loaded(loaded, WorkerSettings(**config))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def real_model() -> LoadedModel:
+    """The embedded SmolLM2-135M-Instruct, converted into the default cache on first use."""
+    return load_embedded()
+
+
+@pytest.fixture(name="run_all")
+def _run_all() -> Any:
+    """``run_all(backend, submits) -> {request_id: RunResult}``."""
+    return run_all
+
+
+@pytest.fixture(name="run_one")
+def _run_one() -> Any:
+    """``run_one(backend, submit) -> RunResult``."""
+    return run_one
+
+
+@pytest.fixture(name="raw")
+def _raw() -> Any:
+    """``raw(request_id, prompt, **sampling_params) -> Submit`` (greedy, 8 tokens by default)."""
+    return raw

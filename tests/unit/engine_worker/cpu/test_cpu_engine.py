@@ -1,0 +1,516 @@
+"""CpuBackend mechanics on a tiny random Llama (fast): events, prefix cache, abort,
+stops, UTF-8, limits, seeds, drafting accounting. Expected counts are computed
+from the token ids in the tests, not taken from the engine."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import pytest
+
+from engine_worker.backend import RequestRejected
+from protocol.messages import (
+    ChatMessage,
+    ErrorCode,
+    Finished,
+    FinishReason,
+    PrefillProgress,
+    RequestError,
+    SamplingParams,
+    Started,
+    Submit,
+    TokenDelta,
+)
+
+EOS = 2  # <|im_end|> in SmolLM2's vocabulary
+
+
+def ids(tokenizer: Any, text: str, special: bool = True) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def lcp(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def words(n: int, start: int = 0) -> str:
+    return " ".join(f"item{i} is here" for i in range(start, start + n))
+
+
+def chain(first: int, tokens: list[int], end: int | None = EOS) -> dict[int, int]:
+    """Bigram script: first -> tokens[0] -> tokens[1] ... -> end."""
+    seq = [first, *tokens] + ([end] if end is not None else [])
+    assert len(set(seq[:-1])) == len(seq) - 1, "precondition: scripted tokens are distinct"
+    return dict(itertools.pairwise(seq))
+
+
+def check_order(r: Any, cached: int, total: int, chunk: int) -> None:
+    """Started, progress (first == cached, one per chunk, last == total), deltas, Finished."""
+    kinds = [type(e) for e in r.events]
+    assert kinds[0] is Started and kinds[-1] is Finished
+    n_progress = kinds.count(PrefillProgress)
+    assert kinds[1 : 1 + n_progress] == [PrefillProgress] * n_progress
+    assert set(kinds[1 + n_progress : -1]) <= {TokenDelta}
+    assert r.started.prompt_tokens == total and r.started.cached_tokens == cached
+    progress = r.progress
+    assert n_progress == 1 + math.ceil((total - cached) / chunk)
+    assert progress[0].processed == cached and progress[-1].processed == total
+    expected_processed = [min(cached + i * chunk, total) for i in range(n_progress)]
+    assert [p.processed for p in progress] == expected_processed
+    assert all(p.total == total and p.cached == cached for p in progress)
+    times = [p.time_ms for p in progress]
+    assert times[0] == 0 and times == sorted(times) and all(isinstance(t, int) for t in times)
+    assert all(d.text and d.num_tokens >= 1 for d in r.deltas)
+    fin = r.finished
+    assert sum(d.num_tokens for d in r.deltas) <= fin.completion_tokens
+    assert (fin.prompt_tokens, fin.cached_tokens) == (total, cached)
+    assert fin.time_queued >= 0 and fin.time_prefill > 0 and fin.time_decode >= 0
+
+
+# ---------------------------------------------------------------- events
+
+
+@pytest.mark.parametrize("chunk", [1, 16, 1000])
+def test_event_order_and_progress_cadence(tiny, tokenizer, make_backend, run_one, raw, chunk) -> None:
+    prompt = words(12)
+    n = len(ids(tokenizer, prompt))
+    backend = make_backend(tiny, chunk_size=chunk)
+    r = run_one(backend, raw("a", prompt, max_tokens=5, ignore_eos=True))
+    check_order(r, cached=0, total=n, chunk=chunk)
+    assert r.finished.completion_tokens == 5
+    assert r.finished.finish_reason is FinishReason.LENGTH
+    assert r.finished.draft_accepted is None and r.finished.draft_rejected is None
+
+
+def test_info_and_chat_template(tiny, tokenizer, make_backend, run_one) -> None:
+    backend = make_backend(tiny, max_seq_len=100, draft_mode="ngram")
+    assert backend.info.max_context_tokens == 100 and backend.info.drafting == "ngram"
+    assert make_backend(tiny).info.drafting is None
+    messages = (ChatMessage("system", "Be brief."), ChatMessage("user", "Hi there"))
+    rendered = tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True, tokenize=False
+    )
+    assert rendered.endswith("<|im_start|>assistant\n")
+    expected = ids(tokenizer, rendered, special=False)
+    submit = Submit("c", SamplingParams(max_tokens=2, temperature=0.0), messages=messages)
+    r = run_one(backend, submit)
+    assert r.started.prompt_tokens == len(expected)
+
+
+# ---------------------------------------------------------------- prefix cache
+
+
+def test_prefix_cache_reuse_counts(tiny, tokenizer, make_backend, run_one, raw) -> None:
+    backend = make_backend(tiny, chunk_size=16)
+    p1 = words(10)
+    ids1 = ids(tokenizer, p1)
+    r1 = run_one(backend, raw("1", p1, max_tokens=1))
+    check_order(r1, cached=0, total=len(ids1), chunk=16)
+
+    # The same prompt again: everything but the last token comes from the cache.
+    r2 = run_one(backend, raw("2", p1, max_tokens=1))
+    check_order(r2, cached=len(ids1) - 1, total=len(ids1), chunk=16)
+
+    # A longer prompt sharing p1, and one diverging halfway.
+    for rid, prompt in (("3", p1 + " and then " + words(3, 50)), ("4", words(5) + " other " + words(4, 70))):
+        new = ids(tokenizer, prompt)
+        expected = min(lcp(new, ids1), len(new) - 1)
+        assert expected > 0
+        r = run_one(backend, raw(rid, prompt, max_tokens=1))
+        check_order(r, cached=expected, total=len(new), chunk=16)
+
+
+def test_prefix_cache_includes_generated_tokens(scripted, tokenizer, make_backend, run_one, raw) -> None:
+    prompt = "Question: name three colours. Answer:"
+    p_ids = ids(tokenizer, prompt)
+    answer = ids(tokenizer, " red green blue", special=False)
+    scripted.model.setup_script(chain(p_ids[-1], answer))
+    backend = make_backend(scripted, chunk_size=8)
+    r1 = run_one(backend, raw("1", prompt, max_tokens=50))
+    assert r1.text == " red green blue"
+    assert r1.finished.completion_tokens == len(answer) + 1  # the answer and EOS
+    assert r1.finished.finish_reason is FinishReason.STOP
+    # KV exists for the prompt and every answer token (each was fed to get the next); not for EOS.
+    with_kv = p_ids + answer
+    follow_up = prompt + " red green blue. Question: and two more?"
+    new = ids(tokenizer, follow_up)
+    expected = min(lcp(new, with_kv), len(new) - 1)
+    assert expected > len(p_ids)  # generated tokens were reused too
+    r2 = run_one(backend, raw("2", follow_up, max_tokens=1))
+    check_order(r2, cached=expected, total=len(new), chunk=8)
+
+
+def test_prefix_cache_eviction_under_small_budget(tiny, tokenizer, make_backend, run_one, raw) -> None:
+    config = tiny.model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
+    a, b = words(200), "Other " + words(170, 1000)
+    n_a, n_b = len(ids(tokenizer, a)), len(ids(tokenizer, b))
+    assert (n_a + n_b) * per_token > 2**20 > max(n_a, n_b) * per_token  # one fits, not both
+
+    small = make_backend(tiny, prefix_cache_mb=1)
+    assert run_one(small, raw("a1", a, max_tokens=1)).started.cached_tokens == 0
+    assert small.prefix_cache.bytes_used >= n_a * per_token
+    assert run_one(small, raw("b1", b, max_tokens=1)).started.cached_tokens == 0
+    assert len(small.prefix_cache) == 1 and small.prefix_cache.bytes_used <= 2**20
+    assert run_one(small, raw("a2", a, max_tokens=1)).started.cached_tokens == 0  # a was evicted
+    assert small.prefix_cache.bytes_used <= 2**20
+
+    large = make_backend(tiny, prefix_cache_mb=8)
+    for rid, prompt in (("a1", a), ("b1", b)):
+        run_one(large, raw(rid, prompt, max_tokens=1))
+    assert run_one(large, raw("a2", a, max_tokens=1)).started.cached_tokens == n_a - 1
+    assert run_one(large, raw("b2", b, max_tokens=1)).started.cached_tokens == n_b - 1
+
+    off = make_backend(tiny, prefix_cache_mb=0)
+    run_one(off, raw("a1", a, max_tokens=1))
+    assert run_one(off, raw("a2", a, max_tokens=1)).started.cached_tokens == 0
+
+
+# ---------------------------------------------------------------- abort
+
+
+def test_abort_mid_prefill_frees_and_keeps_valid_prefix(tiny, tokenizer, make_backend, run_one, raw) -> None:
+    backend = make_backend(tiny, chunk_size=16)
+    prompt = words(12)
+    n = len(ids(tokenizer, prompt))
+    backend.add(raw("a", prompt))
+    events = backend.step()  # admission: no forward pass yet
+    assert [type(e) for e in events] == [Started, PrefillProgress]
+    assert events[-1].processed == 0
+    events = backend.step()
+    assert [type(e) for e in events] == [PrefillProgress]
+    assert events[-1].processed == 16
+    backend.abort("a")
+    assert len(backend.active_ids()) == 0
+    assert backend.step() == []
+    backend.abort("a")  # unknown by now: ignored
+    r = run_one(backend, raw("b", prompt))
+    check_order(r, cached=16, total=n, chunk=16)
+
+
+def test_abort_mid_decode_then_next_turn_counts(scripted, tokenizer, make_backend, run_one, raw) -> None:
+    prompt = "List the animals:"
+    p_ids = ids(tokenizer, prompt)
+    answer = ids(tokenizer, " cat dog cow pig hen fox owl", special=False)
+    scripted.model.setup_script(chain(p_ids[-1], answer))
+    backend = make_backend(scripted)
+    backend.add(raw("a", prompt, max_tokens=50))
+    produced = 0
+    assert not any(isinstance(e, TokenDelta) for e in backend.step())  # admission
+    for _ in range(3):  # prefill + first token, then one token per step
+        produced += sum(e.num_tokens for e in backend.step() if isinstance(e, TokenDelta))
+    assert produced == 3
+    backend.abort("a")
+    assert len(backend.active_ids()) == 0 and backend.step() == []
+    # KV exists for the prompt and the first two answer tokens (the third was never fed).
+    follow_up = prompt + tokenizer.decode(answer[:3]) + " and more"
+    new = ids(tokenizer, follow_up)
+    expected = min(lcp(new, p_ids + answer[:2]), len(new) - 1)
+    assert expected == len(p_ids) + 2
+    r = run_one(backend, raw("b", follow_up, max_tokens=2))
+    check_order(r, cached=expected, total=len(new), chunk=256)
+
+
+# ---------------------------------------------------------------- stops and text
+
+
+@pytest.mark.parametrize(
+    ("stop", "text", "tokens"),
+    [
+        (("lo wor",), " Hel", 2),  # split across " Hello" and " world"
+        (("is the",), " Hello world, this ", 6),  # "this" holds a false start
+        (("the", "world"), " Hello ", 2),  # earliest match wins
+        (("nowhere",), " Hello world, this is the end.", 9),  # EOS ends it
+    ],
+)
+def test_stop_strings(scripted, tokenizer, make_backend, run_one, raw, stop, text, tokens) -> None:
+    prompt = "Say it:"
+    answer = ids(tokenizer, " Hello world, this is the end.", special=False)
+    assert len(answer) == 8
+    scripted.model.setup_script(chain(ids(tokenizer, prompt)[-1], answer))
+    r = run_one(make_backend(scripted), raw("s", prompt, max_tokens=50, stop=stop))
+    assert r.text == text
+    assert r.finished.finish_reason is FinishReason.STOP
+    assert r.finished.completion_tokens == tokens
+    assert all(d.text for d in r.deltas)
+
+
+def test_stop_token_ids_and_min_tokens(scripted, tokenizer, make_backend, run_one, raw) -> None:
+    prompt = "Count:"
+    answer = ids(tokenizer, " one two three four five", special=False)
+    scripted.model.setup_script(chain(ids(tokenizer, prompt)[-1], answer))
+    backend = make_backend(scripted)
+    r = run_one(backend, raw("a", prompt, max_tokens=50, stop_token_ids=(answer[2],)))
+    assert (r.text, r.finished.completion_tokens) == (tokenizer.decode(answer[:2]), 3)
+    # Before min_tokens a stop token cannot be chosen: the script's choice is masked.
+    r = run_one(backend, raw("b", prompt, max_tokens=50, stop_token_ids=(answer[0],), min_tokens=1))
+    assert r.finished.completion_tokens > 1 and not r.text.startswith(" one")
+
+
+def test_eos_min_tokens_and_ignore_eos(tiny, make_backend, run_one, raw) -> None:
+    backend = make_backend(tiny)
+    bias = {EOS: 100.0}
+    assert run_one(backend, raw("a", "Hello", logit_bias=bias)).finished.completion_tokens == 1
+    r = run_one(backend, raw("b", "Hello", logit_bias=bias, min_tokens=3))
+    assert (r.finished.completion_tokens, r.finished.finish_reason) == (4, FinishReason.STOP)
+    r = run_one(backend, raw("c", "Hello", logit_bias=bias, ignore_eos=True, max_tokens=6))
+    assert (r.finished.completion_tokens, r.finished.finish_reason) == (6, FinishReason.LENGTH)
+
+
+def test_logit_bias_forces_token(tiny, tokenizer, make_backend, run_one, raw) -> None:
+    token = ids(tokenizer, " banana", special=False)
+    assert len(token) == 1
+    r = run_one(make_backend(tiny), raw("a", "Fruit:", max_tokens=5, logit_bias={token[0]: 100.0}))
+    assert r.text == tokenizer.decode(token * 5)
+    assert sum(d.num_tokens for d in r.deltas) == r.finished.completion_tokens == 5
+
+
+def _split_char(tokenizer: Any) -> tuple[str, list[int]]:
+    for char in ("🦙", "𝄞", "東", "€", "😀", "ß"):
+        char_ids = ids(tokenizer, char, special=False)
+        if len(char_ids) >= 2 and "\ufffd" in tokenizer.decode(char_ids[:1]):
+            return char, char_ids
+    raise AssertionError("no multi-token character found")
+
+
+def test_utf8_split_character_is_held_until_complete(scripted, tokenizer, make_backend, run_one, raw) -> None:
+    char, _ = _split_char(tokenizer)
+    answer_text = f" x{char}y"
+    answer = ids(tokenizer, answer_text, special=False)
+    prompt = "Emoji:"
+    scripted.model.setup_script(chain(ids(tokenizer, prompt)[-1], answer))
+    r = run_one(make_backend(scripted), raw("u", prompt, max_tokens=50))
+    assert r.text == answer_text
+    assert all("\ufffd" not in d.text and d.text for d in r.deltas)
+    assert len(r.deltas) < len(answer)  # some tokens were held and folded into a later delta
+    assert sum(d.num_tokens for d in r.deltas) == len(answer)  # EOS adds no text
+    assert r.finished.completion_tokens == len(answer) + 1
+
+
+def test_stop_string_split_inside_a_character(scripted, tokenizer, make_backend, run_one, raw) -> None:
+    char, _ = _split_char(tokenizer)
+    answer_text = f" ok{char}done"
+    answer = ids(tokenizer, answer_text, special=False)
+    prompt = "Go:"
+    scripted.model.setup_script(chain(ids(tokenizer, prompt)[-1], answer))
+    r = run_one(make_backend(scripted), raw("u", prompt, max_tokens=50, stop=(f"{char}d",)))
+    assert r.text == " ok"
+    assert r.finished.finish_reason is FinishReason.STOP
+
+
+# ---------------------------------------------------------------- limits and validation
+
+
+def test_max_tokens_and_context_end(tiny, tokenizer, make_backend, run_one, raw) -> None:
+    prompt = words(6)
+    n = len(ids(tokenizer, prompt))
+    for drafting in (False, True):
+        backend = make_backend(tiny, max_seq_len=n + 10, draft_mode="ngram" if drafting else "none")
+        r = run_one(backend, raw("a", prompt, max_tokens=7, ignore_eos=True))
+        assert (r.finished.completion_tokens, r.finished.finish_reason) == (7, FinishReason.LENGTH)
+        r = run_one(backend, raw("b", prompt, max_tokens=100, ignore_eos=True))
+        assert (r.finished.completion_tokens, r.finished.finish_reason) == (10, FinishReason.LENGTH)
+
+
+def test_context_length_rejected(tiny, tokenizer, make_backend) -> None:
+    prompt = words(6)
+    n = len(ids(tokenizer, prompt))
+    backend = make_backend(tiny, max_seq_len=n)
+    with pytest.raises(RequestRejected) as exc:
+        backend.add(Submit("a", SamplingParams(max_tokens=1), prompt=prompt))
+    assert exc.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED
+    assert str(n) in exc.value.message and "max_context_tokens" in exc.value.message
+    assert exc.value.param == "prompt"
+    with pytest.raises(RequestRejected) as exc:
+        backend.add(Submit("b", SamplingParams(max_tokens=1), messages=(ChatMessage("user", prompt),)))
+    assert exc.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and exc.value.param == "messages"
+    backend.add(Submit("c", SamplingParams(max_tokens=1), prompt=prompt[: len(prompt) // 2]))
+    assert len(backend.active_ids()) == 1
+
+
+@pytest.mark.parametrize(
+    ("submit", "param"),
+    [
+        (Submit("x", SamplingParams(max_tokens=4), prompt=""), "prompt"),
+        (Submit("x", SamplingParams(max_tokens=4)), "messages"),
+        (Submit("x", SamplingParams(max_tokens=0), prompt="hi"), "max_tokens"),
+        (Submit("x", SamplingParams(max_tokens=4, temperature=-1.0), prompt="hi"), "temperature"),
+        (Submit("x", SamplingParams(max_tokens=4, top_p=0.0), prompt="hi"), "top_p"),
+        (Submit("x", SamplingParams(max_tokens=4, top_k=-1), prompt="hi"), "top_k"),
+        (Submit("x", SamplingParams(max_tokens=4, min_tokens=5), prompt="hi"), "min_tokens"),
+        (Submit("x", SamplingParams(max_tokens=4, logit_bias={10**9: 1.0}), prompt="hi"), "logit_bias"),
+        (Submit("x", SamplingParams(max_tokens=4, stop_token_ids=(-1,)), prompt="hi"), "stop_token_ids"),
+    ],
+)
+def test_invalid_requests(tiny, make_backend, submit, param) -> None:
+    backend = make_backend(tiny)
+    with pytest.raises(RequestRejected) as exc:
+        backend.add(submit)
+    assert exc.value.code is ErrorCode.INVALID_REQUEST and exc.value.param == param
+    assert len(backend.active_ids()) == 0
+
+
+def test_both_inputs_rejected(tiny, make_backend, raw) -> None:
+    # Duplicate ids are the loop's to refuse (tests/.../test_loop.py), checked once there.
+    backend = make_backend(tiny)
+    backend.add(raw("a", "hello"))
+    both = Submit("b", SamplingParams(max_tokens=1), messages=(ChatMessage("user", "x"),), prompt="y")
+    with pytest.raises(RequestRejected):
+        backend.add(both)
+    assert len(backend.active_ids()) == 1
+
+
+# ---------------------------------------------------------------- concurrency and failures
+
+
+def test_requests_progress_together(tiny, make_backend, raw) -> None:
+    backend = make_backend(tiny, chunk_size=8)
+    backend.add(raw("a", words(4), max_tokens=6, ignore_eos=True))
+    backend.add(raw("b", words(5, 20), max_tokens=6, ignore_eos=True))
+    finished: set[str] = set()
+    steps = 0
+    while len(backend.active_ids()):
+        events = backend.step()
+        steps += 1
+        active = {"a", "b"} - finished
+        assert {e.request_id for e in events} == active  # every active request advanced
+        finished |= {e.request_id for e in events if isinstance(e, Finished)}
+    assert finished == {"a", "b"} and steps > 6
+
+
+def test_failure_is_isolated_to_its_request(scripted, tokenizer, make_backend, run_all, raw) -> None:
+    poison = ids(tokenizer, " poison", special=False)
+    assert len(poison) == 1
+    scripted.model.setup_script(poison=poison[0])
+    backend = make_backend(scripted)
+    ok = raw("ok", "A normal prompt", max_tokens=4, ignore_eos=True)
+    results = run_all(backend, [ok, raw("bad", "A poison prompt")])
+    err = results["bad"].error
+    assert err.code is ErrorCode.INTERNAL and "poisoned" in err.message
+    assert isinstance(results["bad"].events[0], Started)
+    assert results["ok"].finished.completion_tokens == 4
+    assert len(backend.prefix_cache) == 1  # the failed sequence's KV was not kept
+    assert not any(isinstance(e, RequestError) for e in results["ok"].events)
+
+
+# ---------------------------------------------------------------- sampling and drafting
+
+
+def test_seed_reproduces_sampled_output(tiny, make_backend, run_one, raw) -> None:
+    backend = make_backend(tiny)
+
+    def sample(rid: str, seed: int) -> str:
+        r = run_one(backend, raw(rid, words(3), max_tokens=20, temperature=1.0, seed=seed, ignore_eos=True))
+        return r.text
+
+    first = sample("a", 123)
+    assert sample("b", 123) == first  # second run also starts from the prefix cache
+    assert sample("c", 124) != first
+
+
+def test_drafting_accepts_a_scripted_cycle(scripted, tokenizer, make_backend, run_one, raw) -> None:
+    cycle = ids(tokenizer, " sun moon star sky", special=False)
+    prompt = "Repeat:" + tokenizer.decode(cycle * 2)
+    p_ids = ids(tokenizer, prompt)
+    assert p_ids[-len(cycle) :] == cycle
+    assert len(set(cycle)) == len(cycle)
+    scripted.model.setup_script({c: cycle[(i + 1) % len(cycle)] for i, c in enumerate(cycle)})
+    results = {}
+    for drafting in (False, True):
+        scripted.model.calls.clear()
+        r = run_one(
+            make_backend(scripted, draft_mode="ngram" if drafting else "none"),
+            raw(str(drafting), prompt, max_tokens=20),
+        )
+        results[drafting] = r
+    plain, drafted = results[False].finished, results[True].finished
+    assert results[True].text == results[False].text == tokenizer.decode(cycle * 5)
+    assert plain.completion_tokens == drafted.completion_tokens == 20
+    assert plain.draft_accepted is None
+    assert drafted.draft_rejected == 0  # the script always agrees with the history
+    assert drafted.draft_accepted == scripted.model.drafted_positions() > 0
+    decode_passes = sum(1 for length, keep in scripted.model.calls if keep == length)
+    assert 1 + decode_passes + drafted.draft_accepted == 20  # prefill token + one per pass + accepted
+
+
+def test_drafts_past_eos_are_rejected(scripted, tokenizer, make_backend, run_one, raw) -> None:
+    prompt = "Words: alpha beta gamma<|im_end|> delta epsilon zeta alpha beta"
+    p_ids = ids(tokenizer, prompt)
+    a, b = p_ids[-2:]
+    first = next(i for i in range(len(p_ids) - 2) if p_ids[i : i + 2] == [a, b])
+    x = p_ids[first + 2]
+    assert p_ids[first + 3] == EOS and len(p_ids) - (first + 4) >= 5
+    scripted.model.setup_script({b: x, x: EOS})
+    r = run_one(
+        make_backend(scripted, draft_mode="ngram", num_draft_tokens=4), raw("d", prompt, max_tokens=50)
+    )
+    fin = r.finished
+    assert r.text == tokenizer.decode([x])
+    assert (fin.finish_reason, fin.completion_tokens) == (FinishReason.STOP, 2)  # x, then EOS (a draft)
+    assert (fin.draft_accepted, fin.draft_rejected) == (1, 3)
+    assert scripted.model.drafted_positions() == 4
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_drafting_matches_plain_decoding(
+    scripted, tokenizer, make_backend, run_one, raw, temperature
+) -> None:
+    """Same tokens with and without drafting, greedy and seeded sampling. A weak
+    script (the cycle, entered from any token, gets about 3/4 of the probability
+    at temperature 1) makes some drafts right and some wrong."""
+    cycle = ids(tokenizer, " one two three four", special=False)
+    script = {c: cycle[(i + 1) % len(cycle)] for i, c in enumerate(cycle)}
+    scripted.model.setup_script(script, boost=12.0, default=cycle[0])
+    prompt = "Count:" + tokenizer.decode(cycle * 3) + " then" + words(2)
+    texts, counts = [], []
+    for drafting in (False, True):
+        scripted.model.calls.clear()
+        backend = make_backend(scripted, draft_mode="ngram" if drafting else "none", num_draft_tokens=3)
+        r = run_one(
+            backend, raw("r", prompt, max_tokens=40, temperature=temperature, seed=5, ignore_eos=True)
+        )
+        texts.append(r.text)
+        counts.append(r.finished.completion_tokens)
+        if drafting:
+            fin = r.finished
+            assert fin.draft_accepted + fin.draft_rejected == scripted.model.drafted_positions() > 0
+            assert fin.draft_accepted > 0
+            if temperature > 0:
+                assert fin.draft_rejected > 0
+    assert texts[0] == texts[1]
+    assert counts == [40, 40]
+
+
+def test_step_budget_cuts_steps_and_rotates_fairly(tiny, make_backend, raw) -> None:
+    """With a zero budget every step advances exactly one request, taking turns,
+    so a worker with many requests still returns to its loop after each pass."""
+    backend = make_backend(tiny, chunk_size=4, step_budget=0.0)
+    for rid in ("a", "b", "c"):
+        backend.add(raw(rid, "one two three four five six seven eight", max_tokens=20))
+    admitted = backend.step()
+    assert [e.request_id for e in admitted if isinstance(e, Started)] == ["a", "b", "c"]
+    turns = []
+    for _ in range(9):
+        ids_ = {e.request_id for e in backend.step()}
+        assert len(ids_) == 1
+        turns.append(ids_.pop())
+    assert turns == ["a", "b", "c"] * 3
+    for rid in ("a", "b", "c"):
+        backend.abort(rid)
+
+
+def test_default_budget_advances_every_request_each_step(tiny, make_backend, raw) -> None:
+    backend = make_backend(tiny, chunk_size=4)
+    for rid in ("a", "b", "c"):
+        backend.add(raw(rid, "one two three four five six seven eight", max_tokens=20))
+    backend.step()
+    for _ in range(3):
+        assert {e.request_id for e in backend.step()} == {"a", "b", "c"}

@@ -1,0 +1,609 @@
+"""ExLlamaV3Backend driven through the fake 1.6.5 generator: protocol events per request."""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine_worker.backend import RequestRejected
+from engine_worker.exllamav3.backend import ExLlamaV3Backend
+from engine_worker.exllamav3.config import PAGE_SIZE
+from engine_worker.settings import WorkerSettings
+from protocol.messages import (
+    ChatMessage,
+    ErrorCode,
+    Finished,
+    FinishReason,
+    PrefillProgress,
+    RequestError,
+    SamplingParams,
+    Started,
+    Submit,
+    TokenDelta,
+)
+from tests.fakes import exllamav3 as fx
+from tests.fakes.exllamav3_driver import (
+    chat,
+    check_lifecycle,
+    finished,
+    make_backend,
+    of,
+    progress,
+    raw,
+    run,
+    text_of,
+)
+
+CFG = WorkerSettings(backend="exllamav3", model_dir=Path("/models/fake-exl3"))
+
+
+def _letters(n: int) -> str:
+    """Raw prompt text of ``n - 1`` bytes: with BOS, ``n`` tokens in the fake tokenizer."""
+    return "".join(chr(0x61 + i % 26) for i in range(n - 1))
+
+
+# ------------------------------------------------------------------ prompt progress
+
+
+def test_progress_of_a_fresh_prompt_follows_prefill_chunks() -> None:
+    n, chunk = 1001, 256
+    backend, _ = make_backend(script=fx.reply("Hi"), max_chunk_size=chunk)
+    backend.add(raw("a", _letters(n)))
+    events = run(backend)
+    check_lifecycle(events, "a")
+    started = of(events, "a")[0]
+    assert started == Started("a", n, 0)
+    # one event at the start, one per chunk (the engine stops at n - 1), a closing one at n
+    assert progress(events, "a") == [0, *range(chunk, n - 1, chunk), n - 1, n]
+    assert text_of(events, "a") == "Hi"
+    fin = finished(events, "a")
+    assert (fin.prompt_tokens, fin.cached_tokens, fin.completion_tokens) == (n, 0, 3)
+    assert fin.finish_reason is FinishReason.STOP
+    assert fin.draft_accepted is None and fin.draft_rejected is None
+
+
+def test_repeated_prompt_reports_the_reused_prefix() -> None:
+    n = 700
+    backend, _ = make_backend(script=fx.reply("Hi"), max_chunk_size=256)
+    backend.add(raw("first", _letters(n)))
+    run(backend)
+    backend.add(raw("second", _letters(n)))
+    events = run(backend)
+    check_lifecycle(events, "second")
+    # whole pages by hash plus the token-level match inside the last, partial page
+    assert of(events, "second")[0] == Started("second", n, n - 1)
+    assert progress(events, "second") == [n - 1, n]
+    fin = finished(events, "second")
+    assert type(fin.cached_tokens) is int and fin.cached_tokens == n - 1
+
+
+def test_prefix_survives_jobs_that_reserve_the_whole_cache() -> None:
+    # With output chunking (max_rq_tokens 2048) every job below reserves all 8 pages of a
+    # 2048-token cache but writes only its prompt's pages and a few generated tokens; 1.6.5
+    # gives the unwritten reservations back with their old content (pagetable.py:164-174).
+    n_a, n_b = 600, 11
+    backend, rec = make_backend(script=fx.reply("Hi"), cache_tokens=2048, max_chunk_size=256)
+    backend.add(raw("a1", _letters(n_a), max_tokens=4))
+    run(backend)
+    backend.add(raw("b1", "z" * (n_b - 1), max_tokens=4))
+    backend.step()
+    (job,) = rec.inner.active_jobs
+    assert len(job.allocated_pages) == 2048 // PAGE_SIZE
+    run(backend)
+    backend.add(raw("a2", _letters(n_a), max_tokens=4))
+    events = run(backend)
+    # The two whole pages come back by hash. The partial third page does not: a2's own
+    # reservation takes it as a fresh page, which zeroes its position (pagetable.py:162),
+    # and the token-level match reads only up to a page's position (job.py:1472).
+    assert of(events, "a2")[0] == Started("a2", n_a, 2 * PAGE_SIZE)
+    assert finished(events, "a2").cached_tokens == 2 * PAGE_SIZE
+
+
+def test_partial_prompt_page_survives_a_job_that_reserved_it() -> None:
+    # Without output chunking only b1 (large max_tokens) reserves the whole cache; a2 needs
+    # three pages and takes an empty one for its third, so a1's partial page is matchable.
+    n_a, n_b = 600, 11
+    cfg = dataclasses.replace(CFG, output_chunking=False)
+    backend, rec = make_backend(cfg, script=fx.reply("Hi"), cache_tokens=2048, max_chunk_size=256)
+    backend.add(raw("a1", _letters(n_a), max_tokens=4))
+    run(backend)
+    backend.add(raw("b1", "z" * (n_b - 1), max_tokens=2000))
+    backend.step()
+    (job,) = rec.inner.active_jobs
+    assert len(job.allocated_pages) == 2048 // PAGE_SIZE
+    run(backend)
+    backend.add(raw("a2", _letters(n_a), max_tokens=4))
+    events = run(backend)
+    # whole pages by hash plus the token-level match inside the partial page: all but the
+    # last prompt token, which decode feeds
+    assert of(events, "a2")[0] == Started("a2", n_a, n_a - 1)
+    assert finished(events, "a2").cached_tokens == n_a - 1
+
+
+def test_fully_cached_prompt_without_engine_prefill_still_gets_progress() -> None:
+    n = PAGE_SIZE + 1
+    backend, rec = make_backend(script=fx.reply("Hi"))
+    backend.add(raw("first", _letters(n)))
+    run(backend)
+    rec.batches.clear()
+    backend.add(raw("second", _letters(n)))
+    events = run(backend)
+    assert not any(r["stage"] == "prefill" for r in rec.results), "the engine emitted no prefill event"
+    check_lifecycle(events, "second")
+    assert progress(events, "second") == [PAGE_SIZE, n]
+    assert finished(events, "second").cached_tokens == PAGE_SIZE
+
+
+def test_sibling_jobs_of_one_prompt_share_its_prefill() -> None:
+    n = 1001
+    # max_rq_tokens small enough that both jobs fit the cache at once
+    cfg = dataclasses.replace(CFG, max_rq_tokens=256)
+    backend, _ = make_backend(cfg, script=fx.reply("same"), max_chunk_size=512)
+    for i in range(2):
+        backend.add(raw(f"req-{i}", _letters(n)))
+    events = run(backend)
+    for i in range(2):
+        check_lifecycle(events, f"req-{i}")
+        assert text_of(events, f"req-{i}") == "same"
+    first, second = finished(events, "req-0"), finished(events, "req-1")
+    assert first.cached_tokens == 0
+    # the second job found the first one's pages filled during the same steps
+    assert of(events, "req-1")[0].cached_tokens == 512  # type: ignore[union-attr]
+    assert second.cached_tokens == n - 1
+
+
+# ------------------------------------------------------------------ text and finish
+
+
+@pytest.mark.parametrize("special_pieces", [True, False])
+def test_held_text_is_flushed_when_a_stop_token_ends_the_job(special_pieces: bool) -> None:
+    backend, rec = make_backend(script=fx.reply("abcEN"), special_pieces=special_pieces)
+    backend.add(raw("a", "x", stop=("END",)))
+    events = run(backend)
+    eos = rec.results[-1]
+    assert eos["eos_reason"] == "stop_token" and "text" not in eos  # the engine dropped it
+    stop_piece = fx.SPECIAL_PIECES[fx.IM_END] if special_pieces else ""
+    assert eos["held"]["text"] == "EN" + stop_piece
+    assert text_of(events, "a") == "abcEN"
+    check_lifecycle(events, "a")
+    fin = finished(events, "a")
+    assert fin.finish_reason is FinishReason.STOP and fin.completion_tokens == 6
+    deltas = [e for e in of(events, "a") if isinstance(e, TokenDelta)]
+    assert sum(d.num_tokens for d in deltas) == 5  # the stop token itself is not text
+
+
+def test_flushed_held_text_keeps_multibyte_characters_whole() -> None:
+    backend, _ = make_backend(script=fx.reply("a日".encode()))
+    backend.add(raw("a", "x", stop=("日本",)))
+    events = run(backend)
+    assert text_of(events, "a") == "a日"
+    assert "\ufffd" not in text_of(events, "a")
+
+
+def test_character_cut_by_a_stop_token_is_decoded_once() -> None:
+    cut = "日".encode()[:2]
+    backend, _ = make_backend(script=fx.reply(b"a" + cut))
+    backend.add(raw("a", "x"))
+    events = run(backend)
+    assert text_of(events, "a") == (b"a" + cut).decode("utf-8", errors="replace")
+
+
+def test_stop_string_is_removed_and_finish_is_stop() -> None:
+    backend, _ = make_backend(script=fx.reply("one two three"))
+    backend.add(raw("a", "x", stop=(" two",)))
+    events = run(backend)
+    assert text_of(events, "a") == "one"
+    assert finished(events, "a").finish_reason is FinishReason.STOP
+
+
+def test_max_tokens_gives_length() -> None:
+    backend, _ = make_backend(script=fx.reply("abcdefgh"))
+    backend.add(raw("a", "x", max_tokens=3))
+    events = run(backend)
+    assert text_of(events, "a") == "abc"
+    fin = finished(events, "a")
+    assert fin.finish_reason is FinishReason.LENGTH and fin.completion_tokens == 3
+
+
+def test_context_end_clamps_the_completion_and_gives_length() -> None:
+    n, ctx = 20, 25
+    cfg = dataclasses.replace(CFG, max_seq_len=ctx)
+    backend, _ = make_backend(cfg, script=fx.reply("x" * 100))
+    assert backend.info.max_context_tokens == ctx
+    backend.add(raw("a", _letters(n), max_tokens=1000))
+    events = run(backend)
+    fin = finished(events, "a")
+    assert fin.finish_reason is FinishReason.LENGTH and fin.completion_tokens == ctx - n
+
+
+def test_ignore_eos_runs_to_max_tokens() -> None:
+    backend, _ = make_backend(script=fx.reply("ab"))
+    backend.add(raw("a", "x", max_tokens=5, ignore_eos=True))
+    fin = finished(run(backend), "a")
+    assert fin.finish_reason is FinishReason.LENGTH and fin.completion_tokens == 5
+
+
+def test_min_tokens_defers_the_stop_token() -> None:
+    backend, _ = make_backend(script=fx.reply(""))
+    backend.add(raw("a", "x", min_tokens=3))
+    events = run(backend)
+    fin = finished(events, "a")
+    assert fin.completion_tokens == 4 and text_of(events, "a") == "   "
+
+
+def test_output_is_not_lost_across_requeues() -> None:
+    answer = "".join(chr(0x41 + i % 26) for i in range(300))
+    cfg = dataclasses.replace(CFG, max_rq_tokens=1)
+    backend, rec = make_backend(cfg, script=fx.reply(answer))
+    backend.add(raw("a", _letters(PAGE_SIZE - 1), max_tokens=400))
+    events = run(backend)
+    assert sum(1 for r in rec.results if r.get("requeue")) == 2
+    check_lifecycle(events, "a")
+    assert text_of(events, "a") == answer
+    fin = finished(events, "a")
+    assert fin.completion_tokens == len(answer) + 1 and fin.prompt_tokens == PAGE_SIZE - 1
+
+
+# ------------------------------------------------------------------ speculative decoding
+
+
+def test_ngram_draft_counters_reach_finished() -> None:
+    answer = "na " * 30
+    backend, rec = make_backend(script=fx.reply(answer), drafting="ngram", num_draft_tokens=4)
+    assert backend.info.drafting == "ngram"
+    backend.add(raw("a", "x", max_tokens=200))
+    events = run(backend)
+    eos = rec.results[-1]
+    fin = finished(events, "a")
+    assert (fin.draft_accepted, fin.draft_rejected) == (
+        eos["accepted_draft_tokens"],
+        eos["rejected_draft_tokens"],
+    )
+    assert fin.draft_accepted and fin.draft_accepted > 0
+    assert text_of(events, "a") == answer
+    # a pass over several drafted tokens arrives as one delta, not one per token
+    assert len([e for e in of(events, "a") if isinstance(e, TokenDelta)]) < len(answer)
+
+
+def test_drafting_with_nothing_drafted_reports_zero_not_none() -> None:
+    backend, _ = make_backend(script=fx.reply("z"), drafting="ngram")
+    backend.add(raw("a", "xy"))
+    fin = finished(run(backend), "a")
+    assert (fin.draft_accepted, fin.draft_rejected) == (0, 0)
+
+
+def test_draft_model_counters() -> None:
+    target = "abcdefghij"
+    draft = fx.reply("abcXefghij")  # wrong at one position
+    backend, _ = make_backend(script=fx.reply(target), drafting="draft_model", draft_script=draft)
+    backend.add(raw("a", "x", max_tokens=50))
+    events = run(backend)
+    fin = finished(events, "a")
+    assert text_of(events, "a") == target
+    assert fin.draft_rejected is not None and fin.draft_rejected > 0
+    assert fin.draft_accepted is not None and fin.draft_accepted > 0
+
+
+# ------------------------------------------------------------------ errors and admission
+
+
+def test_engine_error_fails_only_its_request() -> None:
+    backend, rec = make_backend(script=fx.reply("fine"), fail_prefill=lambda p: b"boom" in bytes(p[1:]))
+    backend.add(raw("bad", "boom"))
+    backend.add(raw("good", "calm"))
+    events = run(backend)
+    errors = [r for r in rec.results if r["stage"] == "error"]
+    assert len(errors) == 1 and "identifier" not in errors[0]
+    bad = of(events, "bad")
+    assert isinstance(bad[-1], RequestError) and bad[-1].code is ErrorCode.INTERNAL
+    assert "prefill failed" in bad[-1].message
+    check_lifecycle(events, "good")
+    assert text_of(events, "good") == "fine"
+    assert len(backend.active_ids()) == 0
+
+
+def test_prompt_longer_than_the_context_is_rejected() -> None:
+    backend, rec = make_backend(dataclasses.replace(CFG, max_seq_len=100))
+    with pytest.raises(RequestRejected) as e:
+        backend.add(raw("a", _letters(100)))
+    assert e.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and e.value.param == "prompt"
+    assert "100" in e.value.message and "max_seq_len" in e.value.message
+    assert len(backend.active_ids()) == 0 and rec.num_remaining_jobs() == 0
+
+
+def test_engine_assertion_on_enqueue_becomes_context_length_exceeded() -> None:
+    backend, _ = make_backend(cache_tokens=512)
+    # Misreport the cache as larger so the prompt passes the backend's own check and the
+    # engine's page check (job.py:1342) is what refuses it.
+    h = dataclasses.replace(backend._h, cache_tokens=4096)
+    backend = ExLlamaV3Backend(h, CFG)
+    with pytest.raises(RequestRejected) as e:
+        backend.add(chat("a", _letters(1000)))
+    assert e.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and e.value.param == "messages"
+    assert "Job requires" in e.value.message and "cache_size" in e.value.message
+    assert len(backend.active_ids()) == 0
+
+
+@pytest.mark.parametrize(
+    ("params", "param"),
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"min_p": 2.0}, "min_p"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": 9, "max_tokens": 5}, "min_tokens"),
+        ({"logit_bias": {fx.VOCAB_SIZE: 1.0}}, "logit_bias"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+        ({"logit_bias": {5: float("inf")}}, "logit_bias"),
+        # finite, but past float32: LogitBias would drop it without a word
+        ({"logit_bias": {5: 1e300}}, "logit_bias"),
+        ({"logit_bias": {5: -1e300}}, "logit_bias"),
+        ({"logit_bias": {5: 3.5e38}}, "logit_bias"),
+        ({"stop_token_ids": (-1,)}, "stop_token_ids"),
+    ],
+)
+def test_parameters_the_engine_cannot_honour_are_rejected(params: dict[str, Any], param: str) -> None:
+    backend, rec = make_backend()
+    with pytest.raises(RequestRejected) as e:
+        backend.add(raw("a", "x", **params))
+    assert e.value.code is ErrorCode.INVALID_REQUEST and e.value.param == param
+    assert rec.num_remaining_jobs() == 0
+
+
+def test_logit_bias_at_the_float32_limits_and_minus_inf_reach_the_sampler() -> None:
+    # largest finite float32: sign 0, exponent 254, mantissa all ones
+    (f32_max,) = struct.unpack("<f", (0x7F7FFFFF).to_bytes(4, "little"))
+    bias = {5: f32_max, 6: -f32_max, 7: float("-inf"), 8: 2.5}
+    backend, rec = make_backend()
+    backend.add(raw("a", "x", logit_bias=bias))
+    (job,) = rec.inner.pending_jobs
+    assert job.sampler.settings["logit_bias"] == bias
+
+
+def test_chat_template_failure_is_invalid_request() -> None:
+    backend, _ = make_backend()
+    bad = Submit("a", SamplingParams(max_tokens=4), messages=(ChatMessage("wizard", "hi"),))
+    with pytest.raises(RequestRejected) as e:
+        backend.add(bad)
+    assert e.value.code is ErrorCode.INVALID_REQUEST and "wizard" in e.value.message
+
+
+def test_sampling_parameters_reach_the_sampler_and_job() -> None:
+    backend, rec = make_backend()
+    params = SamplingParams(
+        max_tokens=7,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        seed=1234,
+        stop=("STOP", ""),
+        stop_token_ids=(ord("q"), fx.IM_END),
+        min_tokens=2,
+        logit_bias={65: -100.0, 66: 2.5},
+    )
+    backend.add(Submit("a", params, prompt="hi"))
+    job = rec.inner.pending_jobs[0]
+    assert job.sampler.settings == {
+        "rep_p": 1.1,
+        "freq_p": 0.25,
+        "pres_p": 0.5,
+        "temperature": 0.7,
+        "min_p": 0.05,
+        "top_k": 40,
+        "top_p": 0.9,
+        "logit_bias": {65: -100.0, 66: 2.5},
+    }
+    assert (job.seed, job.max_new_tokens, job.min_new_tokens, job.identifier) == (1234, 7, 2, "a")
+    assert job.stop_strings == {"STOP"}
+    assert job.stop_tokens == {fx.EOS, fx.IM_END, ord("q")}
+
+
+def test_chat_messages_use_the_model_template() -> None:
+    backend, rec = make_backend()
+    msgs = (ChatMessage("system", "Be brief."), ChatMessage("user", "Hi"))
+    backend.add(Submit("a", SamplingParams(max_tokens=4), messages=msgs))
+    backend.add(Submit("b", SamplingParams(max_tokens=4), messages=msgs, add_generation_prompt=False))
+    rendered = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+    expect_b = fx.Tokenizer().encode(rendered, encode_special_tokens=True).tolist()[0]
+    expect_a = fx.Tokenizer().encode(rendered + "<|im_start|>assistant\n", encode_special_tokens=True)
+    a, b = rec.inner.pending_jobs
+    assert a.input_ids == expect_a.tolist()[0] and b.input_ids == expect_b
+
+
+def test_raw_prompt_gets_bos_unless_disabled() -> None:
+    backend, rec = make_backend()
+    backend.add(raw("a", "hello"))
+    assert rec.inner.pending_jobs[0].input_ids == [fx.BOS, *b"hello"]
+    backend2, rec2 = make_backend(dataclasses.replace(CFG, add_bos=False))
+    backend2.add(raw("a", "hello"))
+    assert rec2.inner.pending_jobs[0].input_ids == list(b"hello")
+
+
+def test_empty_raw_prompt_is_rejected() -> None:
+    backend, _ = make_backend(dataclasses.replace(CFG, add_bos=False))
+    with pytest.raises(RequestRejected) as e:
+        backend.add(raw("a", ""))
+    assert e.value.code is ErrorCode.INVALID_REQUEST
+
+
+# ------------------------------------------------------------------ lifecycle
+
+
+def test_abort_frees_the_pages_and_silences_the_request() -> None:
+    backend, rec = make_backend(script=fx.reply("x" * 50), max_chunk_size=256)
+    backend.add(raw("a", _letters(1000)))
+    backend.add(raw("b", "other"))
+    backend.step()
+    backend.abort("a")
+    backend.abort("never-seen")
+    assert len(backend.active_ids()) == 1
+    events = run(backend)
+    assert not of(events, "a")
+    check_lifecycle(events, "b")
+    pt = rec.inner.pagetable
+    assert pt.num_unreferenced_pages() == pt.max_pages
+
+
+def test_queued_job_gets_started_when_the_engine_starts_it() -> None:
+    backend, _ = make_backend(script=fx.reply("ab"), max_batch_size=1)
+    backend.add(raw("a", "one"))
+    backend.add(raw("b", "two"))
+    first = backend.step()
+    assert [type(e) for e in of(first, "b")] == []  # waiting for a batch slot
+    events = first + run(backend)
+    check_lifecycle(events, "a")
+    check_lifecycle(events, "b")
+
+
+def test_calls_from_another_thread_are_refused() -> None:
+    backend, _ = make_backend()
+    backend.add(raw("a", "x"))
+    caught: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            backend.step()
+        except RuntimeError as e:
+            caught.append(e)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert caught and "thread" in str(caught[0])
+
+
+def test_iterate_exception_propagates_for_the_loop_to_handle() -> None:
+    backend, rec = make_backend()
+    backend.add(raw("a", "x"))
+    rec.inner.fail_next_iterate = RuntimeError("CUDA error: device-side assert")
+    with pytest.raises(RuntimeError, match="device-side"):
+        backend.step()
+    backend.abort("a")
+    assert rec.num_remaining_jobs() == 0
+
+
+def test_close_cancels_and_releases() -> None:
+    backend, rec = make_backend()
+    backend.add(raw("a", "x"))
+    backend.close()
+    assert rec.inner.closed and rec.num_remaining_jobs() == 0 and len(backend.active_ids()) == 0
+
+
+# ------------------------------------------------------------------ engine orders the fake does not produce
+
+
+class _Canned:
+    """A generator replaying hand-written 1.6.5-shaped result lists, for orders that need
+    cache eviction or features the fake does not model."""
+
+    def __init__(self, script: list[list[dict[str, Any]]]) -> None:
+        self.script = script
+        self.jobs: list[Any] = []
+
+    def enqueue(self, job: Any) -> int:
+        self.jobs.append(job)
+        return len(self.jobs) - 1
+
+    def cancel(self, job: Any) -> None:
+        pass
+
+    def iterate(self) -> list[dict[str, Any]]:
+        out = self.script.pop(0)
+        for r in out:
+            r["job"] = self.jobs[r["serial"]]
+        return out
+
+    def num_remaining_jobs(self) -> int:
+        return len(self.script)
+
+
+def _canned_backend(script: list[list[dict[str, Any]]]) -> ExLlamaV3Backend:
+    h = dataclasses.replace(fx.make_handle(), generator=_Canned(script))
+    return ExLlamaV3Backend(h, CFG)
+
+
+def _stream(text: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "stage": "streaming",
+        "serial": 0,
+        "eos": False,
+        "text": text,
+        "token_ids": fx.FakeTensor([1]),
+        **extra,
+    }
+
+
+def test_prefill_after_requeue_or_first_token_is_not_progress() -> None:
+    eos = {
+        "eos": True,
+        "eos_reason": "max_new_tokens",
+        "new_tokens": 3,
+        "prompt_tokens": 600,
+        "cached_tokens": 512.0,  # some engine paths produce a float
+        "cached_pages": 2,
+        "time_enqueued": 0.5,
+        "time_prefill": 0.25,
+        "time_generate": 2.0,
+    }
+    backend = _canned_backend(
+        [
+            [{"stage": "started", "serial": 0, "eos": False}],
+            [{"stage": "prefill", "serial": 0, "eos": False, "curr_progress": 599, "max_progress": 599}],
+            [_stream("A"), {"stage": "prefill", "serial": 0, "eos": False, "curr_progress": 300}],
+            [_stream("B", requeue=True)],
+            [{"stage": "started", "serial": 0, "eos": False}],
+            [{"stage": "prefill", "serial": 0, "eos": False, "curr_progress": 601, "max_progress": 601}],
+            [_stream("C", **eos)],
+        ]
+    )
+    backend.add(raw("a", _letters(600)))
+    events = run(backend)
+    check_lifecycle(events, "a")
+    assert progress(events, "a") == [0, 599, 600]
+    assert [e.text for e in of(events, "a") if isinstance(e, TokenDelta)] == ["A", "B", "C"]
+    fin = finished(events, "a")
+    assert type(fin.cached_tokens) is int and fin.cached_tokens == 512
+    assert (fin.time_queued, fin.time_prefill, fin.time_decode) == (0.5, 0.25, 2.0)
+    assert fin.finish_reason is FinishReason.LENGTH
+
+
+def test_empty_text_tokens_are_credited_to_the_next_delta() -> None:
+    backend = _canned_backend(
+        [
+            [{"stage": "started", "serial": 0, "eos": False}, _stream("")],
+            [_stream("", token_ids=fx.FakeTensor([1, 2]))],
+            [_stream("xy", eos=True, eos_reason="stop_string", new_tokens=4, cached_tokens=0)],
+        ]
+    )
+    backend.add(raw("a", "q"))
+    events = run(backend)
+    deltas = [e for e in events if isinstance(e, TokenDelta)]
+    assert deltas == [TokenDelta("a", "xy", 4)]
+    assert isinstance(events[-1], Finished) and events[-1].finish_reason is FinishReason.STOP
+
+
+def test_results_of_unknown_serials_are_ignored() -> None:
+    backend = _canned_backend([[{"stage": "started", "serial": 0, "eos": False}]])
+    backend.add(raw("a", "q"))
+    backend._h.generator.jobs.append(object())  # type: ignore[attr-defined]
+    assert isinstance(backend.step()[0], Started)
+
+
+def test_progress_events_carry_milliseconds_since_start() -> None:
+    backend, _ = make_backend(script=fx.reply("Hi"), max_chunk_size=256)
+    backend.add(raw("a", _letters(600)))
+    events = run(backend)
+    prog = [e for e in of(events, "a") if isinstance(e, PrefillProgress)]
+    assert prog[0].time_ms == 0
+    assert all(isinstance(p.time_ms, int) and p.time_ms >= 0 for p in prog)

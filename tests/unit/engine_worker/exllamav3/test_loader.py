@@ -1,0 +1,254 @@
+"""The loader against the fake ``exllamav3`` package: load order, keyword names
+(the fake rejects any name 1.6.5 does not have), defaults and the progress bar."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from engine_worker.backend import ModelInfo
+from engine_worker.exllamav3 import loader
+from engine_worker.settings import DraftMode, WorkerSettings
+from protocol.messages import Finished, TokenDelta
+from tests.fakes import exllamav3 as fx
+from tests.fakes.exllamav3_driver import chat, raw, run, text_of
+
+torch = pytest.importorskip("torch")
+
+
+def _model_dir(root: Path, name: str, **extra: Any) -> Path:
+    d = root / name
+    d.mkdir()
+    cfg = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 2048, "eos_token_id": [257, 259]}
+    (d / "config.json").write_text(json.dumps({**cfg, **extra}))
+    return d
+
+
+@pytest.fixture
+def fake_exl3(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Installs the fake as ``exllamav3``, pretends CUDA exists, and records the order of
+    model loads as ``"<dir name>/<component>"``."""
+    monkeypatch.setitem(sys.modules, "exllamav3", fx)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    order: list[str] = []
+    real = fx.Model.load_gen
+
+    def load_gen(self: fx.Model, **kw: Any) -> Any:
+        assert self.config is not None
+        order.append(f"{Path(self.config.directory).name}/{self.component}")
+        return real(self, **kw)
+
+    monkeypatch.setattr(fx.Model, "load_gen", load_gen)
+    return order
+
+
+def _gen(backend: Any) -> fx.Generator:
+    g = backend._h.generator
+    assert isinstance(g, fx.Generator)
+    return g
+
+
+def test_ngram_load(tmp_path: Path, fake_exl3: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    d = _model_dir(tmp_path, "tiny-exl3")
+    cfg = WorkerSettings(
+        backend="exllamav3",
+        model_dir=d,
+        draft_mode=DraftMode.NGRAM,
+        cache_mode="8,6",
+        chunk_size=512,
+        ngram_match_min=3,
+    )
+    backend = loader.build_backend(cfg)
+    g = _gen(backend)
+    # default cache: the model's context plus one token and the draft window, in whole pages
+    assert g.cache.max_num_tokens == -(-(2048 + 1 + 4) // 256) * 256
+    assert g.cache.layer_type is fx.CacheLayer_quant and g.cache.bits == (8, 6)
+    assert g.cache.max_history == 4 and g.cache.max_batch_size == 32
+    assert (g.ngram_match_min, g.num_draft_tokens, g.max_chunk_size, g.max_batch_size) == (3, 4, 512, 32)
+    assert g.draft_model is None
+    model = g.model
+    assert model.load_calls[0]["caches_attached"] == 1  # the cache existed before load()
+    assert model.load_calls[0]["max_chunk_size"] == 512
+    assert model.warmup_calls and model.warmup_calls[0]["cache"] is g.cache
+    assert fake_exl3 == ["tiny-exl3/text"]
+    assert backend.info == ModelInfo("tiny-exl3", 2048, "ngram")
+    err = capsys.readouterr().err
+    assert "Loading tiny-exl3" in err and "5/5" in err
+
+
+def test_draft_model_is_loaded_first_with_its_own_cache_mode(tmp_path: Path, fake_exl3: list[str]) -> None:
+    d = _model_dir(tmp_path, "big")
+    dd = _model_dir(tmp_path, "small")
+    cfg = WorkerSettings(
+        backend="exllamav3",
+        model_dir=d,
+        draft_mode=DraftMode.DRAFT_MODEL,
+        draft_model_dir=dd,
+        cache_size=4096,
+        cache_mode="FP16",
+        draft_cache_mode="4,4",
+        gpu_split=(10, 12),
+        draft_gpu_split=(3,),
+        num_draft_tokens=3,
+        warmup=False,
+    )
+    backend = loader.build_backend(cfg)
+    g = _gen(backend)
+    assert fake_exl3 == ["small/text", "big/text"]
+    assert g.draft_cache is not None and g.draft_model is not None
+    assert g.draft_cache.max_num_tokens == g.cache.max_num_tokens == 4096
+    assert g.draft_cache.bits == (4, 4) and g.cache.layer_type is fx.CacheLayer_fp16
+    assert g.model.load_calls[0]["draft_model"] is g.draft_model
+    assert g.model.load_calls[0]["use_per_device"] == [10.0, 12.0]
+    assert g.draft_model.load_calls[0]["use_per_device"] == [3.0]
+    assert g.num_draft_tokens == 3 and not g.model.warmup_calls
+    assert backend.info.drafting == "draft_model"
+    # cache_size given, max_seq_len not: the model's context, capped by the cache (TabbyAPI)
+    assert backend.info.max_context_tokens == 2048
+
+
+def test_draft_model_without_its_own_split_is_placed_automatically(
+    tmp_path: Path, fake_exl3: list[str]
+) -> None:
+    # use_per_device counts on top of what is already allocated (model/model.py:522-526): the
+    # main split reused for the drafter would let both together take about twice of it.
+    cfg = WorkerSettings(
+        backend="exllamav3",
+        model_dir=_model_dir(tmp_path, "big"),
+        draft_mode=DraftMode.DRAFT_MODEL,
+        draft_model_dir=_model_dir(tmp_path, "small"),
+        gpu_split=(10, 12),
+        warmup=False,
+    )
+    g = _gen(loader.build_backend(cfg))
+    assert g.draft_model is not None
+    assert g.draft_model.load_calls[0]["use_per_device"] is None
+    assert g.model.load_calls[0]["use_per_device"] == [10.0, 12.0]
+
+
+def test_moe_cpu_hosts_are_started_after_each_load(
+    tmp_path: Path, fake_exl3: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Model.load() starts them after draining load_gen (model/model.py:767-772); the loader
+    # drains load_gen itself, so it must do the same.
+    started: list[tuple[str, bool]] = []
+
+    class Host:
+        def __init__(self, model: fx.Model) -> None:
+            self.model = model
+
+        def ensure_started(self) -> None:
+            started.append((self.model.component, self.model.loaded))
+
+    real = fx.Model.from_config
+
+    def from_config(config: fx.Config, component: str = "text") -> fx.Model:
+        model = real(config, component)
+        setattr(config, "moe_cpu_hosts", {component: Host(model)})  # noqa: B010
+        return model
+
+    monkeypatch.setattr(fx.Model, "from_config", staticmethod(from_config))
+    loader.load_engine(
+        WorkerSettings(backend="exllamav3", model_dir=_model_dir(tmp_path, "moe"), warmup=False)
+    )
+    assert started == [("text", True)]
+
+
+def test_failed_warmup_passes_are_logged(
+    tmp_path: Path, fake_exl3: list[str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(fx.Model, "warmup_failures", ("gemm bsz 8", "attn long"))
+    with caplog.at_level(logging.WARNING, logger=loader.__name__):
+        loader.load_engine(WorkerSettings(backend="exllamav3", model_dir=_model_dir(tmp_path, "m")))
+    (rec,) = [r for r in caplog.records if "warmup" in r.getMessage()]
+    assert rec.levelno == logging.WARNING and "gemm bsz 8, attn long" in rec.getMessage()
+
+
+def test_mtp_uses_the_models_own_head(tmp_path: Path, fake_exl3: list[str]) -> None:
+    d = _model_dir(tmp_path, "mtp-model", fake_mtp=True)
+    backend = loader.build_backend(WorkerSettings(backend="exllamav3", model_dir=d, draft_mode=DraftMode.MTP))
+    g = _gen(backend)
+    assert g.draft_model is not None and g.draft_model.component == "mtp"
+    assert fake_exl3 == ["mtp-model/mtp", "mtp-model/text"]
+    assert g.num_draft_tokens == 2  # the head's preferred draft length
+
+
+def test_mtp_on_a_model_without_a_head_is_refused(tmp_path: Path, fake_exl3: list[str]) -> None:
+    d = _model_dir(tmp_path, "plain")
+    with pytest.raises(ValueError, match="no MTP head"):
+        loader.load_engine(WorkerSettings(backend="exllamav3", model_dir=d, draft_mode=DraftMode.MTP))
+
+
+def test_max_seq_len_sets_context_and_default_cache(tmp_path: Path, fake_exl3: list[str]) -> None:
+    d = _model_dir(tmp_path, "m")
+    backend = loader.build_backend(
+        WorkerSettings(backend="exllamav3", model_dir=d, max_seq_len=1000, max_batch_size=3)
+    )
+    g = _gen(backend)
+    assert backend.info.max_context_tokens == 1000
+    assert g.cache.max_num_tokens == 1024 and g.max_batch_size == 3
+    assert g.model.config is not None and g.model.config.dynamic_seq_len == 1000
+
+
+def test_without_cuda_the_loader_refuses(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "exllamav3", fx)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        loader.load_engine(WorkerSettings(backend="exllamav3", model_dir=_model_dir(tmp_path, "m")))
+
+
+def test_loaded_backend_serves_chat_and_raw_prompts(tmp_path: Path, fake_exl3: list[str]) -> None:
+    d = _model_dir(tmp_path, "m")
+    backend = loader.build_backend(WorkerSettings(backend="exllamav3", model_dir=d, warmup=False))
+    g = _gen(backend)
+    g.model.script = fx.reply(b"ok \xe6\x97")  # ends on a cut character, flushed via decode()
+    backend.add(chat("c", "hello"))
+    backend.add(raw("r", "<s>already has BOS"))
+    once = fx.Tokenizer().encode("<s>already has BOS", encode_special_tokens=True)
+    assert g.pending_jobs[1].input_ids == once.tolist()[0]
+    events = run(backend)
+    assert text_of(events, "c") == b"ok \xe6\x97".decode("utf-8", errors="replace")
+    assert any(isinstance(e, TokenDelta) for e in events)
+    assert sum(isinstance(e, Finished) for e in events) == 2
+    backend.close()
+    assert g.closed and not g.model.loaded
+
+
+@pytest.mark.parametrize(
+    ("tok", "expected"),
+    [
+        (SimpleNamespace(bos_token_id=None), False),
+        (SimpleNamespace(bos_token_id=1, tokenizer_config_dict={"add_bos_token": True}), True),
+        (
+            SimpleNamespace(
+                bos_token_id=1,
+                tokenizer_config_dict={},
+                tokenizer=SimpleNamespace(encode=lambda s, add_special_tokens: SimpleNamespace(ids=[1, 64])),
+            ),
+            True,
+        ),
+        (
+            SimpleNamespace(
+                bos_token_id=151643,
+                tokenizer_config_dict={"add_bos_token": False},
+                tokenizer=SimpleNamespace(encode=lambda s, add_special_tokens: SimpleNamespace(ids=[64])),
+            ),
+            False,
+        ),
+    ],
+)
+def test_bos_follows_the_models_tokenizer(tok: Any, expected: bool) -> None:
+    assert loader._wants_bos(tok) is expected
+
+
+def test_dataclass_replace_keeps_validation() -> None:
+    c = WorkerSettings(backend="exllamav3", model_dir=Path("/m"))
+    with pytest.raises(ValueError, match="chunk_size"):
+        dataclasses.replace(c, chunk_size=10)

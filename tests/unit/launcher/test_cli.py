@@ -1,0 +1,48 @@
+"""``exl3-sidecar``: the subcommands reach the right process's own option parser."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from click.testing import CliRunner
+
+from launcher.cli import main
+
+EXL3_SIDECAR = [sys.executable, "-m", "launcher"]
+
+
+def test_worker_is_the_worker_commands_own_parser() -> None:
+    out = subprocess.run([*EXL3_SIDECAR, "worker", "--help"], capture_output=True, text=True, check=True)
+    assert "--chunk-size" in out.stdout and "--check" in out.stdout and "--port" not in out.stdout
+    bad = subprocess.run(
+        [*EXL3_SIDECAR, "worker", "--check", "--dtype", "int8"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "--dtype" in bad.stderr
+
+
+def test_proxy_is_the_proxy_commands_own_parser() -> None:
+    r = CliRunner().invoke(main, ["proxy", "--help"])
+    assert r.exit_code == 0 and "--sse-ping-interval" in r.output and "--chunk-size" not in r.output
+
+
+def test_serve_checks_worker_options_before_starting_anything() -> None:
+    # A port that is surely taken would fail later; a bad worker option fails first.
+    r = subprocess.run(
+        [*EXL3_SIDECAR, "serve", "--port", "1", "--draft-mode", "mtp"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and "draft_mode=mtp needs backend=exllamav3" in r.stderr
+    assert "proxy listening" not in r.stderr
+
+
+def test_serve_refuses_a_bad_proxy_option() -> None:
+    r = CliRunner().invoke(main, ["serve", "--port", "70000"])
+    assert r.exit_code == 2 and "--port" in r.output
+
+
+def test_serve_help_lists_proxy_options_and_points_to_the_worker() -> None:
+    r = CliRunner().invoke(main, ["serve", "--help"])
+    assert "--shutdown-drain" in r.output and "exl3-sidecar worker --help" in r.output
