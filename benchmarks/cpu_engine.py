@@ -15,8 +15,9 @@ import argparse
 import statistics
 import time
 
-from engine_worker.cpu import CpuBackend, CpuEngineConfig
+from engine_worker.cpu import CpuBackend
 from engine_worker.cpu.model_store import LoadedModel, load_embedded
+from engine_worker.settings import DraftMode, WorkerSettings
 from protocol.messages import ChatMessage, Finished, SamplingParams, Submit, TokenDelta
 
 PASSAGE = (
@@ -57,7 +58,7 @@ def run(backend: CpuBackend, submit: Submit) -> tuple[str, Finished]:
     backend.add(submit)
     text: list[str] = []
     finished: Finished | None = None
-    while len(backend.active_ids()):
+    while backend.active_ids():
         for event in backend.step():
             if isinstance(event, TokenDelta):
                 text.append(event.text)
@@ -68,7 +69,7 @@ def run(backend: CpuBackend, submit: Submit) -> tuple[str, Finished]:
 
 
 def bench_prefill(loaded: LoadedModel, repeats: int) -> tuple[int, float]:
-    backend = CpuBackend.from_loaded(loaded, CpuEngineConfig(prefix_cache_mb=0))
+    backend = CpuBackend.from_loaded(loaded, WorkerSettings(prefix_cache_mb=0))
     rates, tokens = [], 0
     for i in range(repeats):
         _, fin = run(
@@ -80,7 +81,7 @@ def bench_prefill(loaded: LoadedModel, repeats: int) -> tuple[int, float]:
 
 
 def bench_decode(
-    loaded: LoadedModel, prompt: str, config: CpuEngineConfig, repeats: int
+    loaded: LoadedModel, prompt: str, config: WorkerSettings, repeats: int
 ) -> tuple[float, Finished, str]:
     backend = CpuBackend.from_loaded(loaded, config)
     params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
@@ -98,7 +99,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--repeats", type=int, default=2)
-    defaults = CpuEngineConfig()
+    defaults = WorkerSettings()
     parser.add_argument("--num-draft-tokens", type=int, default=defaults.num_draft_tokens)
     parser.add_argument("--ngram-min", type=int, default=defaults.ngram_match_min)
     parser.add_argument("--ngram-max", type=int, default=defaults.ngram_match_max)
@@ -124,10 +125,10 @@ def main() -> None:
         f"{'accepted':>9} {'rejected':>9} {'same text':>10}"
     )
     for name, prompt in prompts.items():
-        plain = CpuEngineConfig(prefix_cache_mb=0)
-        ngram = CpuEngineConfig(
+        plain = WorkerSettings(prefix_cache_mb=0)
+        ngram = WorkerSettings(
             prefix_cache_mb=0,
-            draft_mode="ngram",
+            draft_mode=DraftMode.NGRAM,
             num_draft_tokens=args.num_draft_tokens,
             ngram_match_min=args.ngram_min,
             ngram_match_max=args.ngram_max,

@@ -9,7 +9,7 @@
      |    +-- EngineUnavailable       the worker's input queue refused the request
      |    +-- EngineDead              the worker died or restarted with the request in flight
      |    +-- EngineOverloaded        the worker refused the request as overloaded
-     |    +-- TooManyRequests         ``ProxyConfig.max_in_flight`` requests already running
+     |    +-- TooManyRequests         ``ProxySettings.max_in_flight`` requests already running
      |    +-- ShuttingDown            the proxy is draining after SIGINT/SIGTERM
      +-- EngineInternalError          500 server_error: the worker failed the request
 
@@ -109,14 +109,14 @@ class EngineOverloaded(ServiceUnavailable):
 
 
 class TooManyRequests(ServiceUnavailable):
-    """``ProxyConfig.max_in_flight`` requests are already being served."""
+    """``ProxySettings.max_in_flight`` requests are already being served."""
 
     default_code = "too_many_requests"
 
 
 class ShuttingDown(ServiceUnavailable):
     """The proxy stopped admitting requests (SIGINT/SIGTERM), or aborted this
-    one when the drain period (``ProxyConfig.shutdown_drain_s``) ran out."""
+    one when the drain period (``ProxySettings.shutdown_drain``) ran out."""
 
     default_code = "shutting_down"
 
