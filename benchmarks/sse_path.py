@@ -80,6 +80,7 @@ class _FloodEngine:
         self.worker = Ready(PROTOCOL_VERSION, "bench", "bench-model", "bench", 1 << 20, None)
         self.ready = True
         self.worker_active_requests: int | None = None
+        self.heartbeat = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
@@ -89,9 +90,9 @@ class _FloodEngine:
         for t in self._tasks:
             t.cancel()
 
-    def submit(self, submits: Sequence[Submit]) -> RequestStream:
-        stream = RequestStream([s.request_id for s in submits], 256)
-        task = asyncio.create_task(self._play(submits[0].request_id, stream))
+    def submit(self, submit: Submit) -> RequestStream:
+        stream = RequestStream([submit.request_id], 256)
+        task = asyncio.create_task(self._play(submit.request_id, stream))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return stream

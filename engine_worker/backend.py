@@ -1,34 +1,62 @@
-"""The interface every engine backend implements (CPU engine, ExLlamaV3).
+"""The interface every engine backend implements (CPU engine, ExLlamaV3, synthetic).
 
-The worker loop (``engine_worker.loop``) owns the sockets and calls a backend
-from one thread only: ``add``/``abort`` between ``step`` calls, never
-concurrently. A backend converts its engine's native results into
-``protocol.messages`` events at one place and never forwards native dicts.
+The worker loop (``engine_worker.loop``) owns the sockets, the request queue and
+admission, and calls a backend from one thread: ``start``/``abort`` between
+``step`` calls, never concurrently — except ``prepare``, which runs on the loop's
+prepare thread, concurrently with ``step``, and so must not touch engine state. A backend converts its
+engine's native results into ``protocol.messages`` events at one place and never
+forwards native dicts.
+
+A request (``Submit`` with ``n`` choices) is prepared once — validated, templated,
+tokenized, checked against the context — and then started once per choice when
+the loop admits it, so the prompt of an ``n``-choice request is tokenized once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
-from protocol.messages import ErrorCode, Event, Submit
+from protocol.messages import ErrorCode, Event, SamplingParams, Submit
 
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
-    """What the worker announces in ``Ready``. ``max_context_tokens`` is the
-    longest prompt + completion the backend accepts, in tokens."""
+    """What the worker announces in ``Ready`` and admits by.
+
+    - ``max_context_tokens``: longest prompt + completion the backend accepts, tokens.
+    - ``kv_cache_tokens``: KV capacity shared by running sequences, tokens; the loop
+      admits a sequence only while its reservation (``admission.reservation``) fits.
+    - ``max_batch_size``: most sequences running at once.
+    - ``longest_token_chars``: characters of the longest text one token decodes to
+      (an upper bound; 0 if unknown).
+    """
 
     model_id: str
     max_context_tokens: int
     drafting: str | None
+    kv_cache_tokens: int = 1 << 62
+    max_batch_size: int = 1 << 30
+    longest_token_chars: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A request ready to start: ``prompt`` is the backend's own token sequence
+    (opaque to the loop), ``prompt_tokens`` its length, ``param`` the request field
+    it came from (``messages`` or ``prompt``)."""
+
+    submit: Submit
+    prompt: Any
+    prompt_tokens: int
+    param: str
 
 
 class RequestRejected(Exception):
-    """Raised by ``Backend.add`` when a request cannot be admitted (prompt too
-    long for the context, invalid parameters). The loop turns it into a
-    ``RequestError`` event; nothing else is affected."""
+    """Raised by ``Backend.prepare``/``start`` when a request cannot be served
+    (prompt too long for the context, invalid parameters). The loop turns it into
+    ``RequestError`` events; nothing else is affected."""
 
     def __init__(self, code: ErrorCode, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -40,36 +68,52 @@ class RequestRejected(Exception):
 class Backend(Protocol):
     """An engine that advances many sequences in steps.
 
-    Event order per request is documented in ``protocol.messages``. A backend
+    Event order per sequence is documented in ``protocol.messages``. A backend
     must emit ``Started`` and the first ``PrefillProgress`` (``processed ==
-    cached``) no later than the first ``step`` after ``add``, a last
+    cached``) no later than the first ``step`` after ``start``, a last
     ``PrefillProgress`` with ``processed == total`` before the first
     ``TokenDelta``, and exactly one terminal event (``Finished`` or
-    ``RequestError``) for every request it admitted and did not abort.
+    ``RequestError``) for every sequence it started and did not abort.
     """
 
     @property
     def info(self) -> ModelInfo: ...
 
-    def add(self, submit: Submit) -> None:
-        """Admit a request whose id is not active (the loop checks that). Raises
-        ``RequestRejected``; work starts in ``step``."""
+    def prepare(self, submit: Submit) -> Prepared:
+        """Validate, template and tokenize ``submit`` once; called on another thread
+        than the rest, concurrently with ``step`` (touch no engine state). Raises
+        ``RequestRejected``."""
+        ...
+
+    def reservation(self, prepared: Prepared) -> int:
+        """KV tokens one sequence of ``prepared`` may come to hold, which the loop
+        reserves for it out of ``info.kv_cache_tokens`` while it runs."""
+        ...
+
+    def kv_reserved(self) -> int:
+        """The sum of the reservations of the active sequences, KV tokens."""
+        ...
+
+    def start(self, request_id: str, prepared: Prepared, params: SamplingParams) -> None:
+        """Start one sequence (a choice) of ``prepared`` under ``request_id``, whose id
+        is not active (the loop checks that), sampling with ``params`` (the choice's
+        seed). Raises ``RequestRejected``; work happens in ``step``."""
         ...
 
     def abort(self, request_id: str) -> None:
-        """Drop a request and free its engine memory now; unknown ids are ignored.
+        """Drop a sequence and free its engine memory now; unknown ids are ignored.
         The id leaves ``active_ids`` even when freeing fails. No further events are
         emitted for it."""
         ...
 
     def active_ids(self) -> Collection[str]:
-        """Ids admitted and not yet finished, failed or aborted: the one record of
-        them in the worker (the loop reads it for duplicate ids, heartbeats and
-        failing a broken step's requests)."""
+        """Ids started and not yet finished, failed or aborted: the one record of
+        them in the worker (the loop reads it for duplicate ids, heartbeats,
+        admission and failing a broken step's sequences)."""
         ...
 
     def step(self) -> list[Event]:
-        """Advance every active request by at most one engine step (one prefill
+        """Advance every active sequence by at most one engine step (one prefill
         chunk, or one decode/verify pass) and return the events produced, in
         order. Returns ``[]`` quickly when idle."""
         ...

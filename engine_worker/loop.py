@@ -1,19 +1,38 @@
-"""The worker's engine loop: receive, admit, step, send — on one thread.
+"""The worker's engine loop: receive, queue, admit, step, send.
 
-Every call into the backend happens on the thread that runs ``EngineLoop.run``
-(ExLlamaV3 requires ``enqueue``/``cancel`` on the thread that calls
-``iterate``). Socket I/O happens between engine steps, so a step's events leave
-as one ``EventBatch`` as soon as the step returns.
+Every call that touches engine state happens on the thread that runs
+``EngineLoop.run`` (ExLlamaV3 requires ``enqueue``/``cancel`` on the thread that
+calls ``iterate``). Socket I/O happens between engine steps, so a step's events
+leave as one ``EventBatch`` as soon as the step returns. Heartbeats come from a
+thread of their own (``_beat``), so a long step never looks like a dead worker.
+
+Admission: a ``Submit`` is prepared (validated, templated, tokenized once for
+its ``n`` choices) on a thread of its own, so a long prompt never stalls the
+token flow of the running sequences. Then, in arrival order, it waits in a
+bounded FIFO queue until all its choices fit together: running sequences plus
+``n`` within ``max_batch_size``, and KV reservations within
+``kv_cache_tokens`` (``ModelInfo``). A request that can never fit is refused at
+once (``n`` over the batch size: ``INVALID_REQUEST``; KV:
+``CONTEXT_LENGTH_EXCEEDED``), and so is one that finds the queue full
+(``QUEUE_FULL``). Every sequence the worker drops gets a terminal event:
+refused, failed in a step, or still queued, preparing or running when the
+worker stops.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
-from engine_worker.backend import Backend, RequestRejected
+import msgspec
+
+from engine_worker.backend import Backend, Prepared, RequestRejected
 from engine_worker.sockets import WorkerSockets
 from protocol import (
     PROTOCOL_VERSION,
@@ -26,19 +45,62 @@ from protocol import (
     Ready,
     RequestError,
     Submit,
+    choice_ids,
+    choice_seed,
 )
+from protocol.messages import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
-class EngineLoop:
-    """Runs ``backend`` behind ``sockets`` until ``stop`` is set."""
+@dataclass(slots=True)
+class _Queued:
+    prepared: Prepared
+    ids: list[str]
+    reservation: int  # KV tokens of all n choices
 
-    def __init__(self, backend: Backend, sockets: WorkerSockets, heartbeat_interval: float) -> None:
+
+@dataclass(slots=True)
+class _Preparing:
+    submit: Submit
+    ids: list[str]
+    future: Future[Prepared]
+    aborted: bool = False
+
+
+class EngineLoop:
+    """Runs ``backend`` behind ``sockets`` until ``stop`` is set.
+
+    ``heartbeat_interval``: seconds between heartbeats. ``max_queue``: requests
+    that may wait for admission. ``parent_pid``: stop when this process is gone
+    (checked every heartbeat; ``serve`` passes its own pid).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        sockets: WorkerSockets,
+        *,
+        heartbeat_interval: float,
+        max_queue: int,
+        parent_pid: int | None = None,
+    ) -> None:
         self._backend = backend
         self._sockets = sockets
         self._heartbeat_interval = heartbeat_interval
+        self._max_queue = max_queue
+        self._parent_pid = parent_pid
         self.worker_id = uuid.uuid4().hex
+        self._queue: deque[_Queued] = deque()
+        self._queued_ids: dict[str, _Queued] = {}
+        self._preparing: deque[_Preparing] = deque()
+        self._preparing_ids: dict[str, _Preparing] = {}
+        self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="worker-prepare")
+        # Written by the loop thread only, read by the heartbeat thread.
+        self._waiting = 0
+        self._running = 0
+        self._kv_usage = 0.0
+        self._step_started = 0.0
 
     def _ready(self) -> Ready:
         info = self._backend.info
@@ -49,53 +111,80 @@ class EngineLoop:
             backend=type(self._backend).__name__,
             max_context_tokens=info.max_context_tokens,
             drafting=info.drafting,
+            longest_token_chars=info.longest_token_chars,
+            max_batch_size=info.max_batch_size,
+            max_queue=self._max_queue,
+            kv_cache_tokens=min(info.kv_cache_tokens, 2**62),
         )
 
     def run(self, stop: threading.Event) -> None:
         """Serve until ``stop`` is set; the caller closes backend and sockets."""
         self._sockets.send(self._ready())
-        interval = self._heartbeat_interval
+        done = threading.Event()
+        beats = threading.Thread(target=self._beat, args=(stop, done), name="worker-heartbeat", daemon=True)
+        beats.start()
         backend = self._backend
-        next_beat = time.monotonic() + interval
-        while not stop.is_set():
-            wait_ms = 0 if backend.active_ids() else max(0, int((next_beat - time.monotonic()) * 1000))
-            pending: list[Event] = []
-            for msg in self._sockets.receive(min(wait_ms, 100)):
-                self._handle(msg, pending)
-            if backend.active_ids():
-                pending.extend(self._step())
-            if pending:
-                self._sockets.send(EventBatch(pending))
-            now = time.monotonic()
-            if now >= next_beat:
-                self._sockets.send(Heartbeat(self.worker_id, len(backend.active_ids())))
-                next_beat = now + interval
+        try:
+            while not stop.is_set():
+                pending: list[Event] = []
+                wait_ms = 0 if backend.active_ids() else 5 if self._preparing else 100
+                for msg in self._sockets.receive(wait_ms):
+                    self._handle(msg, pending)
+                self._collect_prepared(pending)
+                self._admit(pending)
+                self._update_stats()
+                if backend.active_ids():
+                    self._step_started = time.monotonic()
+                    pending.extend(self._step())
+                    self._step_started = 0.0
+                    self._admit(pending)
+                    self._update_stats()
+                if pending:
+                    self._sockets.send(EventBatch(pending))
+            dropped = self._drop_all("the engine worker is shutting down")
+            if dropped:
+                self._sockets.send(EventBatch(dropped))
+        finally:
+            self._prepare_pool.shutdown(wait=True, cancel_futures=True)
+            done.set()
+            beats.join(5)
+
+    def _update_stats(self) -> None:
+        info = self._backend.info
+        self._waiting = len(self._queue)
+        self._running = len(self._backend.active_ids())
+        self._kv_usage = min(1.0, self._backend.kv_reserved() / info.kv_cache_tokens)
+
+    def _beat(self, stop: threading.Event, done: threading.Event) -> None:
+        sender = self._sockets.sender()
+        try:
+            while not done.wait(self._heartbeat_interval):
+                if self._parent_pid is not None and os.getppid() != self._parent_pid:
+                    log.error("worker: parent process %d is gone, stopping", self._parent_pid)
+                    stop.set()
+                started = self._step_started
+                step_s = time.monotonic() - started if started else 0.0
+                sender.send(
+                    Heartbeat(self.worker_id, self._running, self._waiting, round(self._kv_usage, 4), step_s)
+                )
+        finally:
+            sender.close()
+
+    # ---------------------------------------------------------------- messages
 
     def _handle(self, msg: Hello | Submit | Abort, pending: list[Event]) -> None:
         if isinstance(msg, Submit):
-            if msg.request_id in self._backend.active_ids():
-                pending.append(
-                    RequestError(msg.request_id, ErrorCode.INVALID_REQUEST, "duplicate request id")
-                )
-                return
-            try:
-                self._backend.add(msg)
-            except RequestRejected as e:
-                pending.append(RequestError(msg.request_id, e.code, e.message, e.param))
-                return
-            except Exception as e:
-                # A bug or an engine fault admitting one request must not take
-                # the worker (and every other request) down.
-                log.exception("admitting %s failed", msg.request_id)
-                pending.append(
-                    RequestError(
-                        msg.request_id, ErrorCode.INTERNAL, f"admission failed: {type(e).__name__}: {e}"
-                    )
-                )
+            self._submit(msg, pending)
         elif isinstance(msg, Abort):
             active = self._backend.active_ids()
             for rid in msg.request_ids:
-                if rid in active:
+                queued = self._queued_ids.get(rid)
+                preparing = self._preparing_ids.get(rid)
+                if queued is not None:
+                    self._unqueue(queued)
+                elif preparing is not None:
+                    preparing.aborted = True
+                elif rid in active:
                     self._backend.abort(rid)
         elif msg.protocol_version == PROTOCOL_VERSION:
             self._sockets.send(self._ready())
@@ -107,20 +196,149 @@ class EngineLoop:
                 PROTOCOL_VERSION,
             )
 
+    def _submit(self, msg: Submit, pending: list[Event]) -> None:
+        ids = choice_ids(msg.request_id, max(1, msg.n))
+        active = self._backend.active_ids()
+        known = self._queued_ids.keys() | self._preparing_ids.keys()
+        if any(rid in active or rid in known for rid in ids):
+            duplicate = "duplicate request id"
+            pending.extend(RequestError(rid, ErrorCode.INVALID_REQUEST, duplicate) for rid in ids)
+            return
+        info = self._backend.info
+        if not 1 <= msg.n <= info.max_batch_size:
+            message = (
+                f"n={msg.n} choices can never run together: this worker runs at most "
+                f"{info.max_batch_size} sequences at once (max_batch_size)"
+                if msg.n > 1
+                else f"n must be >= 1, got {msg.n}"
+            )
+            pending.extend(RequestError(rid, ErrorCode.INVALID_REQUEST, message, "n") for rid in ids)
+            return
+        entry = _Preparing(msg, ids, self._prepare_pool.submit(self._backend.prepare, msg))
+        self._preparing.append(entry)
+        for rid in ids:
+            self._preparing_ids[rid] = entry
+
+    def _collect_prepared(self, pending: list[Event]) -> None:
+        """Queue the requests whose preparation finished, in arrival order."""
+        while self._preparing and self._preparing[0].future.done():
+            entry = self._preparing.popleft()
+            for rid in entry.ids:
+                del self._preparing_ids[rid]
+            if not entry.aborted:
+                self._enqueue(entry, pending)
+
+    def _enqueue(self, entry: _Preparing, pending: list[Event]) -> None:
+        msg, ids, info = entry.submit, entry.ids, self._backend.info
+        try:
+            prepared = entry.future.result()
+            reservation = msg.n * self._backend.reservation(prepared)
+            if reservation > info.kv_cache_tokens:
+                raise RequestRejected(
+                    ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                    f"This request needs {reservation} tokens of KV cache ({msg.n} choice(s) of "
+                    f"{prepared.prompt_tokens} prompt tokens plus max_tokens), more than the "
+                    f"{info.kv_cache_tokens} the worker has (kv_cache_mb / cache_size); lower "
+                    "max_tokens or n.",
+                    prepared.param,
+                )
+            full = len(self._queue) >= self._max_queue
+            if full and (self._queue or not self._fits_now(msg.n, reservation)):
+                raise RequestRejected(
+                    ErrorCode.QUEUE_FULL,
+                    f"The engine queue is full ({self._max_queue} requests waiting, max_queue); retry later",
+                )
+        except RequestRejected as e:
+            pending.extend(RequestError(rid, e.code, e.message, e.param) for rid in ids)
+            return
+        except Exception as e:
+            # A bug or an engine fault preparing one request must not take the
+            # worker (and every other request) down.
+            log.error("preparing %s failed", msg.request_id, exc_info=e)
+            text = f"admission failed: {type(e).__name__}: {e}"
+            pending.extend(RequestError(rid, ErrorCode.INTERNAL, text) for rid in ids)
+            return
+        queued = _Queued(prepared, ids, reservation)
+        self._queue.append(queued)
+        for rid in ids:
+            self._queued_ids[rid] = queued
+        # At once, so the queue holds only what cannot start yet.
+        self._admit(pending)
+
+    def _unqueue(self, queued: _Queued) -> None:
+        self._queue.remove(queued)
+        for rid in queued.ids:
+            del self._queued_ids[rid]
+
+    # ---------------------------------------------------------------- admission and steps
+
+    def _fits_now(self, n: int, reservation: int) -> bool:
+        backend = self._backend
+        info = backend.info
+        return (
+            len(backend.active_ids()) + n <= info.max_batch_size
+            and backend.kv_reserved() + reservation <= info.kv_cache_tokens
+        )
+
+    def _admit(self, pending: list[Event]) -> None:
+        while self._queue:
+            head = self._queue[0]
+            if not self._fits_now(len(head.ids), head.reservation):
+                return
+            self._unqueue(head)
+            self._start(head, pending)
+
+    def _start(self, queued: _Queued, pending: list[Event]) -> None:
+        params = queued.prepared.submit.params
+        started: list[str] = []
+        try:
+            for i, rid in enumerate(queued.ids):
+                p = params if params.seed is None else _with_seed(params, choice_seed(params.seed, i))
+                self._backend.start(rid, queued.prepared, p)
+                started.append(rid)
+        except Exception as e:
+            # The choices run together or not at all.
+            for rid in started:
+                self._backend.abort(rid)
+            if isinstance(e, RequestRejected):
+                pending.extend(RequestError(rid, e.code, e.message, e.param) for rid in queued.ids)
+            else:
+                log.exception("starting %s failed", queued.ids[0])
+                text = f"admission failed: {type(e).__name__}: {e}"
+                pending.extend(RequestError(rid, ErrorCode.INTERNAL, text) for rid in queued.ids)
+
     def _step(self) -> list[Event]:
         try:
-            events = self._backend.step()
+            return self._backend.step()
         except Exception as e:
             # The backend's state for these requests is unknown now: fail them all
             # and keep serving new ones rather than taking the worker down.
-            failed = sorted(self._backend.active_ids())
-            log.exception("engine step failed; failing %d active requests", len(failed))
-            for rid in failed:
-                try:
-                    self._backend.abort(rid)
-                except Exception:
-                    # The engine may be too broken to cancel cleanly; the request
-                    # is failed towards the proxy either way.
-                    log.exception("abort of %s after a failed step also failed", rid)
-            return [RequestError(rid, ErrorCode.INTERNAL, f"engine step failed: {e}") for rid in failed]
-        return events
+            log.exception("engine step failed; failing %d active requests", len(self._backend.active_ids()))
+            return self._fail_active(f"engine step failed: {e}", ErrorCode.INTERNAL)
+
+    def _fail_active(self, message: str, code: ErrorCode) -> list[Event]:
+        failed = sorted(self._backend.active_ids())
+        for rid in failed:
+            try:
+                self._backend.abort(rid)
+            except Exception:
+                # The engine may be too broken to cancel cleanly; the request
+                # is failed towards the proxy either way.
+                log.exception("abort of %s also failed", rid)
+        return [RequestError(rid, code, message) for rid in failed]
+
+    def _drop_all(self, message: str) -> list[Event]:
+        out = self._fail_active(message, ErrorCode.OVERLOADED)
+        for entry in self._preparing:
+            if not entry.aborted:
+                out.extend(RequestError(rid, ErrorCode.OVERLOADED, message) for rid in entry.ids)
+        self._preparing.clear()
+        self._preparing_ids.clear()
+        for queued in list(self._queue):
+            self._unqueue(queued)
+            out.extend(RequestError(rid, ErrorCode.OVERLOADED, message) for rid in queued.ids)
+        return out
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    return msgspec.structs.replace(params, seed=seed)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
+from pathlib import Path
+
+import zmq
 
 from engine_worker.backend import Backend
 from engine_worker.loop import EngineLoop
@@ -22,6 +26,10 @@ def make_backend(settings: WorkerSettings) -> Backend:
         from engine_worker.cpu.engine import CpuBackend
 
         return CpuBackend(settings)
+    if settings.backend == "synthetic":
+        from engine_worker.synthetic import SyntheticBackend
+
+        return SyntheticBackend(settings)
     from engine_worker.exllamav3.loader import build_backend
 
     return build_backend(settings)
@@ -54,7 +62,13 @@ def run_worker(settings: WorkerSettings) -> None:
         raise SystemExit(1) from None
     info = backend.info
     input_addr, output_addr = settings.addresses
-    sockets = WorkerSockets(input_addr, output_addr)
+    try:
+        sockets = WorkerSockets(input_addr, output_addr)
+    except zmq.ZMQError as e:
+        # ipc:// paths over ~107 bytes, a port in use, a directory not there.
+        log.error("worker: cannot bind %s / %s: %s", input_addr, output_addr, e)
+        backend.close()
+        raise SystemExit(1) from None
     log.info(
         "worker: serving %s (context %d tokens, drafting %s) on %s / %s",
         info.model_id,
@@ -63,8 +77,30 @@ def run_worker(settings: WorkerSettings) -> None:
         input_addr,
         output_addr,
     )
+    loop = EngineLoop(
+        backend,
+        sockets,
+        heartbeat_interval=settings.heartbeat_interval,
+        max_queue=settings.max_queue,
+        parent_pid=settings.parent_pid,
+    )
     try:
-        EngineLoop(backend, sockets, settings.heartbeat_interval).run(stop)
+        loop.run(stop)
     finally:
         sockets.close()
         backend.close()
+        _remove_ipc_files((input_addr, output_addr), remove_dir=settings.parent_pid is not None)
+
+
+def _remove_ipc_files(addresses: tuple[str, ...], *, remove_dir: bool) -> None:
+    """Unlink our ``ipc://`` socket files, and with ``remove_dir`` (a child of
+    ``serve``, whose directory is private to this pair) their directory when it is
+    left empty, so no stale endpoint outlives the worker."""
+    for addr in addresses:
+        if not addr.startswith("ipc://"):
+            continue
+        path = Path(addr.removeprefix("ipc://"))
+        path.unlink(missing_ok=True)
+        if remove_dir:
+            with contextlib.suppress(OSError):  # not empty, or already gone
+                path.parent.rmdir()

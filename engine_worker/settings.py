@@ -25,7 +25,7 @@ from typing import Any, Literal
 from protocol.endpoints import LinkSettings
 from protocol.settings import setting
 
-BackendName = Literal["cpu", "exllamav3"]
+BackendName = Literal["cpu", "exllamav3", "synthetic"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 
@@ -45,9 +45,11 @@ def default_cache_dir() -> Path:
 
 
 BACKEND_DEFAULTS: dict[str, dict[str, Any]] = {
-    "cpu": {"max_seq_len": 8192, "chunk_size": 256, "num_draft_tokens": 4},
-    # max_seq_len: the model's; num_draft_tokens: what the drafter prefers (loader).
+    "cpu": {"max_seq_len": 8192, "chunk_size": 256, "num_draft_tokens": 4, "max_batch_size": 16},
+    # max_seq_len: the model's; num_draft_tokens: what the drafter prefers;
+    # max_batch_size: 32, or 4 with recurrent layers (all resolved by the loader).
     "exllamav3": {"chunk_size": 2048},
+    "synthetic": {"max_seq_len": 8192, "chunk_size": 256, "max_batch_size": 1024},
 }
 """Defaults of the options whose default depends on ``backend``."""
 
@@ -63,7 +65,9 @@ class WorkerSettings(LinkSettings):
     """
 
     backend: BackendName = setting(
-        "cpu", "Engine: the CPU engine (embedded SmolLM2-135M-Instruct by default) or ExLlamaV3 on CUDA."
+        "cpu",
+        "Engine: the CPU engine (embedded SmolLM2-135M-Instruct by default), ExLlamaV3 on CUDA, or "
+        "the model-less synthetic engine for load and fault tests.",
     )
     model_dir: Path | None = setting(
         None,
@@ -94,12 +98,30 @@ class WorkerSettings(LinkSettings):
         2, "Shortest n-gram (tokens) that must match before n-gram drafting proposes tokens.", ge=1
     )
     heartbeat_interval: float = setting(1.0, "Seconds between worker heartbeats.", ge=0.05)
+    max_batch_size: int | None = setting(
+        None,
+        "Most sequences running at once; more wait in the worker's queue (default: cpu 16, "
+        "exllamav3 32, or 4 with recurrent layers).",
+        ge=1,
+    )
+    max_queue: int = setting(
+        256, "Most requests waiting for admission; beyond it requests get 429 queue_full.", ge=0
+    )
+    parent_pid: int | None = setting(
+        None, "Stop when the process with this pid is gone (serve passes its own); checked every heartbeat."
+    )
     # cpu engine
     cache_dir: Path = setting(
         default_factory=default_cache_dir,
         help="[cpu] Where the embedded model is converted once (default: $XDG_CACHE_HOME/exl3-sidecar).",
     )
     dtype: Dtype = setting("float32", "[cpu] Weights and KV cache dtype.")
+    kv_cache_mb: int = setting(
+        4096,
+        "[cpu] Memory for the KV cache of running sequences, MiB; each reserves its prompt plus "
+        "max_tokens (up to the context) when it is admitted.",
+        ge=1,
+    )
     prefix_cache_mb: int = setting(
         1024, "[cpu] Memory budget of the prefix cache (KV of earlier sequences), MiB; 0 disables it.", ge=0
     )
@@ -119,9 +141,6 @@ class WorkerSettings(LinkSettings):
     )
     cache_mode: str = setting(
         "FP16", "[exllamav3] KV cache precision: FP16, or k_bits,v_bits such as 8,8 or 4,4."
-    )
-    max_batch_size: int | None = setting(
-        None, "[exllamav3] Most sequences decoded together (default: 32, or 4 with recurrent layers).", ge=1
     )
     gpu_split: str | None = setting(
         None, "[exllamav3] GB of VRAM per GPU, comma-separated (default: autosplit)."
@@ -157,6 +176,15 @@ class WorkerSettings(LinkSettings):
         True, "[exllamav3] Prepend the tokenizer's BOS token to raw-text prompts (if the model uses one)."
     )
 
+    # synthetic engine
+    synthetic_step_ms: float = setting(20.0, "[synthetic] Milliseconds between engine steps.", ge=0)
+    synthetic_tokens_per_step: int = setting(
+        1, "[synthetic] Tokens each decoding sequence emits per step.", ge=1
+    )
+    synthetic_kv_tokens: int = setting(
+        1 << 20, "[synthetic] KV capacity in tokens that admission budgets against.", ge=1
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
         for name, value in BACKEND_DEFAULTS[self.backend].items():
@@ -174,7 +202,10 @@ class WorkerSettings(LinkSettings):
             raise ValueError(
                 f"ngram_match_max={self.ngram_match_max} is below ngram_match_min={self.ngram_match_min}"
             )
-        if self.backend == "cpu":
+        if self.backend == "synthetic":
+            if self.draft_mode is not DraftMode.NONE:
+                raise ValueError("draft_mode: the synthetic engine does not draft")
+        elif self.backend == "cpu":
             if self.draft_mode not in (DraftMode.NONE, DraftMode.NGRAM):
                 raise ValueError(f"draft_mode={self.draft_mode.value} needs backend=exllamav3")
         else:

@@ -14,9 +14,9 @@ import click
 
 from launcher.supervisor import WorkerSupervisor
 from protocol.endpoints import default_addresses, instance_dir
-from protocol.settings import cli_args, click_options, from_options
+from protocol.settings import cli_args, click_options
 from proxy.cli import main as proxy_command
-from proxy.cli import setup_logging
+from proxy.cli import settings_from_options, setup_logging
 from proxy.settings import ProxySettings
 
 WORKER_COMMAND = (sys.executable, "-m", "engine_worker")
@@ -53,6 +53,7 @@ def worker(args: tuple[str, ...]) -> None:
 @click.argument("worker_args", nargs=-1, type=click.UNPROCESSED)
 def serve(worker_args: tuple[str, ...], **values: Any) -> None:
     """Run worker and proxy together: the embedded default model on port 5000."""
+    settings_from_options(values)  # every proxy option checked before anything starts
     check = subprocess.run([*WORKER_COMMAND, "--check", *worker_args], check=False)
     if check.returncode != 0:
         raise SystemExit(check.returncode)
@@ -62,11 +63,13 @@ def serve(worker_args: tuple[str, ...], **values: Any) -> None:
             din, dout = default_addresses(stack.enter_context(instance_dir()))
             values["input_addr"] = values["input_addr"] or din
             values["output_addr"] = values["output_addr"] or dout
-        settings = from_options(ProxySettings, values)
+        settings = settings_from_options(values)
         setup_logging(settings.log_level)
         argv = [
             *WORKER_COMMAND,
             *cli_args(settings, ("input_addr", "output_addr", "log_level")),
+            "--parent-pid",
+            str(os.getpid()),
             *worker_args,
         ]
         asyncio.run(_serve(settings, WorkerSupervisor(argv)))

@@ -6,12 +6,20 @@ requests in flight on the proxy fail cleanly when their worker goes away.
 Cancelling ``run`` stops the child: SIGTERM, then SIGKILL after ``stop_timeout``
 seconds. The child runs in a session of its own, so a Ctrl-C in the terminal
 reaches only the parent, which drains its requests before it stops the child.
+
+A parent killed outright (SIGKILL, OOM killer) runs none of that, so on Linux the
+child is also asked to get SIGTERM when its parent dies (``PR_SET_PDEATHSIG``);
+elsewhere, and for the instant between fork and that call, the worker's own
+parent check (``--parent-pid``) is the backstop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
+import signal
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +45,15 @@ class Backoff:
         return min(previous * 2, self.most)
 
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent() -> None:
+    """Run in the child between fork and exec (Linux): SIGTERM when the parent dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class WorkerSupervisor:
     """Runs ``argv`` (program first) until cancelled, restarting it per ``backoff``."""
 
@@ -57,7 +74,11 @@ class WorkerSupervisor:
         delay: float | None = None
         while True:
             started = time.monotonic()
-            proc = await asyncio.create_subprocess_exec(*self.argv, start_new_session=True)
+            proc = await asyncio.create_subprocess_exec(
+                *self.argv,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
             self.starts += 1
             self.pid = proc.pid
             try:

@@ -21,6 +21,8 @@ from protocol.messages import (
     Submit,
     TokenDelta,
     WorkerMessage,
+    choice_ids,
+    choice_seed,
 )
 from protocol.version import PROTOCOL_VERSION
 
@@ -46,6 +48,8 @@ __all__ = [
     "TokenDelta",
     "VersionMismatch",
     "WorkerMessage",
+    "choice_ids",
+    "choice_seed",
     "decode_proxy_message",
     "decode_worker_message",
     "encode",

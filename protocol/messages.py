@@ -39,6 +39,7 @@ class ErrorCode(enum.StrEnum):
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # 400
     OVERLOADED = "overloaded"  # 503
     INTERNAL = "internal_error"  # 500
+    QUEUE_FULL = "queue_full"  # 429: the worker's queue is full now; a retry later can succeed
 
 
 class _Msg(msgspec.Struct, array_like=True, frozen=True, tag=True):
@@ -87,19 +88,38 @@ class Hello(_Msg, frozen=True, tag="hello"):
 
 
 class Submit(_Msg, frozen=True, tag="submit"):
-    """Start one sequence. Exactly one of ``messages`` (chat: the worker applies
-    the model's chat template) or ``prompt`` (raw text completion) is used."""
+    """Start one request of ``n`` sequences (choices) on one prompt. Exactly one of
+    ``messages`` (chat: the worker applies the model's chat template) or ``prompt``
+    (raw text completion) is used.
+
+    The prompt is tokenized once; the ``n`` sequences are admitted together or wait
+    together, and their events carry the ids ``choice_ids(request_id, n)``. With a
+    ``params.seed``, choice ``i`` samples with ``choice_seed(seed, i)``.
+    """
 
     request_id: str
     params: SamplingParams
     messages: tuple[ChatMessage, ...] = ()
     prompt: str | None = None
     add_generation_prompt: bool = True
+    n: int = 1
+
+
+def choice_ids(request_id: str, n: int) -> list[str]:
+    """Engine request ids of the ``n`` choices of ``request_id``: the request id
+    itself for one choice, ``f"{request_id}-{i}"`` for several."""
+    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+
+
+def choice_seed(seed: int, i: int) -> int:
+    """The seed of choice ``i``: ``seed + i`` wrapped to int64, so a request stays
+    reproducible while its choices differ (as OpenAI's and vLLM's do)."""
+    return (seed + i + 2**63) % 2**64 - 2**63
 
 
 class Abort(_Msg, frozen=True, tag="abort"):
-    """Free the engine work of these requests at the next engine step. Unknown
-    or already finished ids are ignored."""
+    """Free the engine work of these choices (``choice_ids``) at the next engine
+    step, queued ones included. Unknown or already finished ids are ignored."""
 
     request_ids: tuple[str, ...]
 
@@ -125,13 +145,31 @@ class Ready(_Msg, frozen=True, tag="ready"):
     backend: str
     max_context_tokens: int
     drafting: str | None = None
+    longest_token_chars: int = 0
+    """Characters of the longest text one token decodes to (0: unknown). A prompt
+    text longer than ``max_context_tokens * longest_token_chars`` cannot fit, so
+    the proxy refuses it without sending it."""
+    max_batch_size: int = 0
+    """Most sequences running at once; more wait in the worker's queue."""
+    max_queue: int = 0
+    """Most requests waiting in the worker's queue; beyond it, ``QUEUE_FULL``."""
+    kv_cache_tokens: int = 0
+    """KV capacity in tokens shared by running sequences."""
 
 
 class Heartbeat(_Msg, frozen=True, tag="heartbeat"):
-    """Liveness signal, sent between engine steps at a fixed interval."""
+    """Liveness signal at a fixed interval, from a thread of its own: it keeps
+    coming while an engine step is long, and stops only when the process is gone
+    or hung. ``active_requests``: sequences running; ``waiting_requests``:
+    requests in the worker's queue; ``kv_cache_usage``: fraction (0..1) of the KV
+    capacity reserved by running sequences; ``step_s``: seconds the engine
+    thread has been inside its current step (0 between steps)."""
 
     worker_id: str
     active_requests: int
+    waiting_requests: int = 0
+    kv_cache_usage: float = 0.0
+    step_s: float = 0.0
 
 
 class Started(_Msg, frozen=True, tag="started"):

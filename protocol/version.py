@@ -5,4 +5,4 @@ proxy refuses a worker whose version differs, because the two containers of a
 pod are upgraded separately.
 """
 
-PROTOCOL_VERSION: int = 1
+PROTOCOL_VERSION: int = 2

@@ -1,9 +1,10 @@
 """Application factory and the server's run loop.
 
-``create_app`` wires routes, the error middleware and the engine client's
-start/close (``cleanup_ctx``); tests build the app from it. ``run_proxy`` serves
-it until SIGINT/SIGTERM, then runs the shutdown state machine of
-``proxy.state``: stop admitting, drain, abort the rest, close.
+``create_app`` wires routes, the error and API key middlewares and the engine
+client's start/close (``cleanup_ctx``); tests build the app from it.
+``run_proxy`` serves it (with ``proxy.runner.make_runner``) until
+SIGINT/SIGTERM, then runs the shutdown state machine of ``proxy.state``: stop
+admitting, drain, abort the rest, close.
 """
 
 from __future__ import annotations
@@ -14,45 +15,29 @@ import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
-from aiohttp.web_log import AccessLogger
 
 from proxy.engine_client import EngineClient
 from proxy.errors import ProxyError, error_response, from_http_exception
 from proxy.handlers import add_routes
+from proxy.intake import check_api_key, key_digest
+from proxy.runner import make_runner
 from proxy.settings import ProxySettings
 from proxy.state import STATE, ProxyState
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 64 * 1024 * 1024
-"""Largest request body accepted (a 128k-token prompt is well under 1 MiB of
-text; aiohttp's 1 MiB default is too tight for long-context chats); 413 beyond."""
-
-HANDLER_SHUTDOWN_S = 5.0
-"""After the drain, how long aiohttp waits for handlers before cancelling them."""
-
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
-"""Paths Kubernetes and Prometheus poll every few seconds; their access lines
-appear only when the log level is DEBUG."""
-
-
-class ProbeQuietAccessLogger(AccessLogger):
-    """aiohttp's access log, without the lines of ``PROBE_PATHS`` unless DEBUG
-    is on: a probe every 2 s would otherwise bury the requests that matter."""
-
-    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
-        if request.path in PROBE_PATHS and not self.logger.isEnabledFor(logging.DEBUG):
-            return
-        super().log(request, response, time)
+OPEN_PATHS = frozenset({"/health", "/ready"})
+"""Routes served without an API key (probes)."""
 
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
-    """The one place where failures become OpenAI error envelopes: ``ProxyError``
-    keeps its status, aiohttp's HTTP errors (404, 405, 413) keep theirs, anything
-    else is a logged 500."""
+    """The one place where failures of the app become OpenAI error envelopes:
+    ``ProxyError`` keeps its status, aiohttp's HTTP errors (404, 405) keep
+    theirs, anything else is a logged 500. (Requests the HTTP parser refuses
+    never reach the app: ``proxy.runner.EnvelopeRequestHandler``.)"""
     try:
         return await handler(request)
     except ProxyError as e:
@@ -68,6 +53,18 @@ async def error_middleware(request: web.Request, handler: _Handler) -> web.Strea
         return error_response(ProxyError(f"Internal server error: {type(e).__name__}"))
 
 
+@web.middleware
+async def api_key_middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
+    """When API keys are configured, every route but ``OPEN_PATHS`` requires
+    one (``proxy.intake.check_api_key``): checked before anything else."""
+    keys = request.app[STATE].api_keys
+    if keys:
+        resource = request.match_info.route.resource
+        if resource is None or resource.canonical not in OPEN_PATHS:
+            check_api_key(request, keys)
+    return await handler(request)
+
+
 async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
     engine = app[STATE].engine
     await engine.start()
@@ -79,9 +76,16 @@ async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
 
 def create_app(settings: ProxySettings, engine_client: EngineClient) -> web.Application:
     """The proxy's aiohttp application. ``engine_client`` is started on app
-    startup and closed on cleanup; its state is ``app[proxy.state.STATE]``."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=MAX_BODY_BYTES)
-    app[STATE] = ProxyState(settings, engine_client)
+    startup and closed on cleanup; its state is ``app[proxy.state.STATE]``.
+
+    Its connections never inflate a compressed body (``auto_decompress=False``;
+    ``proxy.intake`` refuses such bodies with 415). Reads ``api_key_file``;
+    raises ``ValueError`` naming it when it cannot be read or holds no key."""
+    keys = frozenset(key_digest(k) for k in settings.api_keys())
+    app = web.Application(
+        middlewares=[error_middleware, api_key_middleware], handler_args={"auto_decompress": False}
+    )
+    app[STATE] = ProxyState(settings, engine_client, api_keys=keys)
     app.cleanup_ctx.append(_engine_lifetime)
     add_routes(app)
     return app
@@ -94,18 +98,12 @@ async def run_proxy(
     ``stop`` is set, for tests), then drain for up to ``settings.shutdown_drain``
     seconds, fail what is left with 503 ``shutting_down``, and close.
 
-    The runner uses ``handler_cancellation=True``: a client disconnect cancels
-    its handler, which aborts the engine request even during a silent prefill.
-    Logging is configured by the caller (the CLI applies ``settings.log_level``).
-    Raises ``OSError`` when the port cannot be bound.
+    The runner is ``proxy.runner.make_runner``'s. Logging is configured by the
+    caller (the CLI applies ``settings.log_level``). Raises ``OSError`` when the
+    port cannot be bound, ``ValueError`` for an unreadable ``api_key_file``.
     """
     app = create_app(settings, engine_client)
-    runner = web.AppRunner(
-        app,
-        handler_cancellation=True,
-        shutdown_timeout=HANDLER_SHUTDOWN_S,
-        access_log_class=ProbeQuietAccessLogger,
-    )
+    runner = make_runner(app)
     await runner.setup()
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -113,7 +111,13 @@ async def run_proxy(
     try:
         site = web.TCPSite(runner, settings.host, settings.port)
         await site.start()
-        log.info("proxy listening on http://%s:%d", settings.host, settings.port)
+        keys = len(app[STATE].api_keys)
+        log.info(
+            "proxy listening on http://%s:%d (%s)",
+            settings.host,
+            settings.port,
+            f"/v1/* requires one of {keys} API key(s)" if keys else "no API key required",
+        )
         for sig in signals:
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()

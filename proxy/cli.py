@@ -21,11 +21,22 @@ def setup_logging(level: str) -> None:
     )
 
 
+def settings_from_options(values: dict[str, Any]) -> ProxySettings:
+    """``ProxySettings`` from click's values, the API key file read once to check
+    it. Raises ``click.UsageError`` for a bad value or an unreadable key file."""
+    settings = from_options(ProxySettings, values)
+    try:
+        settings.api_keys()
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    return settings
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click_options(ProxySettings)
 def main(**values: Any) -> None:
     """Run the HTTP proxy alone (the sidecar container of a pod)."""
-    settings = from_options(ProxySettings, values)
+    settings = settings_from_options(values)
     setup_logging(settings.log_level)
     from proxy.app import run_proxy
     from proxy.engine_client import ZmqEngineClient

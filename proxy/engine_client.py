@@ -49,6 +49,7 @@ from protocol.messages import (
     RequestError,
     Submit,
     TokenDelta,
+    choice_ids,
 )
 from protocol.version import PROTOCOL_VERSION
 from proxy.errors import (
@@ -201,6 +202,12 @@ class EngineClient(Protocol):
         requests were freed in the engine, not just forgotten by the proxy."""
         ...
 
+    @property
+    def heartbeat(self) -> Heartbeat | None:
+        """The latest ``Heartbeat`` of the current worker (running and waiting
+        requests, KV cache usage); ``None`` before the first one."""
+        ...
+
     async def start(self) -> None:
         """Connect and begin the handshake; returns without waiting for it."""
         ...
@@ -209,15 +216,17 @@ class EngineClient(Protocol):
         """Stop background work; pending streams fail with ``ShuttingDown``."""
         ...
 
-    def submit(self, submits: Sequence[Submit]) -> RequestStream:
-        """Send the engine requests of one HTTP request (one per choice) and
-        return the stream their events arrive on. Raises ``EngineNotReady``
-        when not ready and ``EngineUnavailable`` when the worker cannot take
-        them now; then nothing was submitted."""
+    def submit(self, submit: Submit) -> RequestStream:
+        """Send the one ``Submit`` of an HTTP request and return the stream the
+        events of its choices (``choice_ids(submit.request_id, submit.n)``)
+        arrive on. Raises ``EngineNotReady`` when not ready and
+        ``EngineUnavailable`` when the worker cannot take it now; then nothing
+        was submitted."""
         ...
 
     def abort(self, request_ids: Sequence[str]) -> None:
-        """Tell the worker to drop these requests; no more events are routed for them."""
+        """Tell the worker to drop these choices (``choice_ids``); no more events
+        are routed for them."""
         ...
 
 
@@ -235,7 +244,7 @@ class ZmqEngineClient:
         self.proxy_id = proxy_id or uuid.uuid4().hex
         self._ready = False
         self._worker: Ready | None = None
-        self._worker_active: int | None = None
+        self._heartbeat: Heartbeat | None = None
         self._orphans_aborted: set[str] = set()
         self._routes: dict[str, RequestStream] = {}
         self._last_rx = 0.0
@@ -258,7 +267,11 @@ class ZmqEngineClient:
 
     @property
     def worker_active_requests(self) -> int | None:
-        return self._worker_active
+        return self._heartbeat.active_requests if self._heartbeat is not None else None
+
+    @property
+    def heartbeat(self) -> Heartbeat | None:
+        return self._heartbeat
 
     @property
     def in_flight(self) -> int:
@@ -327,21 +340,17 @@ class ZmqEngineClient:
 
     # ------------------------------------------------------------- requests
 
-    def submit(self, submits: Sequence[Submit]) -> RequestStream:
+    def submit(self, submit: Submit) -> RequestStream:
         if not self._ready:
             raise EngineNotReady(NOT_READY_MESSAGE)
-        stream = RequestStream([s.request_id for s in submits], self._settings.request_queue_max)
-        for i, s in enumerate(submits):
-            if not self._send(s):
-                if i:
-                    self._send(Abort(tuple(x.request_id for x in submits[:i])))
-                for x in submits[:i]:
-                    self._routes.pop(x.request_id, None)
-                raise EngineUnavailable(
-                    "The engine worker cannot take requests now "
-                    "(its input queue is full or it is not connected)"
-                )
-            self._routes[s.request_id] = stream
+        ids = choice_ids(submit.request_id, submit.n)
+        if not self._send(submit):
+            raise EngineUnavailable(
+                "The engine worker cannot take requests now (its input queue is full or it is not connected)"
+            )
+        stream = RequestStream(ids, self._settings.request_queue_max)
+        for rid in ids:
+            self._routes[rid] = stream
         return stream
 
     def abort(self, request_ids: Sequence[str]) -> None:
@@ -482,7 +491,7 @@ class ZmqEngineClient:
                 self._on_ready(msg)
             elif isinstance(msg, Heartbeat):
                 if msg.worker_id == self._worker_id():
-                    self._worker_active = msg.active_requests
+                    self._heartbeat = msg
                 elif self._ready:
                     # Another worker process speaks on our socket: ours restarted and
                     # its Ready was lost before we reconnected. Our requests died with

@@ -1,23 +1,38 @@
 """Exceptions of the proxy and their one translation into OpenAI's error envelope.
 
-    ProxyError                        any failure a client is told about
-     +-- InvalidRequest               400 invalid_request_error: bad JSON, types, ranges
-     |    +-- ContextLengthExceeded   400, code "context_length_exceeded"
-     +-- NotFound                     404 invalid_request_error: unknown route or model
-     +-- ServiceUnavailable           503 server_error
-     |    +-- EngineNotReady          no worker handshake yet (or the worker is dead)
-     |    +-- EngineUnavailable       the worker's input queue refused the request
-     |    +-- EngineDead              the worker died or restarted with the request in flight
-     |    +-- EngineOverloaded        the worker refused the request as overloaded
-     |    +-- TooManyRequests         ``ProxySettings.max_in_flight`` requests already running
-     |    +-- ShuttingDown            the proxy is draining after SIGINT/SIGTERM
-     +-- EngineInternalError          500 server_error: the worker failed the request
+    ProxyError                          any failure a client is told about
+     +-- InvalidRequest                 400 invalid_request_error: bad JSON, types, ranges, limits
+     |    +-- ContextLengthExceeded     400, code "context_length_exceeded"
+     |    +-- BadHttpRequest            400: the HTTP parser refused the request itself
+     |    +-- RequestTimeout            408: the body did not arrive within ``body_read_timeout``
+     |    +-- RequestTooLarge           413: the body is over the limit (``max_body_mb``)
+     |    +-- UnsupportedMediaType      415: not ``application/json``, or a compressed body
+     +-- InvalidApiKey                  401: API key missing or wrong (+ ``WWW-Authenticate``)
+     +-- NotFound                       404 invalid_request_error: unknown route or model
+     +-- QueueFull                      429: the worker's queue is full now (``Retry-After``)
+     |    +-- TooManyRequests           429: ``ProxySettings.max_in_flight`` requests already running
+     +-- ServiceUnavailable             503 server_error (``Retry-After``)
+     |    +-- EngineNotReady            no worker handshake yet (or the worker is dead)
+     |    +-- EngineUnavailable         the worker's input queue refused the request
+     |    +-- EngineDead                the worker died or restarted with the request in flight
+     |    +-- EngineOverloaded          the worker refused the request as overloaded
+     |    +-- ShuttingDown              the proxy is draining after SIGINT/SIGTERM
+     +-- GatewayTimeout                 504, code "timeout": no worker event for ``request_idle_timeout``
+     +-- EngineInternalError            500 server_error: the worker failed the request
 
-Every exception carries its HTTP ``status`` and the envelope fields ``type``,
-``code`` and ``param``. ``envelope``/``error_response`` are the only places that
-produce the envelope, ``from_request_error`` the only place that maps the
-worker's ``RequestError`` codes, and ``from_http_exception`` the only place that
-maps aiohttp's own HTTP errors (unknown route, wrong method, body too large).
+Every exception carries its HTTP ``status``, the envelope fields ``type``,
+``code`` and ``param``, ``retry_after`` (seconds for the ``Retry-After`` header
+where a retry can succeed, else ``None``) and ``close`` (the connection is closed
+after the response: the request body was not read). ``envelope``/``error_response``
+are the only places that produce the envelope, ``from_request_error`` the only
+place that maps the worker's ``RequestError`` codes, and ``from_http_exception``
+the only place that maps aiohttp's own HTTP errors (unknown route, wrong method).
+
+``Retry-After`` values: 1 s when the server is full now (429 ``queue_full`` and
+``too_many_requests``; 503 ``overloaded``, ``engine_unavailable``); 5 s while the
+worker is not there (``engine_not_ready``, ``engine_dead``: a restart or a model
+load takes seconds) and while draining (``shutting_down``: by then a load
+balancer sends the retry to another replica).
 
 Envelope (OpenAI API reference, error object; ``proxy.responses.ErrorEnvelope``)::
 
@@ -35,6 +50,11 @@ from proxy.responses import ErrorDetail, ErrorEnvelope, encode
 
 NOT_READY_MESSAGE = "The engine worker is not ready (handshake pending, worker down or restarting)"
 
+RETRY_FULL_S = 1
+"""``Retry-After`` when the server is full now."""
+RETRY_ABSENT_S = 5
+"""``Retry-After`` while the worker is not there, or the proxy is draining."""
+
 
 class ProxyError(Exception):
     """Base: a failure reported to the client as ``status`` + envelope."""
@@ -42,12 +62,18 @@ class ProxyError(Exception):
     status: int = 500
     type: str = "server_error"
     default_code: ClassVar[str | None] = None
+    retry_after: ClassVar[int | None] = None
+    close: ClassVar[bool] = False
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code if code is not None else self.default_code
+
+    def headers(self) -> dict[str, str]:
+        """Headers of the error response besides ``Content-Type``."""
+        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
 
 class InvalidRequest(ProxyError):
@@ -65,6 +91,50 @@ class ContextLengthExceeded(InvalidRequest):
     default_code = "context_length_exceeded"
 
 
+class BadHttpRequest(InvalidRequest):
+    """aiohttp's HTTP parser refused the request (a line or header too long, too
+    many headers, a bad ``Content-Length``, an invalid method); the status is
+    the parser's."""
+
+    default_code = "bad_http_request"
+    close = True
+
+
+class RequestTimeout(InvalidRequest):
+    """The request body did not arrive in full within ``body_read_timeout`` (408)."""
+
+    status = 408
+    default_code = "request_timeout"
+    close = True
+
+
+class RequestTooLarge(InvalidRequest):
+    """The request body is larger than the limit (``max_body_mb``) (413)."""
+
+    status = 413
+    default_code = "request_too_large"
+    close = True
+
+
+class UnsupportedMediaType(InvalidRequest):
+    """The body is not ``application/json``, or is compressed (415)."""
+
+    status = 415
+    default_code = "unsupported_media_type"
+    close = True
+
+
+class InvalidApiKey(ProxyError):
+    """API keys are configured and the request carries none of them (401)."""
+
+    status = 401
+    type = "invalid_request_error"
+    default_code = "invalid_api_key"
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}
+
+
 class NotFound(ProxyError):
     """Unknown route or model (404)."""
 
@@ -73,12 +143,22 @@ class NotFound(ProxyError):
     default_code = "not_found"
 
 
+class QueueFull(ProxyError):
+    """The worker's queue of waiting requests is full (its ``max_queue``) (429)."""
+
+    status = 429
+    type = "server_error"
+    default_code = "queue_full"
+    retry_after = RETRY_FULL_S
+
+
 class ServiceUnavailable(ProxyError):
     """The request cannot be served now; retrying later may work (503)."""
 
     status = 503
     type = "server_error"
     default_code = "service_unavailable"
+    retry_after = RETRY_FULL_S
 
 
 class EngineNotReady(ServiceUnavailable):
@@ -86,6 +166,7 @@ class EngineNotReady(ServiceUnavailable):
     version, or was declared dead and has not come back yet."""
 
     default_code = "engine_not_ready"
+    retry_after = RETRY_ABSENT_S
 
 
 class EngineUnavailable(ServiceUnavailable):
@@ -100,6 +181,7 @@ class EngineDead(ServiceUnavailable):
     restarted while the request was in flight; the request's work is lost."""
 
     default_code = "engine_dead"
+    retry_after = RETRY_ABSENT_S
 
 
 class EngineOverloaded(ServiceUnavailable):
@@ -108,8 +190,9 @@ class EngineOverloaded(ServiceUnavailable):
     default_code = "overloaded"
 
 
-class TooManyRequests(ServiceUnavailable):
-    """``ProxySettings.max_in_flight`` requests are already being served."""
+class TooManyRequests(QueueFull):
+    """``ProxySettings.max_in_flight`` requests are already being served: full now,
+    so 429 like a full worker queue, and a retry later can succeed."""
 
     default_code = "too_many_requests"
 
@@ -119,6 +202,15 @@ class ShuttingDown(ServiceUnavailable):
     one when the drain period (``ProxySettings.shutdown_drain``) ran out."""
 
     default_code = "shutting_down"
+    retry_after = RETRY_ABSENT_S
+
+
+class GatewayTimeout(ProxyError):
+    """No event from the worker for ``request_idle_timeout`` seconds; the
+    request's engine work is aborted (504)."""
+
+    status = 504
+    default_code = "timeout"
 
 
 class EngineInternalError(ProxyError):
@@ -133,26 +225,34 @@ def envelope(exc: ProxyError) -> ErrorEnvelope:
 
 
 def error_response(exc: ProxyError) -> web.Response:
-    """A JSON response with ``exc.status`` and its envelope as the body."""
-    return web.Response(status=exc.status, body=encode(envelope(exc)), content_type="application/json")
+    """A JSON response with ``exc.status``, its envelope as the body and its
+    headers; it closes the connection when ``exc.close``."""
+    resp = web.Response(
+        status=exc.status, body=encode(envelope(exc)), content_type="application/json", headers=exc.headers()
+    )
+    if exc.close:
+        resp.force_close()
+    return resp
 
 
 def from_request_error(ev: RequestError) -> ProxyError:
     """Map a worker ``RequestError`` to the exception that carries its status:
-    invalid_request and context_length_exceeded -> 400, overloaded -> 503,
-    internal_error -> 500."""
+    invalid_request and context_length_exceeded -> 400, queue_full -> 429,
+    overloaded -> 503, internal_error -> 500."""
     if ev.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED:
         return ContextLengthExceeded(ev.message, param=ev.param)
     if ev.code is ErrorCode.INVALID_REQUEST:
         return InvalidRequest(ev.message, param=ev.param)
+    if ev.code is ErrorCode.QUEUE_FULL:
+        return QueueFull(ev.message, param=ev.param)
     if ev.code is ErrorCode.OVERLOADED:
         return EngineOverloaded(ev.message, param=ev.param)
     return EngineInternalError(ev.message, param=ev.param)
 
 
 def from_http_exception(exc: web.HTTPException) -> ProxyError:
-    """An aiohttp HTTP error (404 unknown route, 405, 413 body too large, ...)
-    as a ``ProxyError`` keeping its status."""
+    """An aiohttp HTTP error (404 unknown route, 405, ...) as a ``ProxyError``
+    keeping its status."""
     status = exc.status
     cls: type[ProxyError]
     if status == 404:

@@ -8,6 +8,18 @@
 - ``GET /ready``: readiness, 200 only once the worker handshake is done and the
   proxy is not draining, else 503.
 
+A completion request passes ``proxy.intake`` first (media type, body size and
+read time; the API key is checked by ``proxy.app``'s middleware), is parsed, is
+checked against this server's limits (``max_n``; a prompt text longer than the
+context can hold at ``Ready.longest_token_chars`` per token is refused without
+being sent), and only then takes one of the ``max_in_flight`` slots and goes to
+the worker as one ``Submit``.
+
+Idle limit: a request that gets no worker event for ``request_idle_timeout``
+seconds fails with ``GatewayTimeout`` (504, or an error event after the
+headers) and its choices are aborted. The deadline rides on the waits the
+loops already make (``RequestStream.get``'s timeout), not on a timer per event.
+
 When the SSE headers go out: a stream first waits for every choice's first event
 (``Started``, or a ``RequestError`` such as ``context_length_exceeded``, which
 then becomes a real 400), but at most ``sse_ping_interval_s``; after that the
@@ -22,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -29,23 +42,28 @@ from collections.abc import Callable
 import msgspec
 from aiohttp import web
 
+from protocol.messages import Ready, Submit, choice_ids
 from proxy import sse
 from proxy.engine_client import RequestStream
 from proxy.errors import (
     NOT_READY_MESSAGE,
+    ContextLengthExceeded,
     EngineInternalError,
     EngineNotReady,
+    GatewayTimeout,
+    InvalidRequest,
     NotFound,
     ProxyError,
     envelope,
 )
+from proxy.intake import check_json_body, max_prompt_chars, read_body
 from proxy.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
-    choice_request_ids,
     parse_chat_request,
     parse_completion_request,
-    to_submits,
+    prompt_chars,
+    to_submit,
 )
 from proxy.responses import (
     CHAT,
@@ -76,14 +94,26 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     """Readiness: 200 ``{"status": "ready", "model": str, "worker_active_requests":
-    int | null}`` once the worker is ready; 503 ``{"status": "not_ready" |
-    "draining"}`` otherwise."""
+    int | null, "worker_waiting_requests": int | null, "worker_kv_cache_usage":
+    float | null}`` once the worker is ready (the worker fields from its latest
+    heartbeat, ``null`` before one); 503 ``{"status": "not_ready" | "draining"}``
+    otherwise."""
     state = request.app[STATE]
     if state.draining:
         return _json(ReadyStatus("draining"), 503)
-    if not state.engine.ready:
+    engine = state.engine
+    if not engine.ready:
         return _json(ReadyStatus("not_ready"), 503)
-    return _json(ReadyStatus("ready", state.model_name(), state.engine.worker_active_requests))
+    hb = engine.heartbeat
+    return _json(
+        ReadyStatus(
+            "ready",
+            state.model_name(),
+            engine.worker_active_requests,
+            hb.waiting_requests if hb is not None else None,
+            round(hb.kv_cache_usage, 4) if hb is not None else None,
+        )
+    )
 
 
 def _model_card(state: ProxyState) -> ModelCard:
@@ -129,26 +159,29 @@ async def _serve(
     fmt: ResponseFormat,
 ) -> web.StreamResponse:
     state = request.app[STATE]
+    settings = state.settings
+    check_json_body(request)
+    state.check_admissible()
+    limit = settings.body_limit_bytes(max_prompt_chars(state.engine.worker))
+    body = await read_body(request, limit, settings)
+    req = parse(body)
+    worker = state.engine.worker
+    if worker is None or not state.engine.ready:
+        raise EngineNotReady(NOT_READY_MESSAGE)
+    request_id = fmt.id_prefix + uuid.uuid4().hex
+    submit = to_submit(req, request_id, worker.max_context_tokens)
+    _check_limits(submit, settings.max_n, worker)
+    header = ChunkHeader(fmt, request_id, int(time.time()), state.model_name() or worker.model_id)
+    flags = StreamFlags(req.progress, req.stream and req.include_usage, req.stream and req.continuous_usage)
+    response = ResponseState(header, choice_ids(request_id, submit.n), flags)
     state.admit()
     try:
-        body = await request.read()
-        req = parse(body)
-        worker = state.engine.worker
-        if worker is None or not state.engine.ready:
-            raise EngineNotReady(NOT_READY_MESSAGE)
-        request_id = fmt.id_prefix + uuid.uuid4().hex
-        submits = to_submits(req, request_id, worker.max_context_tokens)
-        header = ChunkHeader(fmt, request_id, int(time.time()), state.model_name() or worker.model_id)
-        flags = StreamFlags(
-            req.progress, req.stream and req.include_usage, req.stream and req.continuous_usage
-        )
-        response = ResponseState(header, choice_request_ids(request_id, req.n), flags)
-        stream = state.engine.submit(submits)
+        stream = state.engine.submit(submit)
         state.active.add(stream)
         try:
             if req.stream:
                 return await _stream(request, state, stream, response)
-            return await _complete(stream, response)
+            return await _complete(stream, response, settings.request_idle_timeout)
         finally:
             state.active.discard(stream)
             unfinished = response.unfinished_ids()
@@ -158,11 +191,40 @@ async def _serve(
         state.release()
 
 
-async def _complete(stream: RequestStream, response: ResponseState) -> web.Response:
+def _check_limits(submit: Submit, max_n: int, worker: Ready) -> None:
+    """This server's limits on a valid request: ``max_n`` choices, and a prompt
+    text no longer than the context can hold (refused without being sent)."""
+    if submit.n > max_n:
+        raise InvalidRequest(
+            f"'n' is {submit.n}; this server runs at most max_n={max_n} choices per request", param="n"
+        )
+    most = max_prompt_chars(worker)
+    if most is not None:
+        chars, param = prompt_chars(submit)
+        if chars > most:
+            raise ContextLengthExceeded(
+                f"The prompt has {chars} characters; no text over {most} characters fits this "
+                f"model's context of {worker.max_context_tokens} tokens (a token is at most "
+                f"{worker.longest_token_chars} characters)",
+                param=param,
+            )
+
+
+def _idle_timeout(idle_s: float) -> GatewayTimeout:
+    return GatewayTimeout(
+        f"No progress from the engine worker for {idle_s:g} s (request_idle_timeout); the request was aborted"
+    )
+
+
+async def _complete(stream: RequestStream, response: ResponseState, idle_s: float) -> web.Response:
     # The stream chunks are not needed, but feeding is what assembles the response.
     scratch: list[StreamChunk] = []
+    wait_s = idle_s or None
     while not response.done:
-        for ev in await stream.get():
+        events = await stream.get(wait_s)
+        if not events:
+            raise _idle_timeout(idle_s)
+        for ev in events:
             response.feed(ev, scratch)
         scratch.clear()
     return _json(response.response())
@@ -172,17 +234,25 @@ async def _stream(
     request: web.Request, state: ProxyState, stream: RequestStream, response: ResponseState
 ) -> web.StreamResponse:
     ping_s = state.settings.sse_ping_interval
+    idle_s = state.settings.request_idle_timeout
+    idle_after = idle_s or math.inf
     out: list[StreamChunk] = []
     # Before the headers: errors are still HTTP statuses (ProxyError propagates).
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + ping_s
+    last_event = loop.time()
+    deadline = last_event + ping_s
     silent = False
     while not (response.started or response.done):
-        remaining = deadline - loop.time()
-        if remaining <= 0:
+        now = loop.time()
+        if now >= last_event + idle_after:
+            raise _idle_timeout(idle_s)
+        if now >= deadline:
             silent = True
             break
-        for ev in await stream.get(remaining):
+        events = await stream.get(min(deadline, last_event + idle_after) - now)
+        if events:
+            last_event = loop.time()
+        for ev in events:
             response.feed(ev, out)
 
     resp = web.StreamResponse(headers=sse.HEADERS)
@@ -205,12 +275,17 @@ async def _stream(
                 last_write = loop.time()
             # Silence is measured from the last write, not the last event: events
             # that make no chunk (held-back text, dropped re-prefill progress) can
-            # keep arriving for a long time.
-            wait_s = ping_s - (loop.time() - last_write)
+            # keep arriving for a long time. The idle limit is measured from the
+            # last event.
+            now = loop.time()
+            wait_s = min(last_write + ping_s, last_event + idle_after) - now
             events = await stream.get(wait_s) if wait_s > 0 else []
             if not events:
+                if loop.time() >= last_event + idle_after:
+                    raise _idle_timeout(idle_s)
                 buf.append(sse.PING)
                 continue
+            last_event = loop.time()
             out.clear()
             try:
                 for ev in events:

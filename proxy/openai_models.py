@@ -2,7 +2,7 @@
 
 Two type layers: these structs are tolerant (unknown fields are ignored and
 logged at debug level, never an error), the wire messages are strict. Each
-request is validated once here and converted once (``to_submits``).
+request is validated once here and converted once (``to_submit``).
 
 Shapes follow the OpenAI API reference for ``POST /v1/chat/completions`` and
 ``POST /v1/completions``, plus extras other local servers accept:
@@ -27,9 +27,6 @@ from protocol.messages import ChatMessage, SamplingParams, Submit
 from proxy.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
-
-MAX_N = 64
-"""Most choices (``n``) one request may ask for; each is one engine sequence."""
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -85,7 +82,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     min_tokens: Annotated[int, msgspec.Meta(ge=0, le=_INT32_MAX)] = 0
     logit_bias: dict[str, Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]] | None = None
-    n: Annotated[int, msgspec.Meta(ge=1, le=MAX_N)] = 1
+    n: _Count = 1  # capped by ProxySettings.max_n where the request is served
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_progress: bool = False
@@ -278,35 +275,29 @@ def sampling_params(req: _SamplingFields, max_context_tokens: int) -> SamplingPa
     )
 
 
-def choice_request_ids(request_id: str, n: int) -> list[str]:
-    """Engine request ids of the ``n`` choices: the request id itself for one
-    choice, ``f"{request_id}-{i}"`` for several."""
-    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
-
-
-def _wrap_int64(x: int) -> int:
-    return (x + 2**63) % 2**64 - 2**63
-
-
-def to_submits(
+def to_submit(
     req: ChatCompletionRequest | CompletionRequest, request_id: str, max_context_tokens: int
-) -> list[Submit]:
-    """One ``Submit`` per choice (ids from ``choice_request_ids``), in choice order.
-    With a ``seed``, choice ``i`` samples with ``seed + i``: the request stays
-    reproducible while its choices differ, as OpenAI's and vLLM's do.
+) -> Submit:
+    """The one ``Submit`` of a request, ``n`` choices included: the worker runs them
+    as the engine requests ``protocol.choice_ids(request_id, n)`` and derives each
+    choice's seed from the request's own (``protocol.choice_seed``).
     Raises ``InvalidRequest``."""
-    base = sampling_params(req, max_context_tokens)
-    ids = choice_request_ids(request_id, req.n)
-    seed = base.seed
-    params = [
-        base if seed is None else msgspec.structs.replace(base, seed=_wrap_int64(seed + i))
-        for i in range(len(ids))
-    ]
+    params = sampling_params(req, max_context_tokens)
     if isinstance(req, ChatCompletionRequest):
-        messages = chat_messages(req)
-        return [
-            Submit(rid, p, messages=messages, add_generation_prompt=req.add_generation_prompt)
-            for rid, p in zip(ids, params, strict=True)
-        ]
+        return Submit(
+            request_id,
+            params,
+            messages=chat_messages(req),
+            add_generation_prompt=req.add_generation_prompt,
+            n=req.n,
+        )
     prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
-    return [Submit(rid, p, prompt=prompt) for rid, p in zip(ids, params, strict=True)]
+    return Submit(request_id, params, prompt=prompt, n=req.n)
+
+
+def prompt_chars(submit: Submit) -> tuple[int, str]:
+    """Characters of the prompt text (chat: the contents of every message,
+    without the template the worker adds) and the parameter holding it."""
+    if submit.prompt is not None:
+        return len(submit.prompt), "prompt"
+    return sum(len(m.content) for m in submit.messages), "messages"

@@ -61,8 +61,9 @@ Models: ``{"object": "list", "data": [card]}`` with card ``{"id": str, "object":
 "model", "created": int, "owned_by": "exl3-sidecar", "max_model_len": int}``
 (``max_model_len`` only once the worker's context size is known).
 Probes: ``/health`` ``{"status": "ok"}``; ``/ready`` ``{"status": "ready",
-"model": str | null, "worker_active_requests": int | null}`` or ``{"status":
-"not_ready" | "draining"}``.
+"model": str | null, "worker_active_requests": int | null,
+"worker_waiting_requests": int | null, "worker_kv_cache_usage": float | null}``
+or ``{"status": "not_ready" | "draining"}``.
 """
 
 from __future__ import annotations
@@ -276,11 +277,14 @@ class HealthStatus(msgspec.Struct, gc=False):
 
 
 class ReadyStatus(msgspec.Struct, gc=False):
-    """``/ready``: ``model`` and ``worker_active_requests`` only when ready."""
+    """``/ready``: ``model`` and the worker's load (its latest heartbeat: running
+    and waiting requests, KV cache usage 0..1) only when ready."""
 
     status: Literal["ready", "not_ready", "draining"]
     model: str | UnsetType | None = UNSET
     worker_active_requests: int | UnsetType | None = UNSET
+    worker_waiting_requests: int | UnsetType | None = UNSET
+    worker_kv_cache_usage: float | UnsetType | None = UNSET
 
 
 # ---------------------------------------------------------------- formats

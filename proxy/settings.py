@@ -8,9 +8,22 @@ tests build it directly. An error about a limit names the field that controls it
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
+from pathlib import Path
 
 from protocol.endpoints import LinkSettings
 from protocol.settings import setting
+
+MIB = 1024 * 1024
+
+BODY_BYTES_PER_CHAR = 6
+"""Bytes of JSON one prompt character can take at most (a ``\\uXXXX`` escape)."""
+
+BODY_OVERHEAD_BYTES = 1 * MIB
+"""Room in a derived body limit for the JSON around the prompt text."""
+
+BODY_BYTES_UNKNOWN = 8 * MIB
+"""The derived body limit while the worker has not said how long a prompt can be."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -18,9 +31,12 @@ class ProxySettings(LinkSettings):
     """Settings of the HTTP proxy and its engine connection (plus ``LinkSettings``:
     the ZeroMQ addresses the worker binds and the log level). Times are seconds;
     counts are requests or events. Raises ``ValueError`` naming the field when a
-    value is out of range."""
+    value is out of range. ``repr`` never shows the API keys."""
 
-    host: str = setting("0.0.0.0", "Address the HTTP server listens on.")
+    host: str = setting(
+        "127.0.0.1",
+        "Address the HTTP server listens on; 0.0.0.0 for every interface (a container, a pod).",
+    )
     port: int = setting(5000, "HTTP port.", ge=0, le=65535)
     served_model_name: str | None = setting(
         None, "Model name reported to clients (default: the worker's model id)."
@@ -47,3 +63,72 @@ class ProxySettings(LinkSettings):
         "below Kubernetes' terminationGracePeriodSeconds.",
         ge=0,
     )
+    max_body_mb: float | None = setting(
+        None,
+        "Largest request body, MiB; beyond it, 413. Default: sized to the longest prompt the "
+        "model can take (6 bytes per character plus 1 MiB), 8 MiB while that is unknown.",
+        gt=0,
+    )
+    body_read_timeout: float = setting(
+        30.0, "Seconds a request body may take to arrive in full; beyond it, 408.", gt=0
+    )
+    request_idle_timeout: float = setting(
+        600.0,
+        "Seconds a request may wait for its next event from the worker before it fails with "
+        "'timeout' (504, or an error event once streaming) and is aborted; 0 disables.",
+        ge=0,
+    )
+    max_n: int = setting(8, "Most choices ('n') one request may ask for; beyond it, 400.", ge=1)
+    api_key: str | None = setting(
+        None,
+        "API keys, comma-separated: /v1/* then requires 'Authorization: Bearer <key>' or "
+        "'x-api-key: <key>' (prefer the environment variable or --api-key-file to a flag).",
+    )
+    api_key_file: Path | None = setting(
+        None, "File of API keys, one per line (blank lines and lines starting with # skipped)."
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.api_key is not None and not _split_keys(self.api_key.split(",")):
+            raise ValueError("api_key: no key given (an empty value would leave /v1/* open)")
+
+    def __repr__(self) -> str:
+        def shown(name: str) -> str:
+            value = getattr(self, name)
+            return "'<redacted>'" if name == "api_key" and value is not None else repr(value)
+
+        fields = ", ".join(f"{f.name}={shown(f.name)}" for f in dataclasses.fields(self))
+        return f"{type(self).__name__}({fields})"
+
+    def body_limit_bytes(self, max_prompt_chars: int | None) -> int:
+        """The request body limit: ``max_body_mb`` when set, else derived from
+        ``max_prompt_chars`` (the longest prompt text that can fit the context;
+        ``None`` while unknown)."""
+        if self.max_body_mb is not None:
+            return int(self.max_body_mb * MIB)
+        if max_prompt_chars is None:
+            return BODY_BYTES_UNKNOWN
+        return BODY_BYTES_PER_CHAR * max_prompt_chars + BODY_OVERHEAD_BYTES
+
+    def api_keys(self) -> frozenset[str]:
+        """Every key of ``api_key`` and ``api_key_file`` (empty: no key required).
+        Reads the file. Raises ``ValueError`` naming ``api_key_file`` when it
+        cannot be read or holds no key."""
+        keys = _split_keys(self.api_key.split(",")) if self.api_key is not None else set()
+        if self.api_key_file is not None:
+            try:
+                lines = self.api_key_file.read_text(encoding="utf-8").splitlines()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"api_key_file={self.api_key_file}: cannot be read ({e})") from None
+            from_file = _split_keys(line for line in lines if not line.lstrip().startswith("#"))
+            if not from_file:
+                raise ValueError(
+                    f"api_key_file={self.api_key_file}: holds no key (an empty file would leave /v1/* open)"
+                )
+            keys |= from_file
+        return frozenset(keys)
+
+
+def _split_keys(parts: Iterable[str]) -> set[str]:
+    return {p.strip() for p in parts if p.strip()}

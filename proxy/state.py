@@ -25,7 +25,10 @@ from proxy.settings import ProxySettings
 class ProxyState:
     """Per-application state: settings, engine client, admission counters.
 
-    ``started_at``: Unix seconds (the ``created`` of ``/v1/models``);
+    ``api_keys``: digests (``proxy.intake.key_digest``) of the keys ``/v1/*``
+    requires, from ``ProxySettings.api_keys`` once at app creation (empty: none
+    required); ``started_at``: Unix seconds (the ``created`` of
+    ``/v1/models``);
     ``in_flight``: completion requests admitted and not yet ended; ``active``:
     the event streams of those that reached the engine (failed with
     ``ShuttingDown`` at the drain deadline).
@@ -33,6 +36,7 @@ class ProxyState:
 
     settings: ProxySettings
     engine: EngineClient
+    api_keys: frozenset[bytes] = field(default=frozenset(), repr=False)
     started_at: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     in_flight: int = 0
@@ -49,10 +53,9 @@ class ProxyState:
         worker = self.engine.worker
         return worker.model_id if worker is not None else None
 
-    def admit(self) -> None:
-        """Count one more request in flight. Raises ``ShuttingDown`` while
-        draining, ``EngineNotReady`` before the handshake and ``TooManyRequests``
-        at ``max_in_flight``."""
+    def check_admissible(self) -> None:
+        """Raise what ``admit`` would raise now, without taking a slot: a request
+        that cannot be served is refused before its body is read."""
         if self.draining:
             raise ShuttingDown("The server is shutting down and accepts no new requests")
         if not self.engine.ready:
@@ -62,6 +65,13 @@ class ProxyState:
                 f"Too many requests in flight ({self.in_flight}); the limit is max_in_flight="
                 f"{self.settings.max_in_flight}"
             )
+
+    def admit(self) -> None:
+        """Count one more request in flight (once its body is read and parsed:
+        a slow client sending its body holds no slot). Raises ``ShuttingDown``
+        while draining, ``EngineNotReady`` before the handshake and
+        ``TooManyRequests`` at ``max_in_flight``."""
+        self.check_admissible()
         self.in_flight += 1
         self._idle.clear()
 

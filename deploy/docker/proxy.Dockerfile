@@ -8,5 +8,7 @@ COPY proxy ./proxy
 COPY launcher ./launcher
 RUN pip install --no-cache-dir . && useradd --uid 10001 sidecar
 USER 10001
+# The proxy defaults to 127.0.0.1; a container must listen on every interface to be reachable.
+ENV EXL3_SIDECAR_HOST=0.0.0.0
 EXPOSE 5000
 ENTRYPOINT ["exl3-sidecar", "proxy"]

@@ -23,6 +23,7 @@ KV may be half-written).
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Collection
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine_worker.admission import check_prompt_fits, validate_sampling
-from engine_worker.backend import Backend, ModelInfo, RequestRejected
+from engine_worker.backend import Backend, ModelInfo, Prepared, RequestRejected
 from engine_worker.cpu.detokenize import IncrementalDetokenizer, StopStringMatcher
 from engine_worker.cpu.kv_cache import SequenceKV
 from engine_worker.cpu.model_store import LoadedModel, load_embedded, load_model
@@ -79,6 +80,7 @@ class _Request:
     stopper: StopStringMatcher
     drafter: NgramDrafter | None
     stop_ids: frozenset[int]
+    reservation: int  # KV tokens reserved for it out of kv_cache_mb
     tokens: list[int] = field(default_factory=list)  # prompt + output; tokens[:kv.length] have KV
     kv: SequenceKV | None = None
     processed: int = 0
@@ -126,6 +128,10 @@ class CpuBackend:
         self._model: Any = loaded.model
         self._decoder: Any = loaded.model.get_decoder()  # type: ignore[no-untyped-call]
         self._tokenizer: Any = loaded.tokenizer
+        # prepare() runs on the loop's prepare thread while step() decodes with
+        # self._tokenizer; transformers may reconfigure a fast tokenizer's backend
+        # (truncation, padding) on encode, so the two threads never share one.
+        self._prompt_tokenizer: Any = copy.deepcopy(loaded.tokenizer)
         text_config = loaded.model.config.get_text_config(decoder=True)
         self._num_layers = int(text_config.num_hidden_layers)
         self._vocab_size = int(text_config.vocab_size)
@@ -135,10 +141,22 @@ class CpuBackend:
         self._prefix_cache = PrefixCache(config.prefix_cache_mb * 2**20)
         self._requests: dict[str, _Request] = {}
         self._next_turn = 0  # round-robin position for steps cut by step_budget
+        head_dim = getattr(text_config, "head_dim", None) or (
+            int(text_config.hidden_size) // int(text_config.num_attention_heads)
+        )
+        kv_heads = int(getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads)
+        dtype_bytes = next(self._model.parameters()).element_size()
+        kv_bytes_per_token = 2 * self._num_layers * kv_heads * int(head_dim) * dtype_bytes
+        vocab = self._tokenizer.get_vocab()
         self._info = ModelInfo(
             model_id=loaded.model_id,
             max_context_tokens=self._max_context,
             drafting=config.drafting,
+            kv_cache_tokens=config.kv_cache_mb * 2**20 // kv_bytes_per_token,
+            max_batch_size=config.max_batch_size or 1,
+            # Byte-level BPE pieces spell each byte as one character, so a piece is
+            # never shorter than the text it decodes to: a safe upper bound.
+            longest_token_chars=max((len(t) for t in vocab), default=0),
         )
         self._warm_up()
 
@@ -167,18 +185,14 @@ class CpuBackend:
     def active_ids(self) -> Collection[str]:
         return self._requests.keys()
 
-    def add(self, submit: Submit) -> None:
-        """Tokenize (applying the chat template to ``messages``) and admit.
+    def prepare(self, submit: Submit) -> Prepared:
+        """Tokenize (applying the chat template to ``messages``) and check.
 
-        Raises ``RequestRejected``: ``INVALID_REQUEST`` for bad
-        parameters or an empty prompt; ``CONTEXT_LENGTH_EXCEEDED`` when the prompt
-        has ``max_context_tokens`` tokens or more.
+        Raises ``RequestRejected``: ``INVALID_REQUEST`` for bad parameters or an
+        empty prompt; ``CONTEXT_LENGTH_EXCEEDED`` when the prompt has
+        ``max_seq_len`` tokens or more.
         """
         validate_sampling(submit.params, self._vocab_size)
-        prompt_ids, param = self._tokenize(submit)
-        check_prompt_fits(
-            len(prompt_ids), self._max_context, param, "setting: max_context_tokens, --max-seq-len"
-        )
         for token_id, bias in (submit.params.logit_bias or {}).items():
             if not -100.0 <= bias <= 100.0:  # OpenAI's range; the sampler adds it to fp32 logits
                 raise RequestRejected(
@@ -186,13 +200,32 @@ class CpuBackend:
                     f"logit_bias: bias {bias} for token {token_id} is outside [-100, 100]",
                     param="logit_bias",
                 )
-        params = submit.params
+        prompt_ids, param = self._tokenize(submit)
+        check_prompt_fits(len(prompt_ids), self._max_context, param, "setting: max_seq_len")
+        return Prepared(submit, prompt_ids, len(prompt_ids), param)
+
+    def reservation(self, prepared: Prepared) -> int:
+        """Prompt plus every completion token the sequence may produce: its KV never
+        grows past that, so admitted sequences never exceed ``kv_cache_mb``."""
+        n = prepared.prompt_tokens
+        return n + min(prepared.submit.params.max_tokens, self._max_context - n)
+
+    def kv_reserved(self) -> int:
+        return sum(r.reservation for r in self._requests.values())
+
+    def add(self, submit: Submit) -> None:
+        """``prepare`` and ``start`` one sequence under ``submit.request_id`` (tests)."""
+        self.start(submit.request_id, self.prepare(submit), submit.params)
+
+    def start(self, request_id: str, prepared: Prepared, params: SamplingParams) -> None:
+        """Admit one sequence of ``prepared``, sampling with ``params``."""
+        prompt_ids: list[int] = prepared.prompt
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._end_ids)
         drafter = None
         if self._ngram:
             drafter = NgramDrafter(prompt_ids, self._config.ngram_match_min, self._ngram_match_max)
-        self._requests[submit.request_id] = _Request(
-            request_id=submit.request_id,
+        self._requests[request_id] = _Request(
+            request_id=request_id,
             params=params,
             prompt_ids=prompt_ids,
             t_added=time.perf_counter(),
@@ -201,6 +234,7 @@ class CpuBackend:
             stopper=StopStringMatcher(params.stop),
             drafter=drafter,
             stop_ids=stop_ids,
+            reservation=self.reservation(prepared),
             tokens=list(prompt_ids),
         )
 
@@ -303,17 +337,17 @@ class CpuBackend:
         if submit.messages and submit.prompt is not None:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, "send either messages or prompt, not both")
         if submit.prompt is not None:
-            ids = self._tokenizer(submit.prompt, add_special_tokens=True)["input_ids"]
+            ids = self._prompt_tokenizer(submit.prompt, add_special_tokens=True)["input_ids"]
             return [int(i) for i in ids], "prompt"
         if not submit.messages:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, "messages is empty", param="messages")
-        if self._tokenizer.chat_template is None:
+        if self._prompt_tokenizer.chat_template is None:
             raise RequestRejected(
                 ErrorCode.INVALID_REQUEST, "this model has no chat template; use prompt", param="messages"
             )
         conversation = [{"role": m.role, "content": m.content} for m in submit.messages]
         try:
-            text = self._tokenizer.apply_chat_template(
+            text = self._prompt_tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=submit.add_generation_prompt, tokenize=False
             )
         except Exception as exc:  # the template itself rejects e.g. unsupported roles
@@ -321,7 +355,7 @@ class CpuBackend:
                 ErrorCode.INVALID_REQUEST, f"the chat template rejected the messages: {exc}", param="messages"
             ) from exc
         # The rendered template already holds its special tokens as text.
-        ids = self._tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = self._prompt_tokenizer(text, add_special_tokens=False)["input_ids"]
         return [int(i) for i in ids], "messages"
 
     # ------------------------------------------------------------------ stepping

@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine_worker.admission import check_prompt_fits
-from engine_worker.backend import ModelInfo, RequestRejected
+from engine_worker.backend import ModelInfo, Prepared, RequestRejected
 from engine_worker.exllamav3.config import PAGE_SIZE
 from engine_worker.exllamav3.engine import EngineHandle
 from engine_worker.exllamav3.sampling import job_settings
@@ -77,6 +77,7 @@ from protocol.messages import (
     FinishReason,
     PrefillProgress,
     RequestError,
+    SamplingParams,
     Started,
     Submit,
     TokenDelta,
@@ -97,6 +98,7 @@ class _Request:
     job: Any
     serial: int
     prompt_tokens: int
+    reservation: int
     phase: _Phase = _Phase.QUEUED
     cached: int = 0
     processed: int = 0
@@ -143,7 +145,14 @@ class ExLlamaV3Backend:
         self._h = handle
         self._config = config
         self._max_context = resolve_max_context(config, handle)
-        self._info = ModelInfo(handle.model_id, self._max_context, handle.drafting)
+        self._info = ModelInfo(
+            handle.model_id,
+            self._max_context,
+            handle.drafting,
+            kv_cache_tokens=handle.cache_tokens,
+            max_batch_size=handle.max_batch_size,
+            longest_token_chars=max((len(p) for p in handle.pieces), default=0),
+        )
         self._requests: dict[str, _Request] = {}
         self._by_serial: dict[int, _Request] = {}
         self._owner: int | None = None
@@ -175,16 +184,15 @@ class ExLlamaV3Backend:
         messages = [{"role": m.role, "content": m.content} for m in submit.messages]
         return self._h.encode_chat(messages, submit.add_generation_prompt), "messages"
 
-    def add(self, submit: Submit) -> None:
-        """Tokenize (chat template for ``messages``), validate and enqueue one job.
+    def prepare(self, submit: Submit) -> Prepared:
+        """Tokenize (chat template for ``messages``) and check the context.
 
         Raises ``RequestRejected``: ``CONTEXT_LENGTH_EXCEEDED`` when the prompt leaves
         no room for a completion token within ``info.max_context_tokens`` or the
-        cache; ``INVALID_REQUEST`` for parameters the engine cannot honour or a chat
-        template that refuses the messages; ``INTERNAL`` for anything unexpected.
+        cache; ``INVALID_REQUEST`` for a chat template that refuses the messages.
         """
-        self._check_thread()
-        rid = submit.request_id
+        # No _check_thread(): this runs on the loop's prepare thread, and only the
+        # tokenizer and chat template are used, never the generator.
         param = "prompt" if submit.prompt is not None else "messages"
         try:
             input_ids, param = self._tokenize(submit)
@@ -196,9 +204,35 @@ class ExLlamaV3Backend:
             ) from e
         n = _token_count(input_ids)
         check_prompt_fits(n, self._max_context, param, "settings: max_seq_len, cache_size")
-        max_new = min(submit.params.max_tokens, self._max_context - n)
+        return Prepared(submit, input_ids, n, param)
+
+    def reservation(self, prepared: Prepared) -> int:
+        """The pages a job takes at most at once: its prompt plus the completion tokens
+        it reserves up front (``max_rq_tokens`` with output chunking), whole pages."""
+        max_new = min(prepared.submit.params.max_tokens, self._max_context - prepared.prompt_tokens)
+        if self._config.output_chunking:
+            max_new = min(max_new, self._config.max_rq_tokens)
+        return -(-(prepared.prompt_tokens + max_new) // PAGE_SIZE) * PAGE_SIZE
+
+    def kv_reserved(self) -> int:
+        return sum(r.reservation for r in self._requests.values())
+
+    def add(self, submit: Submit) -> None:
+        """``prepare`` and ``start`` one sequence under ``submit.request_id`` (tests)."""
+        self.start(submit.request_id, self.prepare(submit), submit.params)
+
+    def start(self, request_id: str, prepared: Prepared, params: SamplingParams) -> None:
+        """Validate the sampling ``params`` and enqueue one job.
+
+        Raises ``RequestRejected``: ``INVALID_REQUEST`` for parameters the engine
+        cannot honour, ``CONTEXT_LENGTH_EXCEEDED`` when the job can never fit the
+        cache, ``INTERNAL`` for anything unexpected.
+        """
+        self._check_thread()
+        rid, n, input_ids, param = request_id, prepared.prompt_tokens, prepared.prompt, prepared.param
+        max_new = min(params.max_tokens, self._max_context - n)
         settings = job_settings(
-            submit.params,
+            params,
             max_new_tokens=max_new,
             eos_token_ids=self._h.eos_token_ids,
             vocab_size=self._h.vocab_size,
@@ -226,7 +260,7 @@ class ExLlamaV3Backend:
         except Exception as e:
             log.exception("exllamav3: enqueue of %s failed", rid)
             raise RequestRejected(ErrorCode.INTERNAL, f"enqueue failed: {type(e).__name__}: {e}") from e
-        req = _Request(rid, job, serial, n)
+        req = _Request(rid, job, serial, n, self.reservation(prepared))
         self._requests[rid] = req
         self._by_serial[serial] = req
 

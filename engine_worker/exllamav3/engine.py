@@ -66,6 +66,7 @@ class EngineHandle:
     - ``max_draft_tokens``: ``Generator.max_draft_tokens``, 0 without drafting.
     - ``drafting``: ``Ready.drafting`` name or ``None``.
     - ``close``: free the generator, model and cache.
+    - ``max_batch_size``: the generator's ``max_batch_size``, most jobs running at once.
     """
 
     generator: GeneratorLike
@@ -83,3 +84,4 @@ class EngineHandle:
     drafting: str | None
     model_id: str
     close: Callable[[], None]
+    max_batch_size: int = 32

@@ -245,6 +245,7 @@ def load_engine(config: WorkerSettings) -> EngineHandle:
         drafting=config.drafting,
         model_id=model_dir.name,
         close=close,
+        max_batch_size=max_batch,
     )
 
 

@@ -7,16 +7,21 @@ import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from protocol import (
     PROTOCOL_VERSION,
     Event,
     Finished,
     FinishReason,
+    Heartbeat,
     PrefillProgress,
     Ready,
     Started,
     Submit,
     TokenDelta,
+    choice_ids,
+    choice_seed,
 )
 from proxy.engine_client import RequestStream
 from proxy.errors import EngineDead, EngineNotReady, ProxyError, ShuttingDown
@@ -41,6 +46,8 @@ class Gate:
 
 Step = Event | Pause | Gate
 Script = Callable[[Submit], Sequence[Step]]
+"""Called once per choice with that choice's ``Submit`` (``request_id`` its
+choice id, ``n == 1``, its own seed), as the worker fans a request out."""
 
 
 def make_config(**overrides: object) -> ProxySettings:
@@ -91,7 +98,7 @@ def completion_events(
 
 
 def static_script(texts: Sequence[str], **kw: object) -> Script:
-    """Every submit gets ``completion_events(submit.request_id, texts, **kw)``."""
+    """Every choice gets ``completion_events(submit.request_id, texts, **kw)``."""
 
     def script(submit: Submit) -> list[Step]:
         return list(completion_events(submit.request_id, texts, **kw))  # type: ignore[arg-type]
@@ -99,16 +106,39 @@ def static_script(texts: Sequence[str], **kw: object) -> Script:
     return script
 
 
+def choice_submits(submit: Submit) -> list[Submit]:
+    """The per-choice view of ``submit`` the worker runs: one ``Submit`` per
+    ``choice_ids`` entry, ``n == 1``, seed ``choice_seed(seed, i)``."""
+    seed = submit.params.seed
+    return [
+        msgspec.structs.replace(
+            submit,
+            request_id=rid,
+            n=1,
+            params=submit.params
+            if seed is None
+            else msgspec.structs.replace(submit.params, seed=choice_seed(seed, i)),
+        )
+        for i, rid in enumerate(choice_ids(submit.request_id, submit.n))
+    ]
+
+
 @dataclass(eq=False)
 class FakeEngineClient:
-    """``EngineClient`` that plays ``script(submit)`` for each submitted request on
-    its own task, records submits and aborts, and can be killed mid-stream."""
+    """``EngineClient`` that plays ``script(choice)`` for each choice of each
+    submitted request on its own task, records submits (``submits``: one per
+    HTTP request; ``choices``: one per choice) and aborts, and can be killed
+    mid-stream. ``waiting_requests``/``kv_cache_usage`` are what its heartbeat
+    reports."""
 
     script: Script = field(default_factory=lambda: static_script(["Hello", " world"]))
     is_ready: bool = True
     worker_ready: Ready | None = WORKER
     queue_max: int = 256
+    waiting_requests: int = 0
+    kv_cache_usage: float = 0.0
     submits: list[Submit] = field(default_factory=list)
+    choices: list[Submit] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     started: bool = False
     closed: bool = False
@@ -129,6 +159,11 @@ class FakeEngineClient:
     def worker_active_requests(self) -> int | None:
         return len(self._tasks)
 
+    @property
+    def heartbeat(self) -> Heartbeat | None:
+        worker_id = self.worker_ready.worker_id if self.worker_ready is not None else "?"
+        return Heartbeat(worker_id, len(self._tasks), self.waiting_requests, self.kv_cache_usage)
+
     async def start(self) -> None:
         self.started = True
 
@@ -138,14 +173,16 @@ class FakeEngineClient:
             t.cancel()
         self.kill(ShuttingDown("closed"))
 
-    def submit(self, submits: Sequence[Submit]) -> RequestStream:
+    def submit(self, submit: Submit) -> RequestStream:
         if not self.is_ready:
             raise EngineNotReady("fake not ready")
-        stream = RequestStream([s.request_id for s in submits], self.queue_max)
+        choices = choice_submits(submit)
+        stream = RequestStream([c.request_id for c in choices], self.queue_max)
         self._streams.append(stream)
-        for s in submits:
-            self.submits.append(s)
-            self._tasks[s.request_id] = asyncio.create_task(self._play(s, stream))
+        self.submits.append(submit)
+        for c in choices:
+            self.choices.append(c)
+            self._tasks[c.request_id] = asyncio.create_task(self._play(c, stream))
         self._submit_seen.set()
         return stream
 
@@ -179,7 +216,7 @@ class FakeEngineClient:
         return self.aborted
 
     async def wait_submits(self, count: int, timeout_s: float = 10.0) -> None:
-        """Wait until ``count`` engine requests were submitted."""
+        """Wait until ``count`` requests were submitted."""
         async with asyncio.timeout(timeout_s):
             while len(self.submits) < count:
                 self._submit_seen.clear()

@@ -1469,4 +1469,5 @@ def make_handle(
         drafting=drafting,
         model_id="fake-exl3",
         close=gen.close,
+        max_batch_size=max_batch_size,
     )

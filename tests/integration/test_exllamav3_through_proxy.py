@@ -51,7 +51,9 @@ def worker(addrs: tuple[str, str]) -> Iterator[ExLlamaV3Backend]:
     sockets = WorkerSockets(*addrs)
     stop = threading.Event()
     thread = threading.Thread(
-        target=EngineLoop(backend, sockets, heartbeat_interval=0.2).run, args=(stop,), daemon=True
+        target=EngineLoop(backend, sockets, heartbeat_interval=0.2, max_queue=64).run,
+        args=(stop,),
+        daemon=True,
     )
     thread.start()
     try:

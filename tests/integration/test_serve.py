@@ -5,10 +5,12 @@ so this runs in seconds)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -78,3 +80,54 @@ def test_serve_restarts_a_failing_worker_and_stops_cleanly(tmp_path: Path, sig: 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_sigkill_of_serve_leaves_no_worker_and_no_socket_dir(tmp_path: Path) -> None:
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXL3_SIDECAR_")}
+    # ipc:// paths must stay under ~107 bytes: a short runtime dir of our own.
+    run = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))
+    env["XDG_RUNTIME_DIR"] = str(run)
+    with log.open("wb") as f:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "launcher",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--backend",
+                "synthetic",
+            ],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    try:
+
+        def ready() -> bool:
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        _wait_for(ready, 60, "readiness", log)
+        (worker,) = _children(proc.pid)
+        sockets = list((run / "exl3-sidecar").glob("serve-*"))
+        assert len(sockets) == 1 and (sockets[0] / "input.sock").exists()
+        proc.kill()
+        proc.wait(5)
+        deadline = time.monotonic() + 2
+        while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{worker}").exists(), "the worker outlived a SIGKILLed serve by 2 s"
+        assert not sockets[0].exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(run, ignore_errors=True)

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from collections.abc import Collection, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
 
-from engine_worker.backend import ModelInfo, RequestRejected
+from engine_worker.backend import ModelInfo, Prepared, RequestRejected
 from engine_worker.loop import EngineLoop
 from engine_worker.sockets import WorkerSockets
 from protocol import (
@@ -37,32 +40,58 @@ from protocol import (
 
 
 class ScriptedBackend:
-    """Each request emits Started+progress, then one token per step for
-    ``max_tokens`` steps, then Finished. A prompt of "reject" is refused and a
-    prompt of "explode" makes the next step raise."""
+    """Each sequence emits Started+progress, then one token per step for
+    ``max_tokens`` steps, then Finished. A prompt of "reject" is refused, "buggy"
+    raises, "explode" makes the next step raise, "slow" makes every step of it
+    take ``slow_step_s``. Prompts are 4 tokens; a sequence reserves 4 +
+    ``max_tokens`` KV tokens."""
 
-    def __init__(self) -> None:
+    def __init__(self, info: ModelInfo) -> None:
+        self._info = info
         self.remaining: dict[str, int] = {}
         self.max_tokens: dict[str, int] = {}
+        self.reserved: dict[str, int] = {}
+        self.prepared: list[str] = []
+        self.started: list[tuple[str, int | None]] = []
         self.aborted: list[str] = []
-        self.thread_ids: set[int] = set()
+        self.thread_ids: set[int] = set()  # engine-state calls: the loop thread only
+        self.prepare_thread_ids: set[int] = set()
         self._explode = False
+        self.slow: set[str] = set()
+        self.slow_step_s = 0.6
         self.broken_cancel = False
 
     @property
     def info(self) -> ModelInfo:
-        return ModelInfo("scripted", 1000, None)
+        return self._info
 
-    def add(self, submit: Submit) -> None:
-        self.thread_ids.add(threading.get_ident())
+    def prepare(self, submit: Submit) -> Prepared:
+        self.prepare_thread_ids.add(threading.get_ident())
+        self.prepared.append(submit.request_id)
+        if submit.prompt == "slowprep":
+            time.sleep(1.0)
         if submit.prompt == "reject":
             raise RequestRejected(ErrorCode.CONTEXT_LENGTH_EXCEEDED, "too long", "messages")
-        if submit.prompt == "explode":
-            self._explode = True
         if submit.prompt == "buggy":
             raise KeyError("tokenizer bug")
-        self.remaining[submit.request_id] = -submit.params.max_tokens
-        self.max_tokens[submit.request_id] = submit.params.max_tokens
+        return Prepared(submit, submit.prompt, 4, "prompt")
+
+    def reservation(self, prepared: Prepared) -> int:
+        return 4 + prepared.submit.params.max_tokens
+
+    def kv_reserved(self) -> int:
+        return sum(self.reserved[rid] for rid in self.remaining)
+
+    def start(self, request_id: str, prepared: Prepared, params: SamplingParams) -> None:
+        self.thread_ids.add(threading.get_ident())
+        if prepared.prompt == "explode":
+            self._explode = True
+        if prepared.prompt == "slow":
+            self.slow.add(request_id)
+        self.started.append((request_id, params.seed))
+        self.remaining[request_id] = -params.max_tokens
+        self.max_tokens[request_id] = params.max_tokens
+        self.reserved[request_id] = self.reservation(prepared)
 
     def abort(self, request_id: str) -> None:
         self.thread_ids.add(threading.get_ident())
@@ -79,6 +108,8 @@ class ScriptedBackend:
         if self._explode:
             self._explode = False
             raise RuntimeError("kaboom")
+        if self.slow & self.remaining.keys():
+            time.sleep(self.slow_step_s)
         events: list[Event] = []
         for rid, left in list(self.remaining.items()):
             if left < 0:  # not started yet: -max_tokens
@@ -134,13 +165,21 @@ class Peer:
         self.pull.close(0)
 
 
-@pytest.fixture
-def running(tmp_path: Path) -> Iterator[tuple[ScriptedBackend, Peer, EngineLoop]]:
+Running = tuple[ScriptedBackend, Peer, EngineLoop]
+
+
+@contextlib.contextmanager
+def serve_loop(
+    tmp_path: Path, info: ModelInfo | None = None, stop: threading.Event | None = None, **loop_kw: Any
+) -> Iterator[Running]:
+    """A loop on its own thread over a ``ScriptedBackend`` with ``info``, and a peer
+    whose Hello has been answered; ``stop`` stops the loop early."""
     addrs = f"ipc://{tmp_path}/in.sock", f"ipc://{tmp_path}/out.sock"
-    backend = ScriptedBackend()
+    backend = ScriptedBackend(info or ModelInfo("scripted", 1000, None))
     sockets = WorkerSockets(*addrs)
-    loop = EngineLoop(backend, sockets, heartbeat_interval=0.05)
-    stop = threading.Event()
+    kw: dict[str, Any] = {"heartbeat_interval": 0.05, "max_queue": 16} | loop_kw
+    loop = EngineLoop(backend, sockets, **kw)
+    stop = stop or threading.Event()
     peer = Peer(*addrs)
     t = threading.Thread(target=loop.run, args=(stop,), name="engine-loop")
     t.start()
@@ -165,7 +204,14 @@ def running(tmp_path: Path) -> Iterator[tuple[ScriptedBackend, Peer, EngineLoop]
         sockets.close()
         peer.close()
         assert not t.is_alive()
-        assert backend.thread_ids <= {t.ident}, "backend called from another thread"
+        assert backend.thread_ids <= {t.ident}, "engine state touched from another thread"
+        assert t.ident not in backend.prepare_thread_ids, "prepare ran on the loop thread"
+
+
+@pytest.fixture
+def running(tmp_path: Path) -> Iterator[Running]:
+    with serve_loop(tmp_path) as r:
+        yield r
 
 
 def _submit(rid: str, prompt: str = "p", max_tokens: int = 3) -> Submit:
@@ -317,3 +363,157 @@ def test_hello_of_other_version_gets_no_ready(running: tuple[ScriptedBackend, Pe
             continue
         readies += isinstance(msg, Ready)
     assert readies == 1
+
+
+# ---------------------------------------------------------------- admission, queue, liveness
+
+
+def _events_of(events: list[Event], rid: str) -> list[Event]:
+    return [e for e in events if getattr(e, "request_id", None) == rid]
+
+
+def _wait(cond: Any, what: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_n_choices_are_prepared_once_and_seeded_apart(running: Running) -> None:
+    backend, peer, _ = running
+    params = SamplingParams(2, seed=2**63 - 1)
+    peer.send(Submit("r", params, prompt="p", n=3))
+    events = peer.events_until_terminal({"r-0", "r-1", "r-2"})
+    assert backend.prepared == ["r"]  # tokenized once for the three choices
+    assert backend.started == [("r-0", 2**63 - 1), ("r-1", -(2**63)), ("r-2", -(2**63) + 1)]
+    for rid in ("r-0", "r-1", "r-2"):
+        mine = _events_of(events, rid)
+        assert isinstance(mine[0], Started) and isinstance(mine[-1], Finished)
+
+
+def test_requests_wait_for_batch_slots_and_start_in_order(tmp_path: Path) -> None:
+    info = ModelInfo("scripted", 1000, None, max_batch_size=2)
+    with serve_loop(tmp_path, info) as (backend, peer, _):
+        peer.send(_submit("a", max_tokens=10**6))
+        peer.send(Submit("b", SamplingParams(1), prompt="p", n=2))  # needs both slots
+        peer.send(_submit("c", max_tokens=1))  # fits beside a, but waits behind b (FIFO)
+        _wait(lambda: "a" in backend.remaining, "a started")
+        beat = _first(peer, Heartbeat)
+        while beat.waiting_requests != 2:  # type: ignore[attr-defined]
+            beat = _first(peer, Heartbeat)
+        assert beat.active_requests == 1  # type: ignore[attr-defined]
+        assert [rid for rid, _ in backend.started] == ["a"]
+        peer.send(Abort(("a",)))
+        events = peer.events_until_terminal({"b-0", "b-1", "c"})
+        assert [rid for rid, _ in backend.started] == ["a", "b-0", "b-1", "c"]
+        assert all(isinstance(_events_of(events, r)[-1], Finished) for r in ("b-0", "b-1", "c"))
+
+
+def test_kv_budget_admits_what_fits_and_refuses_what_never_fits(tmp_path: Path) -> None:
+    info = ModelInfo("scripted", 1000, None, kv_cache_tokens=100, max_batch_size=8)
+    with serve_loop(tmp_path, info) as (backend, peer, _):
+        peer.send(_submit("x", max_tokens=10**2 - 40))  # reserves 64 of 100
+        peer.send(_submit("y", max_tokens=50))  # 54: waits for x
+        peer.send(_submit("huge", max_tokens=97))  # 101 > 100: can never fit
+        peer.send(Submit("many", SamplingParams(30), prompt="p", n=9))  # n over max_batch_size
+        events = peer.events_until_terminal({"huge", "many-0", "x", "y"})
+        huge = _events_of(events, "huge")[-1]
+        assert isinstance(huge, RequestError) and huge.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED
+        assert "101 tokens of KV cache" in huge.message and huge.param == "prompt"
+        many = [e for e in events if isinstance(e, RequestError) and e.request_id.startswith("many")]
+        assert len(many) == 9 and all(e.code == ErrorCode.INVALID_REQUEST and e.param == "n" for e in many)
+        # y started only once x had finished and released its reservation.
+        assert [rid for rid, _ in backend.started] == ["x", "y"]
+        x_done = events.index(_events_of(events, "x")[-1])
+        y_started = events.index(_events_of(events, "y")[0])
+        assert x_done < y_started
+
+
+def test_a_full_queue_refuses_at_once_with_queue_full(tmp_path: Path) -> None:
+    info = ModelInfo("scripted", 1000, None, max_batch_size=1)
+    with serve_loop(tmp_path, info, max_queue=1) as (_, peer, _):
+        peer.send(_submit("run", max_tokens=10**6))
+        peer.send(_submit("wait", max_tokens=1))
+        peer.send(_submit("over", max_tokens=1))
+        (err,) = [e for e in peer.events_until_terminal({"over"}) if isinstance(e, RequestError)]
+        assert err.request_id == "over" and err.code == ErrorCode.QUEUE_FULL and "max_queue" in err.message
+        peer.send(Abort(("run",)))
+        assert isinstance(_events_of(peer.events_until_terminal({"wait"}), "wait")[-1], Finished)
+
+
+def test_an_aborted_queued_request_never_starts_and_the_next_moves_up(tmp_path: Path) -> None:
+    info = ModelInfo("scripted", 1000, None, max_batch_size=1)
+    with serve_loop(tmp_path, info) as (backend, peer, _):
+        peer.send(_submit("run", max_tokens=10**6))
+        peer.send(_submit("gone", max_tokens=1))
+        peer.send(_submit("next", max_tokens=1))
+        _wait(lambda: "run" in backend.remaining, "run started")
+        peer.send(Abort(("gone",)))
+        peer.send(Abort(("run",)))
+        events = peer.events_until_terminal({"next"})
+        assert "gone" not in [rid for rid, _ in backend.started]
+        assert _events_of(events, "gone") == []
+
+
+def test_heartbeats_keep_flowing_during_a_long_step(tmp_path: Path) -> None:
+    with serve_loop(tmp_path) as (backend, peer, loop):
+        backend.slow_step_s = 1.0
+        peer.send(_submit("slow", prompt="slow", max_tokens=2))
+        beats: list[Heartbeat] = []
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not any(b.step_s > 0.5 for b in beats):
+            msg = peer.recv()
+            if isinstance(msg, Heartbeat):
+                beats.append(msg)
+        # Sent from the heartbeat thread while the loop thread sat in one step.
+        long_step = [b for b in beats if b.step_s > 0]
+        assert len(long_step) >= 5 and max(b.step_s for b in long_step) > 0.5
+        assert all(b.worker_id == loop.worker_id and b.active_requests == 1 for b in long_step)
+
+
+def test_stopping_fails_running_and_queued_requests(tmp_path: Path) -> None:
+    info = ModelInfo("scripted", 1000, None, max_batch_size=1)
+    stop = threading.Event()
+    with serve_loop(tmp_path, info, stop=stop) as (backend, peer, loop):
+        peer.send(_submit("run", max_tokens=10**6))
+        peer.send(_submit("queued", max_tokens=1))
+        _wait(lambda: "run" in backend.remaining and loop._waiting == 1, "one running, one queued")
+        stop.set()
+        events = peer.events_until_terminal({"run", "queued"})
+        errors = {e.request_id: e.code for e in events if isinstance(e, RequestError)}
+        assert errors == {"run": ErrorCode.OVERLOADED, "queued": ErrorCode.OVERLOADED}
+        assert backend.aborted == ["run"] and [rid for rid, _ in backend.started] == ["run"]
+
+
+def test_the_loop_stops_when_its_parent_is_gone(tmp_path: Path) -> None:
+    addrs = f"ipc://{tmp_path}/in.sock", f"ipc://{tmp_path}/out.sock"
+    backend = ScriptedBackend(ModelInfo("scripted", 1000, None))
+    sockets = WorkerSockets(*addrs)
+    not_our_parent = os.getppid() + 1_000_000
+    loop = EngineLoop(backend, sockets, heartbeat_interval=0.05, max_queue=1, parent_pid=not_our_parent)
+    stop = threading.Event()
+    t = threading.Thread(target=loop.run, args=(stop,))
+    t.start()
+    t.join(5)
+    sockets.close()
+    assert stop.is_set() and not t.is_alive()
+
+
+def test_a_slow_prepare_does_not_stall_running_sequences(running: Running) -> None:
+    _, peer, _ = running
+    peer.send(_submit("run", max_tokens=10**6))
+    _first(peer, EventBatch)
+    t0 = time.monotonic()
+    peer.send(_submit("big", prompt="slowprep", max_tokens=1))
+    during: list[float] = []
+    while True:
+        msg = peer.recv()
+        if not isinstance(msg, EventBatch):
+            continue
+        now = time.monotonic() - t0
+        if any(isinstance(e, Started) and e.request_id == "big" for e in msg.events):
+            break
+        during += [now for e in msg.events if isinstance(e, TokenDelta) and e.request_id == "run"]
+    # "big" took a second to prepare; "run" kept streaming through it.
+    assert len(during) >= 20 and max(during) > 0.8
+    peer.send(Abort(("run",)))

@@ -73,8 +73,8 @@ def ready(worker_id: str = "w1", version: int = PROTOCOL_VERSION) -> Ready:
     return Ready(version, worker_id, "tiny", "fake", 2048, None)
 
 
-def submit(rid: str) -> Submit:
-    return Submit(rid, SamplingParams(max_tokens=4), prompt="hi")
+def submit(rid: str, n: int = 1) -> Submit:
+    return Submit(rid, SamplingParams(max_tokens=4), prompt="hi", n=n)
 
 
 async def eventually(pred: Callable[[], bool]) -> None:
@@ -121,14 +121,14 @@ async def test_handshake_submit_route_abort(worker: FakeWorker, addrs: tuple[str
     try:
         assert not client.ready
         with pytest.raises(EngineNotReady):
-            client.submit([submit("early")])
+            client.submit(submit("early"))
         hello = await handshake(client, worker)
         assert hello == Hello(PROTOCOL_VERSION, client.proxy_id)
         assert client.worker == ready()
 
-        stream = client.submit([submit("r-0"), submit("r-1")])
-        got = [await worker.recv_until(Submit), await worker.recv_until(Submit)]
-        assert got == [submit("r-0"), submit("r-1")]
+        stream = client.submit(submit("r", n=2))
+        assert stream.request_ids == ("r-0", "r-1")
+        assert await worker.recv_until(Submit) == submit("r", n=2)  # one Submit for both choices
         events: list[Event] = [
             Started("r-0", 2, 0),
             TokenDelta("r-1", "x", 1),
@@ -158,7 +158,7 @@ async def test_orphaned_engine_requests_are_aborted_once(worker: FakeWorker, add
     await client.start()
     try:
         await handshake(client, worker)
-        stream = client.submit([submit("mine")])
+        stream = client.submit(submit("mine"))
         await worker.recv_until(Submit)
         client.abort(["mine"])
         assert await worker.recv_until(Abort) == Abort(("mine",))
@@ -182,7 +182,7 @@ async def test_heartbeat_of_another_worker_means_ours_restarted(
     await client.start()
     try:
         await handshake(client, worker)
-        stream = client.submit([submit("lost")])
+        stream = client.submit(submit("lost"))
         await worker.recv_until(Submit)
         await worker.send(Heartbeat("w2-restarted", 0))
         with pytest.raises(EngineDead):
@@ -199,7 +199,7 @@ async def test_worker_wide_error_reaches_every_stream(worker: FakeWorker, addrs:
     await client.start()
     try:
         await handshake(client, worker)
-        a, b = client.submit([submit("a")]), client.submit([submit("b")])
+        a, b = client.submit(submit("a")), client.submit(submit("b"))
         err = RequestError(None, ErrorCode.INTERNAL, "CUDA error")
         await worker.send(EventBatch([err]))
         async with asyncio.timeout(GUARD_S):
@@ -227,7 +227,7 @@ async def test_version_mismatch_frame_is_refused_and_logged_once(
         assert len(errors) == 1
         assert theirs in errors[0].getMessage() and str(PROTOCOL_VERSION) in errors[0].getMessage()
         with pytest.raises(EngineNotReady):
-            client.submit([submit("x")])
+            client.submit(submit("x"))
     finally:
         await client.close()
 
@@ -262,7 +262,7 @@ async def test_heartbeat_timeout_fails_waiting_requests_then_recovers(
             await worker.send(Heartbeat("w1", 0))
             await asyncio.sleep(0.1)
         assert client.ready
-        stream = client.submit([submit("lost")])
+        stream = client.submit(submit("lost"))
         await worker.recv_until(Submit)
         with pytest.raises(EngineDead):
             async with asyncio.timeout(GUARD_S):
@@ -290,13 +290,14 @@ async def test_worker_active_requests_follows_heartbeats_of_the_current_worker(
     client = make_client(addrs)
     await client.start()
     try:
-        assert client.worker_active_requests is None
+        assert client.worker_active_requests is None and client.heartbeat is None
         await handshake(client, worker)
         for sender, active in (("w1", 3), ("someone-else", 7), ("w1", 0)):
             await worker.send(Heartbeat(sender, active))
         await _until(lambda: client.worker_active_requests == 0)
-        await worker.send(Heartbeat("w1", 2))
+        await worker.send(Heartbeat("w1", 2, 5, 0.75, 1.5))
         await _until(lambda: client.worker_active_requests == 2)
+        assert client.heartbeat == Heartbeat("w1", 2, 5, 0.75, 1.5)
         await worker.send(Heartbeat("stale-worker", 9))
         await asyncio.sleep(0.1)
         assert client.worker_active_requests == 2
@@ -312,7 +313,7 @@ async def test_disconnect_is_detected_by_the_socket_monitor(
     await client.start()
     try:
         await handshake(client, worker)
-        stream = client.submit([submit("r")])
+        stream = client.submit(submit("r"))
         await worker.recv_until(Submit)
         worker.close()  # the worker process is gone
         with pytest.raises(EngineDead):
@@ -333,14 +334,14 @@ async def test_restart_with_new_worker_id_fails_in_flight(worker: FakeWorker, ad
     await client.start()
     try:
         await handshake(client, worker)
-        stream = client.submit([submit("r")])
+        stream = client.submit(submit("r"))
         await worker.send(ready("w-new"))
         with pytest.raises(EngineDead, match="restarted"):
             async with asyncio.timeout(GUARD_S):
                 await stream.get()
         assert client.ready and client.worker == ready("w-new")
         # the same worker answering again changes nothing
-        other = client.submit([submit("s")])
+        other = client.submit(submit("s"))
         await worker.send(ready("w-new"))
         await worker.send(EventBatch([Started("s", 1, 0)]))
         async with asyncio.timeout(GUARD_S):
@@ -361,7 +362,7 @@ async def test_submit_without_a_connected_input_is_unavailable(
 
         def refused() -> bool:
             try:
-                client.abort(client.submit([submit("r")]).request_ids)
+                client.abort(client.submit(submit("r")).request_ids)
             except EngineUnavailable:
                 return True
             return False
@@ -383,7 +384,7 @@ async def test_a_crashed_reader_fails_requests_and_never_claims_ready(
     await client.start()
     try:
         await handshake(client, worker)
-        stream = client.submit([submit("r")])
+        stream = client.submit(submit("r"))
 
         def explode(events: object) -> None:
             raise RuntimeError("bug")

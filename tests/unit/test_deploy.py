@@ -64,6 +64,14 @@ def test_probes_hit_routes_of_the_app() -> None:
     assert proxy["readinessProbe"]["httpGet"]["path"] != proxy["livenessProbe"]["httpGet"]["path"]
 
 
+def test_proxy_listens_beyond_loopback_in_the_pod_and_the_image() -> None:
+    """The proxy defaults to 127.0.0.1 (safe on a shared machine); the pod and
+    the image must say 0.0.0.0 or the Service reaches nothing."""
+    assert _env(_containers()["proxy"])["EXL3_SIDECAR_HOST"] == "0.0.0.0"
+    proxy_image = (DEPLOY / "docker" / "proxy.Dockerfile").read_text()
+    assert re.search(r"^ENV EXL3_SIDECAR_HOST=0\.0\.0\.0$", proxy_image, re.M)
+
+
 def test_grace_period_outlasts_the_drain() -> None:
     docs = list(yaml.safe_load_all((DEPLOY / "k8s" / "deployment.yaml").read_text()))
     spec = docs[0]["spec"]["template"]["spec"]

@@ -105,3 +105,17 @@ def test_settings_are_frozen() -> None:
     s = WorkerSettings(model_dir=Path("/m"))
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.chunk_size = 512  # type: ignore[misc]
+
+
+def test_synthetic_backend_defaults_and_refusals() -> None:
+    s = parse("--backend", "synthetic")
+    assert (s.max_seq_len, s.chunk_size, s.max_batch_size) == (8192, 256, 1024)
+    assert (s.synthetic_step_ms, s.synthetic_tokens_per_step) == (20.0, 1)
+    r = CliRunner().invoke(main, ["--check", "--backend", "synthetic", "--draft-mode", "ngram"])
+    assert r.exit_code == 2 and "does not draft" in r.output
+
+
+def test_queue_and_batch_defaults() -> None:
+    cpu = parse()
+    assert (cpu.max_batch_size, cpu.max_queue, cpu.kv_cache_mb, cpu.parent_pid) == (16, 256, 4096, None)
+    assert parse("--backend", "exllamav3", "--model-dir", "/m").max_batch_size is None  # the loader's

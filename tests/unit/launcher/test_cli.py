@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 from click.testing import CliRunner
 
@@ -46,3 +47,8 @@ def test_serve_refuses_a_bad_proxy_option() -> None:
 def test_serve_help_lists_proxy_options_and_points_to_the_worker() -> None:
     r = CliRunner().invoke(main, ["serve", "--help"])
     assert "--shutdown-drain" in r.output and "exl3-sidecar worker --help" in r.output
+
+
+def test_serve_refuses_an_unreadable_key_file_before_starting_anything(tmp_path: Path) -> None:
+    r = CliRunner().invoke(main, ["serve", "--api-key-file", str(tmp_path / "missing")])
+    assert r.exit_code == 2 and "api_key_file" in r.output and "Traceback" not in r.output

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestServer
 
-from proxy.app import ProbeQuietAccessLogger, create_app
+from proxy.app import create_app
+from proxy.runner import ProbeQuietAccessLogger
 from tests.fakes.engine_client import FakeEngineClient, make_config
 
 

@@ -202,6 +202,7 @@ async def _request(client: TestClient[Any, Any], case: Case) -> tuple[int, str, 
     kw: dict[str, Any] = {}
     if isinstance(case.body, bytes):
         kw["data"] = case.body
+        kw["headers"] = {"Content-Type": "application/json"}
     elif case.body is not None:
         kw["json"] = case.body
     async with client.request(case.method, case.path, **kw) as r:

@@ -222,7 +222,9 @@ async def test_n_choices_are_merged(
         body(stream=True, n=3, return_progress=True, stream_options={"include_usage": True}),
     )
     rid = chunks[0]["id"]
-    assert sorted(s.request_id for s in fake.submits) == [f"{rid}-{i}" for i in range(3)]
+    (submit,) = fake.submits  # one Submit carries every choice
+    assert (submit.request_id, submit.n) == (rid, 3)
+    assert [c.request_id for c in fake.choices] == [f"{rid}-{i}" for i in range(3)]
     for i in range(3):
         assert content_of(chunks[:-2], i) == f"c{i}" * (i + 1)
         finishes = [
@@ -379,6 +381,8 @@ async def test_not_ready(make_client: MakeClient, fake: FakeEngineClient) -> Non
         "status": "ready",
         "model": "fake-model",
         "worker_active_requests": 0,
+        "worker_waiting_requests": 0,
+        "worker_kv_cache_usage": 0.0,
     }
     assert (await client.post(URL, json=body())).status == 200
 
@@ -394,7 +398,7 @@ async def test_in_flight_cap(make_client: MakeClient, fake: FakeEngineClient) ->
     first = asyncio.create_task(client.post(URL, json=body()))
     await fake.wait_submits(1)
     r = await client.post(URL, json=body())
-    assert r.status == 503
+    assert r.status == 429 and r.headers["Retry-After"] == "1"
     err = (await r.json())["error"]
     assert "max_in_flight=1" in err["message"]
     assert err["code"] == "too_many_requests"

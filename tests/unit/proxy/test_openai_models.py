@@ -6,13 +6,12 @@ import json
 import logging
 from typing import Any
 
-import msgspec
 import orjson
 import pytest
 
 from protocol import ChatMessage
 from proxy.errors import InvalidRequest
-from proxy.openai_models import parse_chat_request, parse_completion_request, to_submits
+from proxy.openai_models import parse_chat_request, parse_completion_request, prompt_chars, to_submit
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -53,7 +52,7 @@ def chat(**fields: Any) -> bytes:
 def test_bad_chat_bodies_name_the_param(body: bytes, param: str | None, fragment: str) -> None:
     with pytest.raises(InvalidRequest) as info:
         req = parse_chat_request(body)
-        to_submits(req, "r", 100)
+        to_submit(req, "r", 100)
     err = info.value
     assert err.status == 400
     assert err.type == "invalid_request_error"
@@ -82,7 +81,7 @@ def test_content_parts_are_flattened_and_developer_becomes_system() -> None:
             ]
         }
     )
-    (submit,) = to_submits(parse_chat_request(body), "r1", 100)
+    submit = to_submit(parse_chat_request(body), "r1", 100)
     assert submit.messages == (
         ChatMessage("system", "be brief"),
         ChatMessage("user", "a\nb"),
@@ -92,11 +91,11 @@ def test_content_parts_are_flattened_and_developer_becomes_system() -> None:
 
 
 def test_max_completion_tokens_wins_and_absent_means_context() -> None:
-    (s,) = to_submits(parse_chat_request(chat(max_tokens=7, max_completion_tokens=9)), "r", 100)
+    s = to_submit(parse_chat_request(chat(max_tokens=7, max_completion_tokens=9)), "r", 100)
     assert s.params.max_tokens == 9
-    (s,) = to_submits(parse_chat_request(chat(max_tokens=7)), "r", 100)
+    s = to_submit(parse_chat_request(chat(max_tokens=7)), "r", 100)
     assert s.params.max_tokens == 7
-    (s,) = to_submits(parse_chat_request(chat()), "r", 4321)
+    s = to_submit(parse_chat_request(chat()), "r", 4321)
     assert s.params.max_tokens == 4321
 
 
@@ -116,7 +115,7 @@ def test_sampling_fields_are_honoured() -> None:
         ignore_eos=True,
         stop_token_ids=[2],
     )
-    (s,) = to_submits(parse_chat_request(body), "r", 100)
+    s = to_submit(parse_chat_request(body), "r", 100)
     p = s.params
     assert (p.temperature, p.top_p, p.top_k, p.min_p) == (0.5, 0.9, 40, 0.05)
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.1, 0.5, -0.5)
@@ -127,7 +126,7 @@ def test_sampling_fields_are_honoured() -> None:
 
 
 def test_defaults_and_single_stop_string() -> None:
-    (s,) = to_submits(parse_chat_request(chat(stop="\n\n", top_k=-1)), "r", 100)
+    s = to_submit(parse_chat_request(chat(stop="\n\n", top_k=-1)), "r", 100)
     p = s.params
     assert p.stop == ("\n\n",)
     assert p.top_k == 0
@@ -135,26 +134,33 @@ def test_defaults_and_single_stop_string() -> None:
     assert p.seed is None and p.logit_bias is None
 
 
-def test_n_makes_one_submit_per_choice() -> None:
-    subs = to_submits(parse_chat_request(chat(n=3)), "chatcmpl-x", 100)
-    assert [s.request_id for s in subs] == ["chatcmpl-x-0", "chatcmpl-x-1", "chatcmpl-x-2"]
-    assert len({s.params for s in subs}) == 1
-    (one,) = to_submits(parse_chat_request(chat(n=1)), "chatcmpl-x", 100)
-    assert one.request_id == "chatcmpl-x"
+def test_n_is_one_submit_carrying_n_and_the_request_seed() -> None:
+    s = to_submit(parse_chat_request(chat(n=3, seed=7, temperature=0.9)), "chatcmpl-x", 100)
+    assert (s.request_id, s.n, s.params.seed) == ("chatcmpl-x", 3, 7)
+    one = to_submit(parse_chat_request(chat()), "chatcmpl-x", 100)
+    assert (one.request_id, one.n, one.params.seed) == ("chatcmpl-x", 1, None)
+    text = to_submit(parse_completion_request(b'{"prompt": "x", "n": 2}'), "cmpl-y", 100)
+    assert (text.n, text.prompt) == (2, "x")
 
 
-def test_seeded_choices_get_distinct_reproducible_seeds() -> None:
-    subs = to_submits(parse_chat_request(chat(n=3, seed=7, temperature=0.9)), "c", 100)
-    assert [s.params.seed for s in subs] == [7, 8, 9]
-    assert len({msgspec.structs.replace(s.params, seed=None) for s in subs}) == 1
-    (one,) = to_submits(parse_chat_request(chat(n=1, seed=7)), "c", 100)
-    assert one.params.seed == 7
+def test_prompt_chars_counts_the_text_the_client_sent() -> None:
+    body = orjson.dumps(
+        {
+            "messages": [
+                {"role": "system", "content": "abc"},
+                {"role": "user", "content": [{"type": "text", "text": "de"}]},
+            ]
+        }
+    )
+    assert prompt_chars(to_submit(parse_chat_request(body), "r", 100)) == (5, "messages")
+    text = to_submit(parse_completion_request('{"prompt": "héllo"}'.encode()), "r", 100)
+    assert prompt_chars(text) == (5, "prompt")
 
 
 def test_completion_prompt_forms() -> None:
-    (s,) = to_submits(parse_completion_request(b'{"prompt": "once", "max_tokens": 5}'), "c", 100)
+    s = to_submit(parse_completion_request(b'{"prompt": "once", "max_tokens": 5}'), "c", 100)
     assert (s.prompt, s.messages, s.params.max_tokens) == ("once", (), 5)
-    (s,) = to_submits(parse_completion_request(b'{"prompt": ["upon"]}'), "c", 100)
+    s = to_submit(parse_completion_request(b'{"prompt": ["upon"]}'), "c", 100)
     assert s.prompt == "upon"
 
 
@@ -181,7 +187,7 @@ def test_stream_flags() -> None:
 def test_top_level_nulls_mean_not_given() -> None:
     body = chat(n=None, stream=None, max_tokens=None, stop=None, ignore_eos=None, stream_options=None)
     req = parse_chat_request(body)
-    (s,) = to_submits(req, "r", 77)
+    s = to_submit(req, "r", 77)
     assert (req.n, req.stream, s.params.max_tokens, s.params.stop, s.params.ignore_eos) == (
         1,
         False,
@@ -216,7 +222,7 @@ def test_out_of_range_values_are_invalid_requests(fields: dict[str, Any], param:
     body = json.dumps({"messages": MSGS, **fields}).encode()  # orjson refuses ints beyond 64 bits
     with pytest.raises(InvalidRequest) as e:
         req = parse_chat_request(body)
-        to_submits(req, "c", 100)
+        to_submit(req, "c", 100)
     assert e.value.param == param
 
 
@@ -226,10 +232,8 @@ def test_deeply_nested_json_is_invalid_json_not_a_crash() -> None:
         parse_chat_request(body)
 
 
-def test_tiny_temperature_is_greedy_and_int64_seeds_wrap_per_choice() -> None:
-    (s,) = to_submits(parse_chat_request(chat(temperature=1e-300)), "c", 100)
+def test_tiny_temperature_is_greedy() -> None:
+    s = to_submit(parse_chat_request(chat(temperature=1e-300)), "c", 100)
     assert s.params.temperature == 0.0
-    (s,) = to_submits(parse_chat_request(chat(temperature=0.5)), "c", 100)
+    s = to_submit(parse_chat_request(chat(temperature=0.5)), "c", 100)
     assert s.params.temperature == 0.5
-    subs = to_submits(parse_chat_request(chat(n=2, seed=2**63 - 1)), "c", 100)
-    assert [x.params.seed for x in subs] == [2**63 - 1, -(2**63)]

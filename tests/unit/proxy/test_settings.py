@@ -20,15 +20,23 @@ def parse(*args: str) -> ProxySettings:
 def test_defaults_and_derived_names() -> None:
     s = parse()
     assert (s.host, s.port, s.sse_ping_interval, s.max_in_flight, s.shutdown_drain) == (
-        "0.0.0.0",
+        "127.0.0.1",  # loopback unless asked: the pod manifest and the image set 0.0.0.0
         5000,
         15.0,
         256,
         20.0,
     )
+    assert (s.max_body_mb, s.body_read_timeout, s.request_idle_timeout, s.max_n) == (None, 30.0, 600.0, 8)
+    assert (s.api_key, s.api_key_file, s.api_keys()) == (None, None, frozenset())
     help_text = CliRunner().invoke(main, ["--help"]).output.replace("\n", "").replace(" ", "")
     for f in dataclasses.fields(ProxySettings):
         assert flag(f.name) in help_text and env_var(f.name) in help_text, f.name
+
+
+def test_serve_listens_on_loopback_by_default_too() -> None:
+    from launcher.cli import serve
+
+    assert serve.make_context("serve", []).params["host"] == "127.0.0.1"
 
 
 def test_env_var_and_flag(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -59,6 +67,10 @@ def test_addresses_default_to_the_private_runtime_dir(
         (["--sse-ping-interval", "0"], "--sse-ping-interval"),
         (["--max-in-flight", "0"], "--max-in-flight"),
         (["--shutdown-drain", "-1"], "--shutdown-drain"),
+        (["--max-n", "0"], "--max-n"),
+        (["--max-body-mb", "0"], "--max-body-mb"),
+        (["--body-read-timeout", "0"], "--body-read-timeout"),
+        (["--request-idle-timeout", "-1"], "--request-idle-timeout"),
         (["--log-level", "loud"], "--log-level"),
         (["--backend", "cpu"], "No such option"),
     ],

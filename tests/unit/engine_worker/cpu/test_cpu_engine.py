@@ -8,6 +8,7 @@ import itertools
 import math
 from typing import Any
 
+import msgspec
 import pytest
 
 from engine_worker.backend import RequestRejected
@@ -327,7 +328,7 @@ def test_context_length_rejected(tiny, tokenizer, make_backend) -> None:
     with pytest.raises(RequestRejected) as exc:
         backend.add(Submit("a", SamplingParams(max_tokens=1), prompt=prompt))
     assert exc.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED
-    assert str(n) in exc.value.message and "max_context_tokens" in exc.value.message
+    assert str(n) in exc.value.message and "max_seq_len" in exc.value.message
     assert exc.value.param == "prompt"
     with pytest.raises(RequestRejected) as exc:
         backend.add(Submit("b", SamplingParams(max_tokens=1), messages=(ChatMessage("user", prompt),)))
@@ -514,3 +515,40 @@ def test_default_budget_advances_every_request_each_step(tiny, make_backend, raw
     backend.step()
     for _ in range(3):
         assert {e.request_id for e in backend.step()} == {"a", "b", "c"}
+
+
+# ---------------------------------------------------------------- admission figures
+
+
+def test_kv_capacity_reservation_and_longest_token(tiny, make_backend, raw) -> None:
+    backend = make_backend(tiny, kv_cache_mb=1, max_seq_len=100)
+    cfg = tiny.model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4  # float32
+    assert backend.info.kv_cache_tokens == 2**20 // bytes_per_token
+    assert backend.info.longest_token_chars == max(len(t) for t in tiny.tokenizer.get_vocab())
+    prepared = backend.prepare(raw("a", "hello there", max_tokens=1000))
+    n = prepared.prompt_tokens
+    assert backend.reservation(prepared) == 100  # the prompt plus the rest of the context
+    small = backend.prepare(raw("b", "hello there", max_tokens=5))
+    assert backend.reservation(small) == n + 5
+    backend.start("b-0", small, small.submit.params)
+    backend.start("b-1", small, small.submit.params)
+    assert backend.kv_reserved() == 2 * (n + 5)
+    backend.abort("b-0")
+    assert backend.kv_reserved() == n + 5
+
+
+def test_choices_of_one_prepared_request_sample_independently(tiny, make_backend, raw) -> None:
+    backend = make_backend(tiny)
+    prepared = backend.prepare(raw("r", "Once upon a time", max_tokens=12, temperature=1.0, seed=1))
+    params = prepared.submit.params
+    for i, seed in enumerate((1, 2, 1)):
+        backend.start(f"r-{i}", prepared, msgspec.structs.replace(params, seed=seed))
+    texts: dict[str, list[str]] = {f"r-{i}": [] for i in range(3)}
+    while backend.active_ids():
+        for ev in backend.step():
+            if isinstance(ev, TokenDelta):
+                texts[ev.request_id].append(ev.text)
+    out = {rid: "".join(t) for rid, t in texts.items()}
+    assert out["r-0"] == out["r-2"] != out["r-1"]  # same seed, same text; another seed, another

@@ -607,3 +607,28 @@ def test_progress_events_carry_milliseconds_since_start() -> None:
     prog = [e for e in of(events, "a") if isinstance(e, PrefillProgress)]
     assert prog[0].time_ms == 0
     assert all(isinstance(p.time_ms, int) and p.time_ms >= 0 for p in prog)
+
+
+def test_reservation_is_what_a_job_takes_in_whole_pages() -> None:
+    backend, _ = make_backend(dataclasses.replace(CFG, max_rq_tokens=300), cache_tokens=8192)
+    prepared = backend.prepare(chat("r", "hello", max_tokens=5000))
+    n = prepared.prompt_tokens
+    # Output chunking: the prompt plus max_rq_tokens of completion at a time.
+    assert backend.reservation(prepared) == -(-(n + 300) // PAGE_SIZE) * PAGE_SIZE
+    unchunked, _ = make_backend(dataclasses.replace(CFG, output_chunking=False), cache_tokens=8192)
+    p2 = unchunked.prepare(chat("r", "hello", max_tokens=10))
+    assert unchunked.reservation(p2) == -(-(n + 10) // PAGE_SIZE) * PAGE_SIZE
+    assert backend.info.kv_cache_tokens == 8192 and backend.info.max_batch_size == 8
+
+
+def test_choices_start_from_one_tokenization() -> None:
+    backend, _ = make_backend()
+    prepared = backend.prepare(chat("r", "hello", max_tokens=3))
+    for i in range(3):
+        backend.start(f"r-{i}", prepared, prepared.submit.params)
+    assert sorted(backend.active_ids()) == ["r-0", "r-1", "r-2"]
+    assert backend.kv_reserved() == 3 * backend.reservation(prepared)
+    events = run(backend)
+    finished = [e for e in events if isinstance(e, Finished)]
+    assert sorted(f.request_id for f in finished) == ["r-0", "r-1", "r-2"]
+    assert backend.kv_reserved() == 0

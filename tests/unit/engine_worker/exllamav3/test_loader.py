@@ -78,7 +78,14 @@ def test_ngram_load(tmp_path: Path, fake_exl3: list[str], capsys: pytest.Capture
     assert model.load_calls[0]["max_chunk_size"] == 512
     assert model.warmup_calls and model.warmup_calls[0]["cache"] is g.cache
     assert fake_exl3 == ["tiny-exl3/text"]
-    assert backend.info == ModelInfo("tiny-exl3", 2048, "ngram")
+    assert backend.info == ModelInfo(
+        "tiny-exl3",
+        2048,
+        "ngram",
+        kv_cache_tokens=g.cache.max_num_tokens,
+        max_batch_size=32,
+        longest_token_chars=max(len(p) for p in fx.Tokenizer().get_id_to_piece_list(False)),
+    )
     err = capsys.readouterr().err
     assert "Loading tiny-exl3" in err and "5/5" in err
 

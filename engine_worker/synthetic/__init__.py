@@ -1,0 +1,10 @@
+"""A model-less engine for load and fault tests (``--backend synthetic``).
+
+``SyntheticBackend`` implements ``engine_worker.backend.Backend`` with the real
+loop, sockets and admission around it, but no model: its output is a function of
+the request (``expected_text``), so a test knows every stream's exact tokens.
+"""
+
+from engine_worker.synthetic.backend import SyntheticBackend, expected_text, prompt_words
+
+__all__ = ["SyntheticBackend", "expected_text", "prompt_words"]

@@ -1,0 +1,161 @@
+"""The synthetic engine: real loop, real sockets, no model.
+
+- A prompt's tokens are its whitespace-separated words (``prompt_words``): for
+  chat, ``"role: content"`` per message, then ``"assistant:"`` when a generation
+  prompt is asked for.
+- Output token ``k`` of every choice is word ``k`` of the prompt, cycling, followed
+  by a space (``expected_text``): deterministic, so a load test can check each
+  stream's whole text, and a stream that got another's tokens shows it.
+- Steps come every ``synthetic_step_ms``: a step prefills ``chunk_size`` prompt
+  tokens of each prefilling sequence (one ``PrefillProgress`` each) or emits
+  ``synthetic_tokens_per_step`` tokens of each decoding one. A sequence ends with
+  ``finish_reason: "length"`` at ``max_tokens``. There is no prefix cache
+  (``cached_tokens`` is 0) and no drafting.
+- Sampling parameters other than ``max_tokens`` do not change the output: this
+  engine exists to exercise everything around a model, not sampling.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from engine_worker.admission import check_prompt_fits
+from engine_worker.backend import ModelInfo, Prepared
+from engine_worker.settings import WorkerSettings
+from protocol.messages import (
+    Event,
+    Finished,
+    FinishReason,
+    PrefillProgress,
+    SamplingParams,
+    Started,
+    Submit,
+    TokenDelta,
+)
+
+
+def prompt_words(submit: Submit) -> list[str]:
+    """The prompt's tokens as this engine counts them (see the module docstring)."""
+    if submit.prompt is not None:
+        return submit.prompt.split()
+    words: list[str] = []
+    for m in submit.messages:
+        words += f"{m.role}: {m.content}".split()
+    if submit.add_generation_prompt:
+        words.append("assistant:")
+    return words
+
+
+def expected_text(words: list[str], completion_tokens: int) -> str:
+    """The text of ``completion_tokens`` output tokens for a prompt of ``words``."""
+    return "".join(words[k % len(words)] + " " for k in range(completion_tokens))
+
+
+@dataclass(slots=True)
+class _Sequence:
+    request_id: str
+    words: list[str]
+    max_tokens: int
+    reservation: int
+    t_added: float
+    processed: int = 0
+    generated: int = 0
+    t_start: float = 0.0
+    t_prefill_end: float = 0.0
+    started: bool = False
+
+
+class SyntheticBackend:
+    """``engine_worker.backend.Backend`` without a model (see the module docstring)."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        assert settings.max_seq_len and settings.chunk_size and settings.max_batch_size
+        self._chunk = settings.chunk_size
+        self._tokens_per_step = settings.synthetic_tokens_per_step
+        self._step_s = settings.synthetic_step_ms / 1000
+        self._next_step = 0.0
+        self._info = ModelInfo(
+            model_id="synthetic",
+            max_context_tokens=settings.max_seq_len,
+            drafting=None,
+            kv_cache_tokens=settings.synthetic_kv_tokens,
+            max_batch_size=settings.max_batch_size,
+            longest_token_chars=0,  # words have no longest length
+        )
+        self._seqs: dict[str, _Sequence] = {}
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    def prepare(self, submit: Submit) -> Prepared:
+        param = "prompt" if submit.prompt is not None else "messages"
+        words = prompt_words(submit)
+        check_prompt_fits(len(words), self._info.max_context_tokens, param, "setting: max_seq_len")
+        return Prepared(submit, words, len(words), param)
+
+    def reservation(self, prepared: Prepared) -> int:
+        n = prepared.prompt_tokens
+        return n + min(prepared.submit.params.max_tokens, self._info.max_context_tokens - n)
+
+    def kv_reserved(self) -> int:
+        return sum(s.reservation for s in self._seqs.values())
+
+    def start(self, request_id: str, prepared: Prepared, params: SamplingParams) -> None:
+        n = prepared.prompt_tokens
+        max_tokens = min(params.max_tokens, self._info.max_context_tokens - n)
+        self._seqs[request_id] = _Sequence(
+            request_id, prepared.prompt, max_tokens, self.reservation(prepared), time.monotonic()
+        )
+
+    def abort(self, request_id: str) -> None:
+        self._seqs.pop(request_id, None)
+
+    def active_ids(self) -> Collection[str]:
+        return self._seqs.keys()
+
+    def step(self) -> list[Event]:
+        now = time.monotonic()
+        if now < self._next_step:
+            time.sleep(self._next_step - now)
+            now = time.monotonic()
+        self._next_step = now + self._step_s
+        events: list[Event] = []
+        for seq in list(self._seqs.values()):
+            total = len(seq.words)
+            if not seq.started:
+                seq.started, seq.t_start = True, now
+                events.append(Started(seq.request_id, total, 0))
+                events.append(PrefillProgress(seq.request_id, total, 0, 0, 0))
+            elif seq.processed < total:
+                seq.processed = min(total, seq.processed + self._chunk)
+                ms = int((now - seq.t_start) * 1000)
+                events.append(PrefillProgress(seq.request_id, total, 0, seq.processed, ms))
+                if seq.processed == total:
+                    seq.t_prefill_end = now
+            else:
+                k = seq.generated
+                n = min(self._tokens_per_step, seq.max_tokens - k)
+                text = "".join(seq.words[(k + i) % total] + " " for i in range(n))
+                seq.generated += n
+                events.append(TokenDelta(seq.request_id, text, n))
+                if seq.generated >= seq.max_tokens:
+                    del self._seqs[seq.request_id]
+                    events.append(
+                        Finished(
+                            seq.request_id,
+                            FinishReason.LENGTH,
+                            total,
+                            0,
+                            seq.generated,
+                            time_queued=seq.t_start - seq.t_added,
+                            time_prefill=seq.t_prefill_end - seq.t_start,
+                            time_decode=now - seq.t_prefill_end,
+                        )
+                    )
+        return events
+
+    def close(self) -> None:
+        self._seqs.clear()
