@@ -118,8 +118,11 @@ class EngineLoop:
         )
 
     def run(self, stop: threading.Event) -> None:
-        """Serve until ``stop`` is set; the caller closes backend and sockets."""
-        self._sockets.send(self._ready())
+        """Serve until ``stop`` is set; the caller closes backend and sockets.
+
+        ``Ready`` goes out only as the answer to a ``Hello``: a Hello that arrived
+        proves the proxy's request socket is connected, so a proxy never turns
+        ready before it can submit."""
         done = threading.Event()
         beats = threading.Thread(target=self._beat, args=(stop, done), name="worker-heartbeat", daemon=True)
         beats.start()

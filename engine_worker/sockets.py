@@ -7,8 +7,10 @@ PUSH at ``output_addr`` sends worker messages.
 Two threads send: the engine loop (event batches) and the heartbeat thread
 (liveness, which must keep flowing while an engine step is long). ZeroMQ sockets
 are not thread-safe and one address binds one socket, so the bound PUSH belongs
-to a forwarder thread (``zmq.proxy_steerable``) that relays what each sender
-pushes over an ``inproc://`` socket of its own (``Sender``).
+to a forwarder thread that relays what each sender pushes over an ``inproc://``
+socket of its own (``Sender``). The forwarder never waits for a proxy: with none
+attached (or one that stopped reading) a message is dropped, as a direct
+non-blocking send would drop it, and the proxy fails its requests on its own.
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ class WorkerSockets:
         # The forwarder owns push, relay and control_in from here on (ZeroMQ
         # allows moving a socket to another thread before it is used there).
         self._owned = (push, relay, control_in)
+        self.dropped = 0
+        """Messages dropped because no proxy was attached or it stopped reading."""
         self._forwarder = threading.Thread(target=self._forward, name="worker-forwarder", daemon=True)
         self._forwarder.start()
         self._sender = Sender(self._ctx, self._relay_addr)
@@ -88,8 +92,25 @@ class WorkerSockets:
 
     def _forward(self) -> None:
         push, relay, control_in = self._owned
+        poller = zmq.Poller()
+        poller.register(relay, zmq.POLLIN)
+        poller.register(control_in, zmq.POLLIN)
         try:
-            zmq.proxy_steerable(relay, push, None, control_in)
+            while True:
+                ready = dict(poller.poll())
+                # Relay first: what was sent before close() (the last events of a
+                # stopping worker) still goes out.
+                while True:
+                    try:
+                        frames = relay.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        push.send_multipart(frames, zmq.NOBLOCK)
+                    except zmq.Again:
+                        self.dropped += 1
+                if control_in in ready:
+                    return
         except zmq.ZMQError as e:
             if e.errno != zmq.ETERM:
                 log.exception("worker forwarder stopped")
@@ -122,9 +143,10 @@ class WorkerSockets:
         return self._sender.send(msg)
 
     def close(self) -> None:
-        """Stop the forwarder and close every socket (pending messages are dropped)."""
-        self._sender.close()
+        """Relay what the loop thread sent, stop the forwarder, close every socket.
+        Call it from the loop thread once other senders are closed."""
         self._control.send(b"TERMINATE")
         self._forwarder.join(5)
+        self._sender.close()
         self._control.close(0)
         self._pull.close(0)

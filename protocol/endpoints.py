@@ -11,6 +11,7 @@ user never share sockets.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import shutil
 import stat
@@ -63,6 +64,29 @@ def instance_dir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+_LOOPBACK_HOSTS = ("localhost", "[::1]", "::1")
+
+
+def check_link_address(addr: str | None, setting: str) -> None:
+    """Raises ``ValueError`` naming ``setting`` for a ``tcp://`` address that is not
+    on the loopback interface. The link carries prompts and completions in the
+    clear and accepts Submit/Abort from whoever connects: it stays inside the
+    machine or the pod (``ipc://``, or ``tcp://`` on 127.0.0.0/8 or ::1), which
+    is where the worker and its proxy always run."""
+    if addr is None or not addr.startswith("tcp://"):
+        return
+    host = addr.removeprefix("tcp://").rsplit(":", 1)[0]
+    try:
+        loopback = ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = host in _LOOPBACK_HOSTS
+    if not loopback:
+        raise ValueError(
+            f"{setting}={addr!r}: the worker link is unencrypted and unauthenticated, so it must stay "
+            "on this machine or pod: use ipc:// or tcp://127.0.0.1:PORT"
+        )
+
+
 # No slots: subclasses call super().__post_init__(), which slotted dataclasses break.
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LinkSettings:
@@ -87,6 +111,8 @@ class LinkSettings:
 
     def __post_init__(self) -> None:
         check_ranges(self)
+        for name in ("input_addr", "output_addr"):
+            check_link_address(getattr(self, name), name)
 
     @property
     def addresses(self) -> tuple[str, str]:

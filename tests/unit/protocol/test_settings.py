@@ -111,3 +111,27 @@ def test_cli_args_round_trip() -> None:
         Example(), count=2, name="n", colour=Colour.BLUE, on=False
     )
     assert cli_args(Example(), ("name",)) == []
+
+
+@pytest.mark.parametrize(
+    ("addr", "ok"),
+    [
+        ("ipc:///run/x/input.sock", True),
+        ("tcp://127.0.0.1:5555", True),
+        ("tcp://127.1.2.3:5555", True),
+        ("tcp://[::1]:5555", True),
+        ("tcp://localhost:5555", True),
+        ("tcp://0.0.0.0:5555", False),
+        ("tcp://*:5555", False),
+        ("tcp://10.0.0.7:5555", False),
+        ("tcp://worker.example:5555", False),
+    ],
+)
+def test_the_worker_link_stays_on_the_machine(addr: str, ok: bool) -> None:
+    from protocol.endpoints import LinkSettings
+
+    if ok:
+        assert LinkSettings(input_addr=addr).input_addr == addr
+    else:
+        with pytest.raises(ValueError, match=r"input_addr=.*must stay"):
+            LinkSettings(input_addr=addr)
