@@ -15,8 +15,8 @@ import click
 from launcher.supervisor import WorkerSupervisor
 from protocol.endpoints import default_addresses, instance_dir
 from protocol.settings import cli_args, click_options
+from proxy.cli import exit_on_bind_error, settings_from_options, setup_logging
 from proxy.cli import main as proxy_command
-from proxy.cli import settings_from_options, setup_logging
 from proxy.settings import ProxySettings
 
 WORKER_COMMAND = (sys.executable, "-m", "engine_worker")
@@ -72,7 +72,10 @@ def serve(worker_args: tuple[str, ...], **values: Any) -> None:
             str(os.getpid()),
             *worker_args,
         ]
-        asyncio.run(_serve(settings, WorkerSupervisor(argv)))
+        try:
+            asyncio.run(_serve(settings, WorkerSupervisor(argv)))
+        except OSError as e:
+            exit_on_bind_error(settings, e)
 
 
 async def _serve(settings: ProxySettings, supervisor: WorkerSupervisor) -> None:

@@ -115,6 +115,10 @@ def _click_type(f: _Field) -> Any:
         return click.Choice(choices)
     s = f.spec
     low = s.gt if s.gt is not None else s.ge
+    if f.base is int and low is None and s.le is None:
+        return click.INT
+    if f.base is float and low is None and s.le is None:
+        return click.FLOAT
     if f.base is int:
         return click.IntRange(
             min=None if low is None else int(low),

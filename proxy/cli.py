@@ -41,4 +41,16 @@ def main(**values: Any) -> None:
     from proxy.app import run_proxy
     from proxy.engine_client import ZmqEngineClient
 
-    asyncio.run(run_proxy(settings, ZmqEngineClient(settings)))
+    try:
+        asyncio.run(run_proxy(settings, ZmqEngineClient(settings)))
+    except OSError as e:
+        exit_on_bind_error(settings, e)
+
+
+def exit_on_bind_error(settings: ProxySettings, e: OSError) -> None:
+    """A listener that cannot be bound (port in use, no such address) is an
+    operator error: one line naming the setting, exit status 1."""
+    logging.getLogger("exl3_sidecar").error(
+        "cannot listen on %s:%d (host, port): %s", settings.host, settings.port, e.strerror or e
+    )
+    raise SystemExit(1) from None

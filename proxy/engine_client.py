@@ -427,7 +427,7 @@ class ZmqEngineClient:
                 msg.model_id,
                 msg.backend,
                 msg.max_context_tokens,
-                msg.drafting,
+                msg.drafting or "off",
             )
         self._worker = msg
         self._ready = True

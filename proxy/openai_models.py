@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from typing import Annotated, Literal, TypeVar
 
 import msgspec
@@ -152,6 +153,43 @@ def _param_of(message: str) -> str | None:
     return path or None
 
 
+def _never(value: object) -> bool:
+    return False
+
+
+# Fields the OpenAI API defines that this server does not implement yet, each with
+# the values that ask for nothing (a client sending those loses nothing). Any other
+# value is a 400 naming the field: a client that asked for a tool call, JSON or
+# logprobs and got plain text with a 200 could not tell it was ignored.
+_NOT_SUPPORTED: dict[str, Callable[[object], bool]] = {
+    "tools": lambda v: v == [],
+    "tool_choice": lambda v: v == "none",
+    "functions": lambda v: v == [],
+    "function_call": lambda v: v == "none",
+    "response_format": lambda v: v == {"type": "text"},
+    "logprobs": lambda v: v is False or v == 0,
+    "top_logprobs": lambda v: v == 0,
+    "prediction": _never,
+    "modalities": lambda v: v == ["text"],
+    "audio": _never,
+    "web_search_options": _never,
+    "echo": lambda v: v is False,
+    "suffix": lambda v: v == "",
+    "best_of": lambda v: v == 1,
+}
+
+
+def _refuse_unsupported(raw: dict[str, object], cls: type) -> None:
+    for name, harmless in _NOT_SUPPORTED.items():
+        if name in raw and not harmless(raw[name]):
+            where = "/v1/chat/completions" if cls is ChatCompletionRequest else "/v1/completions"
+            raise InvalidRequest(
+                f"'{name}' is not supported by this server on {where} yet; it is refused rather than "
+                "ignored so that the answer never silently differs from what was asked",
+                param=name,
+            )
+
+
 def _decode(body: bytes, cls: type[_R]) -> _R:
     try:
         raw = msgspec.json.decode(body)
@@ -163,6 +201,7 @@ def _decode(body: bytes, cls: type[_R]) -> _R:
         raise InvalidRequest(f"Request body must be a JSON object, got {type(raw).__name__}")
     # OpenAI treats a top-level null as "not given"; clients send e.g. "n": null.
     raw = {k: v for k, v in raw.items() if v is not None}
+    _refuse_unsupported(raw, cls)
     try:
         req = msgspec.convert(raw, cls)
     except msgspec.ValidationError as e:
@@ -229,12 +268,12 @@ def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
         return None
     out: dict[int, float] = {}
     for key, value in raw.items():
-        try:
-            token = int(key)
-        except ValueError:
+        # int() also takes " 1", "1_0" and non-ASCII digits: only plain digits are ids.
+        if not (key.isascii() and key.isdigit()):
             raise InvalidRequest(
                 f"'logit_bias' keys must be token ids (integers as strings), got {key!r}", param="logit_bias"
-            ) from None
+            )
+        token = int(key)
         if not 0 <= token <= _INT32_MAX:
             raise InvalidRequest(
                 f"'logit_bias' token ids must be in 0..{_INT32_MAX}, got {token}", param="logit_bias"

@@ -47,7 +47,9 @@ class ProxySettings(LinkSettings):
         "waits for the worker's first event before its headers go out.",
         gt=0,
     )
-    max_in_flight: int = setting(256, "Concurrent completion requests admitted; beyond it, 503.", ge=1)
+    max_in_flight: int = setting(
+        256, "Concurrent completion requests admitted; beyond it, 429 too_many_requests.", ge=1
+    )
     request_queue_max: int = setting(
         256,
         "Events pending per request before a slow client's consecutive token deltas are merged.",

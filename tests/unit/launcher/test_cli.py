@@ -52,3 +52,20 @@ def test_serve_help_lists_proxy_options_and_points_to_the_worker() -> None:
 def test_serve_refuses_an_unreadable_key_file_before_starting_anything(tmp_path: Path) -> None:
     r = CliRunner().invoke(main, ["serve", "--api-key-file", str(tmp_path / "missing")])
     assert r.exit_code == 2 and "api_key_file" in r.output and "Traceback" not in r.output
+
+
+def test_a_port_in_use_is_one_line_and_exit_1() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        r = subprocess.run(
+            [*EXL3_SIDECAR, "serve", "--port", port, "--backend", "synthetic"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"cannot listen on 127.0.0.1:{port} (host, port)" in r.stderr

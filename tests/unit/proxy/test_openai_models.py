@@ -237,3 +237,54 @@ def test_tiny_temperature_is_greedy() -> None:
     assert s.params.temperature == 0.0
     s = to_submit(parse_chat_request(chat(temperature=0.5)), "c", 100)
     assert s.params.temperature == 0.5
+
+
+_CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "required"),
+        ("functions", [{"name": "f"}]),
+        ("function_call", "auto"),
+        ("response_format", {"type": "json_object"}),
+        ("logprobs", True),
+        ("top_logprobs", 3),
+        ("prediction", {"type": "content", "content": "x"}),
+        ("modalities", ["text", "audio"]),
+        ("audio", {"voice": "alloy"}),
+    ],
+)
+def test_openai_fields_not_implemented_are_refused_by_name(field: str, value: Any) -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        parse_chat_request(orjson.dumps({**_CHAT, field: value}))
+    assert exc.value.param == field and "not supported" in exc.value.message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("echo", True), ("suffix", "end"), ("best_of", 3), ("logprobs", 2)]
+)
+def test_completion_fields_not_implemented_are_refused_by_name(field: str, value: Any) -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        parse_completion_request(orjson.dumps({"prompt": "hi", field: value}))
+    assert exc.value.param == field
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}},
+        {"logprobs": False, "top_logprobs": 0, "modalities": ["text"], "tools": None},
+    ],
+)
+def test_values_that_ask_for_nothing_are_accepted(extra: dict[str, Any]) -> None:
+    assert parse_chat_request(orjson.dumps({**_CHAT, **extra})).messages[0].content == "hi"
+
+
+@pytest.mark.parametrize("key", [" 1", "1_0", "+1", "\u0661", "-1", ""])
+def test_logit_bias_keys_are_plain_digits(key: str) -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        to_submit(parse_chat_request(orjson.dumps({**_CHAT, "logit_bias": {key: 1}})), "r", 100)
+    assert exc.value.param == "logit_bias"
