@@ -26,6 +26,11 @@ from proxy.state import STATE, ProxyState
 
 log = logging.getLogger(__name__)
 
+LISTEN_BACKLOG = 4096
+"""Pending connections the kernel queues for us (aiohttp's default, 128, overflows
+when a few thousand clients connect within seconds; the kernel caps it at
+``net.core.somaxconn``)."""
+
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 OPEN_PATHS = frozenset({"/health", "/ready"})
@@ -109,7 +114,7 @@ async def run_proxy(
     loop = asyncio.get_running_loop()
     signals = (signal.SIGINT, signal.SIGTERM)
     try:
-        site = web.TCPSite(runner, settings.host, settings.port)
+        site = web.TCPSite(runner, settings.host, settings.port, backlog=LISTEN_BACKLOG)
         await site.start()
         keys = len(app[STATE].api_keys)
         log.info(
