@@ -16,12 +16,14 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from aiohttp import web
 from httpx_sse import aconnect_sse
 
 from engine_worker.synthetic import expected_text, prompt_words
 from protocol import ChatMessage, SamplingParams, Submit
-from proxy.app import create_app
+from proxy.app import LISTEN_BACKLOG, create_app
 from proxy.engine_client import ZmqEngineClient
+from proxy.runner import make_runner
 from proxy.settings import ProxySettings
 
 STREAMS = 1000
@@ -43,18 +45,26 @@ def worker(tmp_path: Path) -> Iterator[tuple[str, str]]:
 
 
 @pytest.fixture
-async def base_url(aiohttp_server: Any, worker: tuple[str, str]) -> AsyncIterator[str]:
+async def base_url(worker: tuple[str, str]) -> AsyncIterator[str]:
+    """The proxy served as ``run_proxy`` serves it: its runner and listen backlog."""
     settings = ProxySettings(
         input_addr=worker[0], output_addr=worker[1], max_in_flight=2 * STREAMS, heartbeat_timeout=30
     )
-    server = await aiohttp_server(create_app(settings, ZmqEngineClient(settings)))
-    url = f"http://127.0.0.1:{server.port}"
-    async with httpx.AsyncClient() as c:
-        deadline = time.monotonic() + 30
-        while (await c.get(url + "/ready")).status_code != 200:
-            assert time.monotonic() < deadline, "worker not ready"
-            await asyncio.sleep(0.1)
-    yield url
+    runner = make_runner(create_app(settings, ZmqEngineClient(settings)))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, backlog=LISTEN_BACKLOG)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        url = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient() as c:
+            deadline = time.monotonic() + 30
+            while (await c.get(url + "/ready")).status_code != 200:
+                assert time.monotonic() < deadline, "worker not ready"
+                await asyncio.sleep(0.1)
+        yield url
+    finally:
+        await runner.cleanup()
 
 
 async def _stream(client: httpx.AsyncClient, url: str, i: int, leave_after: int | None) -> dict[str, Any]:
@@ -90,10 +100,10 @@ async def _stream(client: httpx.AsyncClient, url: str, i: int, leave_after: int 
                         usage = chunk["usage"]
             break
         except (httpx.ConnectError, httpx.ReadError):
-            # Only before any response byte: a connection the kernel's accept
-            # queue dropped while 1,000 clients connected at once (the client
-            # and server share this one event loop) never reached the proxy.
-            # Real clients retry these too.
+            # Only before any response byte, so the request never reached the
+            # proxy: a connection the kernel dropped while 1,000 clients
+            # connected at once to a loop they share with the server. Real
+            # clients retry these too.
             if text or attempt == 2:
                 raise
             await asyncio.sleep(0.5)
