@@ -44,29 +44,19 @@ def _wait_for(cond: object, timeout: float, what: str, log: Path) -> None:
         time.sleep(0.1)
 
 
+def _serve(log: Path, *args: str, **env_extra: str) -> tuple[subprocess.Popen[bytes], int]:
+    """``exl3-sidecar serve`` on a free loopback port with ``args``, its output in ``log``."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EXL3_SIDECAR_")} | env_extra
+    cmd = [sys.executable, "-m", "launcher", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    with log.open("wb") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env), port
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_serve_restarts_a_failing_worker_and_stops_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
-    port = _free_port()
     log = tmp_path / "serve.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EXL3_SIDECAR_")}
-    with log.open("wb") as f:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "launcher",
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--model-dir",
-                str(tmp_path / "no-such-model"),
-            ],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+    proc, port = _serve(log, "--model-dir", str(tmp_path / "no-such-model"))
     try:
         _wait_for(lambda: "restarting in 4 s" in log.read_text(), 60, "a second restart", log)
         text = log.read_text()
@@ -83,30 +73,10 @@ def test_serve_restarts_a_failing_worker_and_stops_cleanly(tmp_path: Path, sig: 
 
 
 def test_sigkill_of_serve_leaves_no_worker_and_no_socket_dir(tmp_path: Path) -> None:
-    port = _free_port()
     log = tmp_path / "serve.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EXL3_SIDECAR_")}
     # ipc:// paths must stay under ~107 bytes: a short runtime dir of our own.
     run = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))
-    env["XDG_RUNTIME_DIR"] = str(run)
-    with log.open("wb") as f:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "launcher",
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--backend",
-                "synthetic",
-            ],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
+    proc, port = _serve(log, "--backend", "synthetic", XDG_RUNTIME_DIR=str(run))
     try:
 
         def ready() -> bool:
