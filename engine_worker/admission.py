@@ -64,3 +64,10 @@ def check_prompt_fits(prompt_tokens: int, max_context: int, param: str, setting:
             "completion.",
             param=param,
         )
+
+
+def full_reservation(prompt_tokens: int, max_tokens: int, max_context: int) -> int:
+    """KV tokens a sequence can come to hold when its cache grows with every
+    token: its prompt plus every completion token it may produce within the
+    context."""
+    return prompt_tokens + min(max_tokens, max_context - prompt_tokens)

@@ -202,8 +202,7 @@ class EngineLoop:
     def _submit(self, msg: Submit, pending: list[Event]) -> None:
         ids = choice_ids(msg.request_id, max(1, msg.n))
         active = self._backend.active_ids()
-        known = self._queued_ids.keys() | self._preparing_ids.keys()
-        if any(rid in active or rid in known for rid in ids):
+        if any(rid in active or rid in self._queued_ids or rid in self._preparing_ids for rid in ids):
             duplicate = "duplicate request id"
             pending.extend(RequestError(rid, ErrorCode.INVALID_REQUEST, duplicate) for rid in ids)
             return

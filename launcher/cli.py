@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import subprocess
@@ -53,17 +54,17 @@ def worker(args: tuple[str, ...]) -> None:
 @click.argument("worker_args", nargs=-1, type=click.UNPROCESSED)
 def serve(worker_args: tuple[str, ...], **values: Any) -> None:
     """Run worker and proxy together: the embedded default model on port 5000."""
-    settings_from_options(values)  # every proxy option checked before anything starts
+    settings = settings_from_options(values)  # every proxy option checked before anything starts
     check = subprocess.run([*WORKER_COMMAND, "--check", *worker_args], check=False)
     if check.returncode != 0:
         raise SystemExit(check.returncode)
     with contextlib.ExitStack() as stack:
-        if values["input_addr"] is None or values["output_addr"] is None:
+        if settings.input_addr is None or settings.output_addr is None:
             # A directory of its own: two serves never share sockets.
             din, dout = default_addresses(stack.enter_context(instance_dir()))
-            values["input_addr"] = values["input_addr"] or din
-            values["output_addr"] = values["output_addr"] or dout
-        settings = settings_from_options(values)
+            settings = dataclasses.replace(
+                settings, input_addr=settings.input_addr or din, output_addr=settings.output_addr or dout
+            )
         setup_logging(settings.log_level)
         argv = [
             *WORKER_COMMAND,

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine_worker.admission import check_prompt_fits, validate_sampling
+from engine_worker.admission import check_prompt_fits, full_reservation, validate_sampling
 from engine_worker.backend import Backend, ModelInfo, Prepared, RequestRejected
 from engine_worker.cpu.detokenize import IncrementalDetokenizer, StopStringMatcher
 from engine_worker.cpu.kv_cache import SequenceKV
@@ -207,8 +207,7 @@ class CpuBackend:
     def reservation(self, prepared: Prepared) -> int:
         """Prompt plus every completion token the sequence may produce: its KV never
         grows past that, so admitted sequences never exceed ``kv_cache_mb``."""
-        n = prepared.prompt_tokens
-        return n + min(prepared.submit.params.max_tokens, self._max_context - n)
+        return full_reservation(prepared.prompt_tokens, prepared.submit.params.max_tokens, self._max_context)
 
     def kv_reserved(self) -> int:
         return sum(r.reservation for r in self._requests.values())

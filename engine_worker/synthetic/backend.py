@@ -21,7 +21,7 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from engine_worker.admission import check_prompt_fits
+from engine_worker.admission import check_prompt_fits, full_reservation
 from engine_worker.backend import ModelInfo, Prepared
 from engine_worker.settings import WorkerSettings
 from protocol.messages import (
@@ -97,8 +97,8 @@ class SyntheticBackend:
         return Prepared(submit, words, len(words), param)
 
     def reservation(self, prepared: Prepared) -> int:
-        n = prepared.prompt_tokens
-        return n + min(prepared.submit.params.max_tokens, self._info.max_context_tokens - n)
+        max_context = self._info.max_context_tokens
+        return full_reservation(prepared.prompt_tokens, prepared.submit.params.max_tokens, max_context)
 
     def kv_reserved(self) -> int:
         return sum(s.reservation for s in self._seqs.values())
