@@ -4,13 +4,12 @@ worker, one container of a pod. Options come from
 
 from __future__ import annotations
 
-import logging
-import sys
 from typing import Any
 
 import click
 
 from engine_worker.settings import WorkerSettings
+from protocol.logs import setup_logging
 from protocol.settings import click_options, from_options
 
 
@@ -26,11 +25,7 @@ def main(check: bool, **values: Any) -> None:
     settings = from_options(WorkerSettings, values)
     if check:
         return
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    setup_logging(settings.log_level, settings.log_format)
     from engine_worker.main import run_worker
 
     run_worker(settings)

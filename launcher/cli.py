@@ -15,8 +15,9 @@ import click
 
 from launcher.supervisor import WorkerSupervisor
 from protocol.endpoints import default_addresses, instance_dir
+from protocol.logs import setup_logging
 from protocol.settings import cli_args, click_options
-from proxy.cli import exit_on_bind_error, settings_from_options, setup_logging
+from proxy.cli import exit_on_bind_error, settings_from_options
 from proxy.cli import main as proxy_command
 from proxy.settings import ProxySettings
 
@@ -65,10 +66,10 @@ def serve(worker_args: tuple[str, ...], **values: Any) -> None:
             settings = dataclasses.replace(
                 settings, input_addr=settings.input_addr or din, output_addr=settings.output_addr or dout
             )
-        setup_logging(settings.log_level)
+        setup_logging(settings.log_level, settings.log_format)
         argv = [
             *WORKER_COMMAND,
-            *cli_args(settings, ("input_addr", "output_addr", "log_level")),
+            *cli_args(settings, ("input_addr", "output_addr", "log_level", "log_format")),
             "--parent-pid",
             str(os.getpid()),
             *worker_args,

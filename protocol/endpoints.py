@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
+from protocol.logs import LogFormat
 from protocol.settings import check_ranges, setting
 
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -90,7 +91,7 @@ def check_link_address(addr: str | None, setting: str) -> None:
 # No slots: subclasses call super().__post_init__(), which slotted dataclasses break.
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LinkSettings:
-    """The options both processes have: the two ZeroMQ endpoints and the log level.
+    """The options both processes have: the two ZeroMQ endpoints and the log level and format.
 
     Addresses left ``None`` mean ``default_addresses()``, resolved by ``addresses``
     (not at construction, which has no side effects). Raises ``ValueError``
@@ -108,6 +109,9 @@ class LinkSettings:
         "(default: ipc:// in a private runtime directory).",
     )
     log_level: LogLevel = setting("info", "Log level.")
+    log_format: LogFormat = setting(
+        "text", "Log line format: text, or json (one JSON object per line, for log collectors)."
+    )
 
     def __post_init__(self) -> None:
         check_ranges(self)

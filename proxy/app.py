@@ -1,7 +1,8 @@
 """Application factory and the server's run loop.
 
-``create_app`` wires routes, the error and API key middlewares and the engine
-client's start/close (``cleanup_ctx``); tests build the app from it.
+``create_app`` wires routes, the middlewares (request record/log/metrics, then
+errors, then API keys), the ``Metrics`` and the engine client's start/close
+(``cleanup_ctx``); tests build the app from it.
 ``run_proxy`` serves it (with ``proxy.runner.make_runner``) until
 SIGINT/SIGTERM, then runs the shutdown state machine of ``proxy.state``: stop
 admitting, drain, abort the rest, close.
@@ -20,6 +21,8 @@ from proxy.engine_client import EngineClient
 from proxy.errors import ProxyError, error_response, from_http_exception
 from proxy.handlers import add_routes
 from proxy.intake import check_api_key, key_digest
+from proxy.metrics import Metrics
+from proxy.request_log import METRICS, observe_middleware, record_of
 from proxy.runner import make_runner
 from proxy.settings import ProxySettings
 from proxy.state import STATE, ProxyState
@@ -33,8 +36,9 @@ when a few thousand clients connect within seconds; the kernel caps it at
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-OPEN_PATHS = frozenset({"/health", "/ready"})
-"""Routes served without an API key (probes)."""
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+"""Routes served without an API key: probes and the Prometheus scrape (which
+carries no request content; a pod's metrics port is for its scraper)."""
 
 
 @web.middleware
@@ -46,16 +50,18 @@ async def error_middleware(request: web.Request, handler: _Handler) -> web.Strea
     try:
         return await handler(request)
     except ProxyError as e:
-        return error_response(e)
+        err = e
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return error_response(from_http_exception(e))
+        err = from_http_exception(e)
     except asyncio.CancelledError:
         raise
     except Exception as e:
         log.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(ProxyError(f"Internal server error: {type(e).__name__}"))
+        err = ProxyError(f"Internal server error: {type(e).__name__}")
+    record_of(request).fail(err)
+    return error_response(err)
 
 
 @web.middleware
@@ -88,9 +94,11 @@ def create_app(settings: ProxySettings, engine_client: EngineClient) -> web.Appl
     raises ``ValueError`` naming it when it cannot be read or holds no key."""
     keys = frozenset(key_digest(k) for k in settings.api_keys())
     app = web.Application(
-        middlewares=[error_middleware, api_key_middleware], handler_args={"auto_decompress": False}
+        middlewares=[observe_middleware, error_middleware, api_key_middleware],
+        handler_args={"auto_decompress": False},
     )
     app[STATE] = ProxyState(settings, engine_client, api_keys=keys)
+    app[METRICS] = Metrics(engine_client)
     app.cleanup_ctx.append(_engine_lifetime)
     add_routes(app)
     return app

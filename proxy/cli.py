@@ -5,20 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 from typing import Any
 
 import click
 
+from protocol.logs import setup_logging
 from protocol.settings import click_options, from_options
 from proxy.settings import ProxySettings
-
-
-def setup_logging(level: str) -> None:
-    """Log lines to stderr at ``level``."""
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
 
 
 def settings_from_options(values: dict[str, Any]) -> ProxySettings:
@@ -37,7 +30,7 @@ def settings_from_options(values: dict[str, Any]) -> ProxySettings:
 def main(**values: Any) -> None:
     """Run the HTTP proxy alone (the sidecar container of a pod)."""
     settings = settings_from_options(values)
-    setup_logging(settings.log_level)
+    setup_logging(settings.log_level, settings.log_format)
     from proxy.app import run_proxy
     from proxy.engine_client import ZmqEngineClient
 

@@ -7,6 +7,7 @@
 - ``GET /health``: liveness, 200 while the process serves HTTP.
 - ``GET /ready``: readiness, 200 only once the worker handshake is done and the
   proxy is not draining, else 503.
+- ``GET /metrics``: Prometheus text exposition (``proxy.metrics``).
 
 A completion request passes ``proxy.intake`` first (media type, body size and
 read time; the API key is checked by ``proxy.app``'s middleware), is parsed, is
@@ -57,6 +58,7 @@ from proxy.errors import (
     envelope,
 )
 from proxy.intake import check_json_body, max_prompt_chars, read_body
+from proxy.metrics import CONTENT_TYPE
 from proxy.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -65,6 +67,7 @@ from proxy.openai_models import (
     prompt_chars,
     to_submit,
 )
+from proxy.request_log import METRICS, RequestRecord, record_of
 from proxy.responses import (
     CHAT,
     TEXT,
@@ -128,6 +131,13 @@ def _model_card(state: ProxyState) -> ModelCard:
     )
 
 
+async def metrics(request: web.Request) -> web.Response:
+    """The Prometheus scrape: every family of ``proxy.metrics`` in the text
+    exposition format."""
+    body = request.app[METRICS].exposition()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
 async def list_models(request: web.Request) -> web.Response:
     """``{"object": "list", "data": [model card]}``; 503 before the model name is known."""
     return _json(ModelList(data=[_model_card(request.app[STATE])]))
@@ -169,6 +179,9 @@ async def _serve(
     if worker is None or not state.engine.ready:
         raise EngineNotReady(NOT_READY_MESSAGE)
     request_id = fmt.id_prefix + uuid.uuid4().hex
+    record = record_of(request)
+    record.request_id = request_id
+    record.stream = req.stream
     submit = to_submit(req, request_id, worker.max_context_tokens)
     _check_limits(submit, settings.max_n, worker)
     header = ChunkHeader(fmt, request_id, int(time.time()), state.model_name() or worker.model_id)
@@ -180,10 +193,12 @@ async def _serve(
         state.active.add(stream)
         try:
             if req.stream:
-                return await _stream(request, state, stream, response)
+                return await _stream(request, state, stream, response, record)
             return await _complete(stream, response, settings.request_idle_timeout)
         finally:
             state.active.discard(stream)
+            if response.done:
+                record.complete(response.final_usage(), response.finished(), response.first_token_at)
             unfinished = response.unfinished_ids()
             if unfinished:
                 state.engine.abort(unfinished)
@@ -231,7 +246,11 @@ async def _complete(stream: RequestStream, response: ResponseState, idle_s: floa
 
 
 async def _stream(
-    request: web.Request, state: ProxyState, stream: RequestStream, response: ResponseState
+    request: web.Request,
+    state: ProxyState,
+    stream: RequestStream,
+    response: ResponseState,
+    record: RequestRecord,
 ) -> web.StreamResponse:
     ping_s = state.settings.sse_ping_interval
     idle_s = state.settings.request_idle_timeout
@@ -294,6 +313,7 @@ async def _stream(
                 buf.extend(sse.event(c) for c in out)
         await resp.write_eof()
     except ProxyError as e:
+        record.fail(e)
         await _write_error(resp, buf, e)
     except ConnectionResetError:
         log.debug("client of %s went away", response.header.id)
@@ -301,7 +321,9 @@ async def _stream(
         raise
     except Exception as e:
         log.exception("stream %s failed", response.header.id)
-        await _write_error(resp, buf, EngineInternalError(f"Internal error: {type(e).__name__}"))
+        err = EngineInternalError(f"Internal error: {type(e).__name__}")
+        record.fail(err)
+        await _write_error(resp, buf, err)
     return resp
 
 
@@ -325,3 +347,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)

@@ -1,12 +1,13 @@
-"""The HTTP server under the app: how connections are run, what the access log
-keeps, and the JSON envelope for requests the HTTP parser refuses.
+"""The HTTP server under the app: how connections are run, and the JSON
+envelope for requests the HTTP parser refuses.
 
 ``make_runner(app)`` builds the ``web.AppRunner`` that ``proxy.app.run_proxy``
 serves (and that tests serve on a real socket):
 
 - ``handler_cancellation=True``: a client that disconnects cancels its handler,
   which aborts its engine request even during a silent prefill;
-- ``ProbeQuietAccessLogger``: probe lines only at DEBUG;
+- no aiohttp access log: ``proxy.request_log`` writes the one line per request
+  (with its tokens and latencies), probes only at DEBUG;
 - connections are ``EnvelopeRequestHandler``s: a request aiohttp's parser
   refuses (too many headers, a request line or header line over 8190 bytes, a
   bad ``Content-Length``, an invalid method, TLS on the plain port) gets the
@@ -19,7 +20,6 @@ from __future__ import annotations
 import logging
 
 from aiohttp import web
-from aiohttp.web_log import AccessLogger
 
 from proxy.errors import BadHttpRequest, GatewayTimeout, ProxyError, error_response
 
@@ -27,28 +27,6 @@ log = logging.getLogger(__name__)
 
 HANDLER_SHUTDOWN_S = 5.0
 """After the drain, how long aiohttp waits for handlers before cancelling them."""
-
-PROBE_PATHS = frozenset({"/health", "/ready", "/metrics"})
-"""Paths Kubernetes and Prometheus poll every few seconds; their access lines
-appear only when the log level is DEBUG."""
-
-LOGGED: web.ResponseKey[bool] = web.ResponseKey("logged", bool)
-"""Set on a response whose request was already logged in one line of its own
-(a request the HTTP parser refused): the access log skips it."""
-
-
-class ProbeQuietAccessLogger(AccessLogger):
-    """aiohttp's access log, without the lines of ``PROBE_PATHS`` unless DEBUG
-    is on (a probe every 2 s would otherwise bury the requests that matter),
-    and without a second line for a request already logged (``LOGGED``)."""
-
-    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
-        if response.get(LOGGED):
-            return
-        if request.path in PROBE_PATHS and not self.logger.isEnabledFor(logging.DEBUG):
-            return
-        super().log(request, response, time)
-
 
 def _reason(exc: BaseException | None, message: str | None) -> str:
     """aiohttp's words for a parse error, without the client's bytes it quotes
@@ -102,7 +80,6 @@ class EnvelopeRequestHandler(web.RequestHandler):
         err.status = status
         resp = error_response(err)
         resp.force_close()
-        resp[LOGGED] = 400 <= status < 500
         return resp
 
 
@@ -138,5 +115,5 @@ def make_runner(app: web.Application) -> web.AppRunner:
         app,
         handler_cancellation=True,
         shutdown_timeout=HANDLER_SHUTDOWN_S,
-        access_log_class=ProbeQuietAccessLogger,
+        access_log=None,
     )

@@ -23,6 +23,7 @@ the request's ``proxy.responses.ResponseFormat``):
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 from msgspec import UNSET, UnsetType
@@ -75,6 +76,8 @@ class ResponseState:
         self._last_progress: PrefillProgress | None = None
         self._progress_closed = False
         self._unfinished = len(request_ids)
+        self.first_token_at: float | None = None
+        """``time.monotonic()`` when the first token of any choice arrived."""
 
     @property
     def done(self) -> bool:
@@ -159,6 +162,8 @@ class ResponseState:
     def _on_delta(self, choice: _Choice, ev: TokenDelta, out: list[StreamChunk]) -> None:
         if not choice.generating:
             choice.generating = True
+            if self.first_token_at is None:
+                self.first_token_at = time.monotonic()
             if choice.index == 0 and self.flags.progress:
                 self._close_progress(out)
         choice.completion_tokens += ev.num_tokens
@@ -186,7 +191,7 @@ class ResponseState:
 
     def final_usage(self) -> Usage:
         """Usage of the finished response (``responses.final_usage``). Call when ``done``."""
-        return responses.final_usage(self._finished())
+        return responses.final_usage(self.finished())
 
     def usage_chunk(self) -> StreamChunk:
         """The last chunk of a stream with ``include_usage``: ``choices: []`` + usage."""
@@ -195,9 +200,10 @@ class ResponseState:
 
     def response(self) -> Completion:
         """The non-stream response body. Call when ``done``."""
-        return responses.response(self.header, ["".join(c.texts) for c in self._choices], self._finished())
+        return responses.response(self.header, ["".join(c.texts) for c in self._choices], self.finished())
 
-    def _finished(self) -> list[Finished]:
+    def finished(self) -> list[Finished]:
+        """The ``Finished`` event of every choice, in choice order. Call when ``done``."""
         out = [c.finished for c in self._choices]
         if any(f is None for f in out):
             raise RuntimeError("response is not finished")
