@@ -14,9 +14,10 @@ bounded FIFO queue until all its choices fit together: running sequences plus
 ``kv_cache_tokens`` (``ModelInfo``). A request that can never fit is refused at
 once (``n`` over the batch size: ``INVALID_REQUEST``; KV:
 ``CONTEXT_LENGTH_EXCEEDED``), and so is one that finds the queue full
-(``QUEUE_FULL``). Every sequence the worker drops gets a terminal event:
-refused, failed in a step, or still queued, preparing or running when the
-worker stops.
+(``QUEUE_FULL``). While a request waits it gets ``QueueProgress`` events: when
+queued and whenever its position changes (``_report_queue``). Every sequence
+the worker drops gets a terminal event: refused, failed in a step, or still
+queued, preparing or running when the worker stops.
 """
 
 from __future__ import annotations
@@ -42,13 +43,14 @@ from protocol import (
     EventBatch,
     Heartbeat,
     Hello,
+    QueueProgress,
     Ready,
     RequestError,
     Submit,
     choice_ids,
     choice_seed,
 )
-from protocol.messages import SamplingParams
+from protocol.messages import QUEUE_PROGRESS_INTERVAL_S, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,35 @@ class _Queued:
     prepared: Prepared
     ids: list[str]
     reservation: int  # KV tokens of all n choices
+    queued_at: float  # time.monotonic()
+    waited: bool = False  # still queued after the admission pass that queued it
+    position: int = 0  # last position sent in a QueueProgress; 0: none sent
+    reported_at: float = 0.0
+
+
+class QueueRate:
+    """How fast the queue empties: the times of the last ``window`` departures
+    of requests that had to wait (a request admitted at once says nothing about
+    the wait). ``eta(position, now)`` is the seconds until ``position`` more
+    departures at the measured mean interval, counted from the last departure;
+    ``None`` (no guess) with fewer than 3 departures, or when the last one is
+    older than 3 mean intervals (the rate no longer holds: a long prefill, a
+    batch of long generations)."""
+
+    def __init__(self, window: int = 8) -> None:
+        self._times: deque[float] = deque(maxlen=window)
+
+    def departed(self, now: float) -> None:
+        self._times.append(now)
+
+    def eta(self, position: int, now: float) -> float | None:
+        t = self._times
+        if len(t) < 3:
+            return None
+        interval = (t[-1] - t[0]) / (len(t) - 1)
+        if now - t[-1] > 3 * interval:
+            return None
+        return max(0.0, t[-1] + position * interval - now)
 
 
 @dataclass(slots=True)
@@ -96,6 +127,7 @@ class EngineLoop:
         self._preparing: deque[_Preparing] = deque()
         self._preparing_ids: dict[str, _Preparing] = {}
         self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="worker-prepare")
+        self._queue_rate = QueueRate()
         # Written by the loop thread only, read by the heartbeat thread.
         self._waiting = 0
         self._running = 0
@@ -142,6 +174,8 @@ class EngineLoop:
                     self._step_started = 0.0
                     self._admit(pending)
                     self._update_stats()
+                if self._queue:
+                    self._report_queue(pending)
                 if pending:
                     self._sockets.send(EventBatch(pending))
             dropped = self._drop_all("the engine worker is shutting down")
@@ -260,12 +294,35 @@ class EngineLoop:
             text = f"admission failed: {type(e).__name__}: {e}"
             pending.extend(RequestError(rid, ErrorCode.INTERNAL, text) for rid in ids)
             return
-        queued = _Queued(prepared, ids, reservation)
+        queued = _Queued(prepared, ids, reservation, time.monotonic())
         self._queue.append(queued)
         for rid in ids:
             self._queued_ids[rid] = queued
         # At once, so the queue holds only what cannot start yet.
         self._admit(pending)
+        queued.waited = True
+
+    def _report_queue(self, pending: list[Event]) -> None:
+        """A ``QueueProgress`` for each waiting request whose position changed
+        (or that was just queued), at most every ``QUEUE_PROGRESS_INTERVAL_S``."""
+        now = time.monotonic()
+        waiting = len(self._queue)
+        rate = self._queue_rate
+        for position, q in enumerate(self._queue, 1):
+            if q.position == position or (q.position and now - q.reported_at < QUEUE_PROGRESS_INTERVAL_S):
+                continue
+            q.position = position
+            q.reported_at = now
+            eta = rate.eta(position, now)
+            pending.append(
+                QueueProgress(
+                    q.ids[0],
+                    position,
+                    waiting,
+                    round((now - q.queued_at) * 1000),
+                    None if eta is None else round(eta * 1000),
+                )
+            )
 
     def _unqueue(self, queued: _Queued) -> None:
         self._queue.remove(queued)
@@ -288,6 +345,8 @@ class EngineLoop:
             if not self._fits_now(len(head.ids), head.reservation):
                 return
             self._unqueue(head)
+            if head.waited:
+                self._queue_rate.departed(time.monotonic())
             self._start(head, pending)
 
     def _start(self, queued: _Queued, pending: list[Event]) -> None:

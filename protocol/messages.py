@@ -8,10 +8,11 @@ end, never reorder or remove, and only add enum values. Anything else bumps
 
 Direction proxy -> worker (``ProxyMessage``): ``Hello``, ``Submit``, ``Abort``.
 Direction worker -> proxy (``WorkerMessage``): ``Ready``, ``Heartbeat``,
-``EventBatch`` (the events of one engine step: ``Started``, ``PrefillProgress``,
+``EventBatch`` (the events of one engine step: ``QueueProgress``, ``Started``, ``PrefillProgress``,
 ``TokenDelta``, ``Finished``, ``RequestError``).
 
-Per request the worker emits, in order: ``Started``; one or more
+Per request the worker emits, in order: ``QueueProgress`` while it waits in the
+worker's queue (none when it starts at once); ``Started``; one or more
 ``PrefillProgress`` (the first with ``processed == cached``, the last with
 ``processed == total``); zero or more ``TokenDelta``; then exactly one of
 ``Finished`` or ``RequestError``. Counts are tokens, times are seconds unless a
@@ -172,6 +173,28 @@ class Heartbeat(_Msg, frozen=True, tag="heartbeat"):
     step_s: float = 0.0
 
 
+class QueueProgress(_Msg, frozen=True, tag="queued"):
+    """The request waits in the worker's queue for a batch slot or KV-cache room.
+
+    Sent for choice 0's id (``choice_ids``; all choices wait together) when the
+    request is queued and whenever its ``position`` changes, at most every
+    ``QUEUE_PROGRESS_INTERVAL_S``. ``position``: 1-based among the waiting
+    requests (1: next to start); ``queued``: requests waiting; ``time_ms``: ms
+    since it was queued; ``eta_ms``: estimated ms until it starts, from the
+    rate at which the queue has been emptying, ``None`` when that rate is not
+    known well enough to say."""
+
+    request_id: str
+    position: int
+    queued: int
+    time_ms: int
+    eta_ms: int | None = None
+
+
+QUEUE_PROGRESS_INTERVAL_S = 0.25
+"""Least seconds between two ``QueueProgress`` events of one request."""
+
+
 class Started(_Msg, frozen=True, tag="started"):
     """The prompt is tokenized and admitted. ``cached_tokens`` of the
     ``prompt_tokens`` are reused from the prefix cache."""
@@ -236,7 +259,7 @@ class RequestError(_Msg, frozen=True, tag="error"):
     param: str | None = None
 
 
-Event = Started | PrefillProgress | TokenDelta | Finished | RequestError
+Event = QueueProgress | Started | PrefillProgress | TokenDelta | Finished | RequestError
 
 
 class EventBatch(_Msg, frozen=True, tag="events"):

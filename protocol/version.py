@@ -5,4 +5,5 @@ proxy refuses a worker whose version differs, because the two containers of a
 pod are upgraded separately.
 """
 
-PROTOCOL_VERSION: int = 2
+PROTOCOL_VERSION: int = 3
+# 3: QueueProgress joins the Event union (a proxy of version 2 could not decode it).

@@ -45,6 +45,7 @@ from protocol.messages import (
     Hello,
     PrefillProgress,
     ProxyMessage,
+    QueueProgress,
     Ready,
     RequestError,
     Submit,
@@ -91,7 +92,8 @@ class RequestStream:
     once with ``get``. At most ``max_pending`` events wait: beyond that a
     ``TokenDelta`` is merged into the pending delta of the same request (text
     concatenated, ``num_tokens`` summed) and a ``PrefillProgress`` replaces the
-    pending intermediate progress of the same request, so a client that reads
+    pending intermediate progress of the same request (a ``QueueProgress`` the
+    pending one), so a client that reads
     slower than the engine writes costs memory proportional to its text, not to
     its event count. ``Started``/``Finished``/``RequestError`` are never merged
     (there are few per request).
@@ -139,7 +141,7 @@ class RequestStream:
                 last.parts.append(ev.text)
                 last.num_tokens += ev.num_tokens
                 return True
-        elif (
+        elif (isinstance(ev, QueueProgress) and isinstance(last, QueueProgress)) or (
             isinstance(ev, PrefillProgress)
             and isinstance(last, PrefillProgress)
             # The first progress (processed == cached) marks the start; keep it.

@@ -25,6 +25,8 @@ When the SSE headers go out: a stream first waits for every choice's first event
 (``Started``, or a ``RequestError`` such as ``context_length_exceeded``, which
 then becomes a real 400), but at most ``sse_ping_interval_s``; after that the
 headers are sent with a ``: ping`` and later errors can only be error events.
+With ``return_progress`` a ``queue_progress`` chunk also sends them: the worker
+queues a request only after every check that refuses one.
 
 Disconnects: the server runs with ``handler_cancellation=True``, so a client
 that goes away cancels its handler wherever it waits (a silent prefill
@@ -261,7 +263,9 @@ async def _stream(
     last_event = loop.time()
     deadline = last_event + ping_s
     silent = False
-    while not (response.started or response.done):
+    # A queue_progress chunk (the request waits in the worker's queue, after
+    # every check that could refuse it) is worth sending the headers for.
+    while not (response.started or response.done or out):
         now = loop.time()
         if now >= last_event + idle_after:
             raise _idle_timeout(idle_s)

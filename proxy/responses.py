@@ -11,7 +11,7 @@ in ``proxy.streaming``.
 Sources: the OpenAI API reference (``chat.completion``,
 ``chat.completion.chunk``, ``text_completion``, usage, model and error objects),
 llama.cpp's server (``prompt_progress``), vLLM (``continuous_usage_stats``,
-``max_model_len``).
+``max_model_len``); ``queue_progress`` is this server's (``docs/http-contract.md``).
 
 Stream chunk (``StreamChunk``)::
 
@@ -21,9 +21,11 @@ Stream chunk (``StreamChunk``)::
      "choices": [choice],                         # exactly one; [] on the usage chunk
      "prompt_progress": {"total": int, "cache": int, "processed": int,
                          "time_ms": int},         # progress chunks only
-     "usage": usage | null}                       # only with include_usage: null,
+     "usage": usage | null,                       # only with include_usage: null,
                                                   # running usage (continuous), or the
                                                   # final usage on the usage chunk
+     "queue_progress": {"position": int, "queued": int, "time_ms": int,
+                        "eta_ms": int}}           # queue chunks only; eta_ms when known
 
     chat choice: {"index": int, "delta": {"role": "assistant", "content": str | null},
                   "logprobs": null, "finish_reason": str | null}
@@ -75,7 +77,7 @@ from typing import Final, Literal, Protocol
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from protocol.messages import Finished, PrefillProgress
+from protocol.messages import Finished, PrefillProgress, QueueProgress
 
 encode = msgspec.json.Encoder().encode
 """One JSON body (no SSE framing, no line-separator escaping: a complete
@@ -220,6 +222,21 @@ class PromptProgress(msgspec.Struct, frozen=True, gc=False):
         return cls(ev.total, ev.cached, ev.processed, ev.time_ms)
 
 
+class QueuePosition(msgspec.Struct, frozen=True, gc=False):
+    """``queue_progress``: 1-based ``position`` among the ``queued`` requests
+    waiting in the worker, ms since queued, and ``eta_ms`` only when the worker
+    can estimate it (``protocol.messages.QueueProgress``)."""
+
+    position: int
+    queued: int
+    time_ms: int
+    eta_ms: int | UnsetType = UNSET
+
+    @classmethod
+    def of(cls, ev: QueueProgress) -> QueuePosition:
+        return cls(ev.position, ev.queued, ev.time_ms, UNSET if ev.eta_ms is None else ev.eta_ms)
+
+
 class StreamChunk(msgspec.Struct, gc=False):
     """One streamed chunk (shape in the module docstring)."""
 
@@ -230,6 +247,7 @@ class StreamChunk(msgspec.Struct, gc=False):
     choices: list[StreamChoice]
     prompt_progress: PromptProgress | UnsetType = UNSET
     usage: Usage | UnsetType | None = UNSET
+    queue_progress: QueuePosition | UnsetType = UNSET
 
 
 class Completion(msgspec.Struct, gc=False):

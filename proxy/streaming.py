@@ -10,6 +10,9 @@ the request's ``proxy.responses.ResponseFormat``):
   ``TokenDelta`` text is never sent (no ``content: ""`` fillers);
 - ``finish_reason`` is on the last chunk of each choice; the usage chunk
   (``choices: []``) comes after all of them, only with ``include_usage``;
+- ``queue_progress`` chunks only for choice 0, only when requested, only while
+  the request waits in the worker's queue (none once it ``Started``), with a
+  position that never increases;
 - ``prompt_progress`` chunks only for choice 0, only when requested, never once
   generation started, never with ``processed`` going backwards, and none after
   the one with ``processed == total`` (an engine re-running prefill mid-stream,
@@ -28,10 +31,26 @@ from dataclasses import dataclass, field
 
 from msgspec import UNSET, UnsetType
 
-from protocol.messages import Event, Finished, PrefillProgress, RequestError, Started, TokenDelta
+from protocol.messages import (
+    Event,
+    Finished,
+    PrefillProgress,
+    QueueProgress,
+    RequestError,
+    Started,
+    TokenDelta,
+)
 from proxy import responses
 from proxy.errors import from_request_error
-from proxy.responses import ChunkHeader, Completion, PromptProgress, StreamChoice, StreamChunk, Usage
+from proxy.responses import (
+    ChunkHeader,
+    Completion,
+    PromptProgress,
+    QueuePosition,
+    StreamChoice,
+    StreamChunk,
+    Usage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +93,7 @@ class ResponseState:
         self._choices = [_Choice(i) for i in range(len(request_ids))]
         self._by_id = dict(zip(request_ids, self._choices, strict=True))
         self._last_progress: PrefillProgress | None = None
+        self._last_position: int | None = None
         self._progress_closed = False
         self._unfinished = len(request_ids)
         self.first_token_at: float | None = None
@@ -111,6 +131,9 @@ class ResponseState:
                 self._on_progress(ev, out)
         elif isinstance(ev, Started):
             choice.started = ev
+        elif isinstance(ev, QueueProgress):
+            if choice.index == 0 and self.flags.progress and choice.started is None:
+                self._on_queue(ev, out)
         else:
             self._on_finished(choice, ev, out)
 
@@ -122,6 +145,16 @@ class ResponseState:
             usage = None
         h = self.header
         return StreamChunk(h.id, self._object, h.created, h.model, [choice], progress, usage)
+
+    def _on_queue(self, ev: QueueProgress, out: list[StreamChunk]) -> None:
+        last = self._last_position
+        if last is not None and ev.position >= last:
+            return
+        self._last_position = ev.position
+        self._choices[0].first_sent = True
+        chunk = self._chunk(self._fmt.progress_choice())
+        chunk.queue_progress = QueuePosition.of(ev)
+        out.append(chunk)
 
     def _progress_chunk(self, ev: PrefillProgress) -> StreamChunk:
         self._choices[0].first_sent = True

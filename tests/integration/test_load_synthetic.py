@@ -6,65 +6,31 @@ from __future__ import annotations
 
 import asyncio
 import random
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
-from aiohttp import web
 from httpx_sse import aconnect_sse
 
 from engine_worker.synthetic import expected_text, prompt_words
 from protocol import ChatMessage, SamplingParams, Submit
-from proxy.app import LISTEN_BACKLOG, create_app
-from proxy.engine_client import ZmqEngineClient
-from proxy.runner import make_runner
-from proxy.settings import ProxySettings
+from tests.integration.synthetic import served_proxy, synthetic_worker
 
 STREAMS = 1000
 MAX_TOKENS = 20
 
 
 @pytest.fixture
-def worker(tmp_path: Path) -> Iterator[tuple[str, str]]:
-    addrs = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "engine_worker", "--backend", "synthetic", "--synthetic-step-ms", "20",
-         "--max-batch-size", str(2 * STREAMS), "--input-addr", addrs[0], "--output-addr", addrs[1]],
-    )  # fmt: skip
-    try:
-        yield addrs
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-@pytest.fixture
-async def base_url(worker: tuple[str, str]) -> AsyncIterator[str]:
-    """The proxy served as ``run_proxy`` serves it: its runner and listen backlog."""
-    settings = ProxySettings(
-        input_addr=worker[0], output_addr=worker[1], max_in_flight=2 * STREAMS, heartbeat_timeout=30
-    )
-    runner = make_runner(create_app(settings, ZmqEngineClient(settings)))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, backlog=LISTEN_BACKLOG)
-    await site.start()
-    try:
-        port = runner.addresses[0][1]
-        url = f"http://127.0.0.1:{port}"
-        async with httpx.AsyncClient() as c:
-            deadline = time.monotonic() + 30
-            while (await c.get(url + "/ready")).status_code != 200:
-                assert time.monotonic() < deadline, "worker not ready"
-                await asyncio.sleep(0.1)
-        yield url
-    finally:
-        await runner.cleanup()
+async def base_url(tmp_path: Path) -> AsyncIterator[str]:
+    with synthetic_worker(
+        tmp_path, "--synthetic-step-ms", "20", "--max-batch-size", str(2 * STREAMS)
+    ) as addrs:
+        async with served_proxy(addrs, max_in_flight=2 * STREAMS, heartbeat_timeout=30) as url:
+            yield url
 
 
 async def _stream(client: httpx.AsyncClient, url: str, i: int, leave_after: int | None) -> dict[str, Any]:

@@ -5,57 +5,25 @@ the token counters equal the usage the streams were sent."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
-from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.app import create_app
-from proxy.engine_client import ZmqEngineClient
-from proxy.runner import make_runner
-from proxy.settings import ProxySettings
+from tests.integration.synthetic import served_proxy, synthetic_worker
 
 
 @pytest.fixture
-def worker(tmp_path: Path) -> Iterator[tuple[str, str]]:
-    addrs = f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "engine_worker", "--backend", "synthetic", "--synthetic-step-ms", "20",
-         "--max-batch-size", "1", "--heartbeat-interval", "0.05",
-         "--input-addr", addrs[0], "--output-addr", addrs[1]],
-    )  # fmt: skip
-    try:
-        yield addrs
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-@pytest.fixture
-async def base_url(worker: tuple[str, str]) -> AsyncIterator[str]:
-    settings = ProxySettings(input_addr=worker[0], output_addr=worker[1])
-    runner = make_runner(create_app(settings, ZmqEngineClient(settings)))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-        async with httpx.AsyncClient() as c:
-            deadline = time.monotonic() + 30
-            while (await c.get(url + "/ready")).status_code != 200:
-                assert time.monotonic() < deadline, "worker not ready"
-                await asyncio.sleep(0.1)
-        yield url
-    finally:
-        await runner.cleanup()
+async def base_url(tmp_path: Path) -> AsyncIterator[str]:
+    args = ("--synthetic-step-ms", "20", "--max-batch-size", "1", "--heartbeat-interval", "0.05")
+    with synthetic_worker(tmp_path, *args) as addrs:
+        async with served_proxy(addrs) as url:
+            yield url
 
 
 def gauges(text: str) -> dict[str, float]:

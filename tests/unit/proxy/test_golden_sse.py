@@ -27,7 +27,17 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from protocol import ErrorCode, Event, Finished, FinishReason, RequestError, Started, Submit, TokenDelta
+from protocol import (
+    ErrorCode,
+    Event,
+    Finished,
+    FinishReason,
+    QueueProgress,
+    RequestError,
+    Started,
+    Submit,
+    TokenDelta,
+)
 from tests.fakes.engine_client import FakeEngineClient, Script, Step, completion_events, static_script
 from tests.unit.proxy.conftest import MakeClient
 
@@ -87,6 +97,17 @@ def _error_after_headers(rid: str) -> list[Event]:
     ]
 
 
+def _queued(rid: str) -> list[Event]:
+    # Positions 3 -> 2 -> 1, a repeated 2 (dropped: no change), eta only on the last.
+    return [
+        QueueProgress(rid, 3, 3, 0),
+        QueueProgress(rid, 2, 2, 250),
+        QueueProgress(rid, 2, 2, 260),
+        QueueProgress(rid, 1, 1, 500, 1200),
+        *completion_events(rid, ["ok"], prompt_tokens=4, chunk=4, times=TIMES),
+    ]
+
+
 def _empty_completion(rid: str) -> list[Event]:
     return [Started(rid, 3, 0), Finished(rid, FinishReason.STOP, 3, 0, 0)]
 
@@ -131,6 +152,13 @@ CASES: dict[str, Case] = {
         CHAT,
         {"messages": MSGS, "n": 2, "stream": True, "stream_options": {"include_usage": True}},
     ),
+    "chat_stream_queued": Case(
+        events_script(_queued),
+        "POST",
+        CHAT,
+        {"messages": MSGS, "stream": True, "return_progress": True},
+    ),
+    "text_stream_queued_no_flag": Case(events_script(_queued), "POST", TEXT, {"prompt": "x", "stream": True}),
     "chat_stream_plain": Case(static_script(["Hi", "!"]), "POST", CHAT, {"messages": MSGS, "stream": True}),
     "chat_stream_empty_completion": Case(
         events_script(_empty_completion), "POST", CHAT, {"messages": MSGS, "stream": True}
