@@ -1,4 +1,4 @@
-"""The ``exl3-sidecar`` command group: ``serve``, ``worker``, ``proxy`` (see the package docstring)."""
+"""The ``exl3-sidecar`` commands: ``serve``, ``worker``, ``proxy``, ``chat`` (see the package docstring)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 
 import click
 
+from launcher.chat import chat as chat_command
 from launcher.supervisor import WorkerSupervisor
 from protocol.endpoints import default_addresses, instance_dir
 from protocol.logs import setup_logging
@@ -33,6 +34,7 @@ def main() -> None:
 
 
 main.add_command(proxy_command, "proxy")
+main.add_command(chat_command, "chat")
 
 
 @main.command(

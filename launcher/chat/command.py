@@ -1,0 +1,184 @@
+"""The ``exl3-sidecar chat`` command: options, where the prompt comes from, exit status."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+import click
+
+DEFAULT_BASE_URL = "http://127.0.0.1:5000/v1"
+"""Where ``exl3-sidecar serve`` listens by default; like the OpenAI SDKs' ``base_url``, it ends in ``/v1``."""
+
+EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+
+
+@click.command(
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
+    short_help="Stream an answer from any OpenAI-compatible server.",
+)
+@click.argument("prompt", required=False)
+@click.option(
+    "-f",
+    "--file",
+    "prompt_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Read the prompt from this file (UTF-8).",
+)
+@click.option("-s", "--system", help="System message, sent before the prompt.")
+@click.option("-m", "--model", help='Model name. Default: the first id from GET /v1/models, else "default".')
+@click.option(
+    "--max-tokens", type=click.IntRange(min=1), help="Most tokens to generate (default: the server's)."
+)
+@click.option(
+    "--temperature", type=click.FloatRange(min=0), help="Sampling temperature (default: the server's)."
+)
+@click.option(
+    "--api-key",
+    help="Sent as 'Authorization: Bearer KEY'. Default: $EXL3_SIDECAR_API_KEY (its first key), "
+    "else $OPENAI_API_KEY. Prefer the variables: a command line shows up in ps.",
+)
+@click.option(
+    "--base-url",
+    default=DEFAULT_BASE_URL,
+    show_default=True,
+    help="The server's OpenAI base URL, /v1 included.",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True),
+    default=600.0,
+    show_default=True,
+    help="Seconds the server may send nothing before the client gives up.",
+)
+@click.option("--plain", is_flag=True, help="Plain lines even on a terminal.")
+def chat(
+    prompt: str | None,
+    prompt_file: Path | None,
+    system: str | None,
+    model: str | None,
+    max_tokens: int | None,
+    temperature: float | None,
+    api_key: str | None,
+    base_url: str,
+    timeout: float,
+    plain: bool,
+) -> None:
+    """Send a prompt to any OpenAI-compatible server and stream the answer.
+
+    The prompt is PROMPT, the file given with --file, or stdin (no PROMPT, or -). While
+    the request waits in the server's queue and while the prompt is prefilled, it shows
+    the queue position and the prefill progress, when the server sends them (this
+    server does; llama.cpp's sends prefill progress). Then the answer, then the usage:
+    prompt tokens and the cached share, completion tokens, draft acceptance, time to
+    first token and decode speed.
+
+    The answer goes to stdout and nothing else does; progress, usage and errors go to
+    stderr. When stdout and stderr are both a terminal, progress is drawn live;
+    otherwise (or with --plain) all of it is plain lines, without escape codes.
+
+    Exit status: 0 done, 1 error (the server's message is shown), 2 bad usage, 130
+    interrupted (Ctrl-C closes the stream, which makes the server stop the work).
+    """
+    code = 0
+    try:
+        code = _chat(
+            prompt, prompt_file, system, model, max_tokens, temperature, api_key, base_url, timeout, plain
+        )
+    except BrokenPipeError:
+        # The reader of stdout went away (| head): stop quietly; the stream was closed on the way out.
+        _silence_stdout()
+        code = EXIT_ERROR
+    except KeyboardInterrupt:  # Ctrl-C before the request: nothing to close
+        code = EXIT_INTERRUPTED
+    if code:
+        raise SystemExit(code)
+
+
+def _chat(
+    prompt: str | None,
+    prompt_file: Path | None,
+    system: str | None,
+    model: str | None,
+    max_tokens: int | None,
+    temperature: float | None,
+    api_key: str | None,
+    base_url: str,
+    timeout: float,
+    plain: bool,
+) -> int:
+    # Imported here, not at the top: `exl3-sidecar serve` and `proxy` load this module to
+    # register the command and never need the HTTP client or rich.
+    from launcher.chat.client import ChatError, ChatRequest, first_model_id, open_client
+    from launcher.chat.session import View, run_turn
+
+    text = _read_prompt(prompt, prompt_file)
+    messages: tuple[dict[str, str], ...] = ({"role": "system", "content": system},) if system else ()
+    messages += ({"role": "user", "content": text},)
+    view: View
+    if plain or not _is_terminal():
+        from launcher.chat.plain import PlainView
+
+        view = PlainView(sys.stdout, sys.stderr)
+    else:
+        from rich.console import Console
+
+        from launcher.chat.terminal import TerminalView
+
+        view = TerminalView(Console(), Console(stderr=True))
+    try:
+        with open_client(base_url, api_key or _env_api_key(), timeout) as client:
+            request = ChatRequest(model or first_model_id(client), messages, max_tokens, temperature)
+            run_turn(client, request, view)
+    except ChatError as e:
+        view.failed(str(e))
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        view.failed("interrupted")
+        return EXIT_INTERRUPTED
+    finally:
+        view.close()
+    return 0
+
+
+def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
+    if prompt is not None and prompt_file is not None:
+        raise click.UsageError("give the prompt as PROMPT or with --file, not both")
+    if prompt_file is not None:
+        try:
+            text = prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise click.UsageError(f"cannot read --file {prompt_file}: {e}") from e
+    elif prompt is None or prompt == "-":
+        if prompt is None and sys.stdin.isatty():
+            raise click.UsageError("no prompt: give PROMPT, --file PATH, or pipe it on stdin")
+        text = sys.stdin.read()
+    else:
+        return prompt
+    # `echo hi | exl3-sidecar chat` means "hi": the newline that ends the file is not part of the prompt.
+    text = text.rstrip("\r\n")
+    if not text.strip():
+        raise click.UsageError("the prompt is empty")
+    return text
+
+
+def _env_api_key() -> str | None:
+    # The server reads EXL3_SIDECAR_API_KEY as a comma-separated list of accepted keys; a client sends one.
+    keys = [k.strip() for k in os.environ.get("EXL3_SIDECAR_API_KEY", "").split(",")]
+    return next((k for k in keys if k), None) or os.environ.get("OPENAI_API_KEY") or None
+
+
+def _is_terminal() -> bool:
+    # Both streams: a live display on stderr while stdout goes to a file would mix escape
+    # codes into a log as often as not, and plain lines lose nothing there.
+    return sys.stdout.isatty() and sys.stderr.isatty() and os.environ.get("TERM") != "dumb"
+
+
+def _silence_stdout() -> None:
+    # Python flushes stdout at exit and would report the broken pipe again.
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())

@@ -1,0 +1,80 @@
+"""One chat turn: stream the chunks, measure the times, tell a view what happens.
+
+The view decides how things look (``plain.PlainView`` for pipes,
+``terminal.TerminalView`` for a terminal); this module decides what happened
+and when. Times come from one monotonic clock, in seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import httpx
+
+from launcher.chat.client import ChatRequest, stream_chunks
+from launcher.chat.stats import Prefill, Summary, summarize
+from launcher.chat.wire import QueueProgress, Usage
+
+
+class View(Protocol):
+    """What a chat turn shows, called in this order: ``started``; any ``queued``, then
+    any ``prefill``; ``content`` for each piece of answer text; ``finished`` or
+    ``failed``; ``close`` always, last (it stops anything still drawing)."""
+
+    def started(self) -> None: ...
+    def queued(self, queue: QueueProgress) -> None: ...
+    def prefill(self, prefill: Prefill) -> None: ...
+    def content(self, text: str) -> None: ...
+    def finished(self, summary: Summary) -> None: ...
+    def failed(self, message: str) -> None: ...
+    def close(self) -> None: ...
+
+
+def run_turn(
+    client: httpx.Client,
+    request: ChatRequest,
+    view: View,
+    clock: Callable[[], float] = time.monotonic,
+) -> Summary:
+    """Stream ``request`` through ``view`` and return its summary.
+
+    Raises ``ChatError`` (the view has not been told; the caller says how it
+    ended). Progress that arrives out of its phase is dropped: queue progress
+    after prefill started, prefill progress after the first token (an engine
+    that re-runs prefill mid-answer is not prefilling the user's prompt).
+    """
+    view.started()
+    sent_at = clock()
+    first_at: float | None = None
+    last_at: float | None = None
+    usage: Usage | None = None
+    finish_reason: str | None = None
+    prefilling = False
+    with contextlib.closing(stream_chunks(client, request)) as chunks:
+        for chunk in chunks:
+            now = clock()
+            if chunk.usage is not None:
+                # The last one wins: with vLLM's continuous_usage_stats every chunk has one.
+                usage = chunk.usage
+            if first_at is None:
+                if chunk.queue_progress is not None and not prefilling:
+                    view.queued(chunk.queue_progress)
+                if chunk.prompt_progress is not None:
+                    prefilling = True
+                    view.prefill(Prefill.of(chunk.prompt_progress))
+            for choice in chunk.choices:
+                if choice.index != 0:  # n is never asked for; keep a server's extra choices out of the text
+                    continue
+                if choice.delta.content:
+                    if first_at is None:
+                        first_at = now
+                    last_at = now
+                    view.content(choice.delta.content)
+                if choice.finish_reason is not None:
+                    finish_reason = choice.finish_reason
+    summary = summarize(usage, sent_at, first_at, last_at, finish_reason)
+    view.finished(summary)
+    return summary

@@ -1,0 +1,142 @@
+"""The chat view for a terminal, drawn with rich.
+
+While the server works, a live line on stderr: a spinner while waiting or
+queued (position, time waited, eta), then a prefill bar whose cached part has a
+colour of its own, with tokens/s and eta. At the first answer token the live
+line is replaced by one lasting line that sums up the wait and the prefill, and
+the answer streams to stdout. At the end, the usage line on stderr.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from rich.console import Console, RenderableType
+from rich.live import Live
+from rich.spinner import Spinner
+from rich.text import Text
+
+from launcher.chat.stats import Prefill, Summary, prefill_text, queue_text, usage_text
+from launcher.chat.wire import QueueProgress
+
+CACHED_STYLE = "cyan"
+COMPUTED_STYLE = "green"
+PENDING_STYLE = "grey37"
+STATUS_STYLE = "dim"
+BAR_MAX_WIDTH = 40
+
+
+def prefill_bar(p: Prefill, width: int) -> Text:
+    """``width`` cells: the cached prefix, the part computed so far, the rest, each in its colour."""
+    if p.total <= 0:
+        return Text("━" * width, style=PENDING_STYLE)
+    cached = min(width, width * p.cache // p.total)
+    done = max(min(width, width * p.processed // p.total) - cached, 0)
+    return Text.assemble(
+        ("━" * cached, CACHED_STYLE),
+        ("━" * done, COMPUTED_STYLE),
+        ("━" * (width - cached - done), PENDING_STYLE),
+    )
+
+
+class TerminalView:
+    """``session.View`` for a terminal: ``out`` gets the answer, ``err`` the live status
+    and the usage. ``clock`` (seconds, monotonic) ticks the waiting times between chunks."""
+
+    def __init__(self, out: Console, err: Console, clock: Callable[[], float] = time.monotonic) -> None:
+        self._out = out
+        self._err = err
+        self._clock = clock
+        self._started_at = 0.0
+        self._queue: QueueProgress | None = None
+        self._queue_at = 0.0
+        self._waited_s: float | None = None  # time spent queued, known once prefill starts
+        self._prefill: Prefill | None = None
+        self._answer_open = False
+        self._live_done = False
+        # Drawn from rich's refresh thread: _render reads each field once, this thread assigns whole
+        # values. Built last: Live renders once on construction.
+        self._live = Live(
+            console=err,
+            transient=True,
+            refresh_per_second=10,
+            redirect_stdout=False,
+            redirect_stderr=False,
+            get_renderable=self._render,
+        )
+
+    def started(self) -> None:
+        self._started_at = self._clock()
+        self._live.start()
+
+    def queued(self, queue: QueueProgress) -> None:
+        self._queue_at = self._clock()
+        self._queue = queue
+
+    def prefill(self, prefill: Prefill) -> None:
+        if self._prefill is None and self._queue is not None:
+            self._waited_s = self._queue.time_ms / 1000 + self._clock() - self._queue_at
+        self._prefill = prefill
+
+    def content(self, text: str) -> None:
+        self._stop_live()
+        self._out.print(text, end="", markup=False, emoji=False, highlight=False, soft_wrap=True)
+        self._answer_open = not text.endswith("\n")
+
+    def finished(self, summary: Summary) -> None:
+        self._stop_live()
+        self._end_answer()
+        self._err.print(Text(f"usage: {usage_text(summary)}", style=STATUS_STYLE))
+
+    def failed(self, message: str) -> None:
+        self._stop_live()
+        self._end_answer()
+        self._err.print(Text.assemble(("error: ", "bold red"), message))
+
+    def close(self) -> None:
+        self._stop_live()
+
+    def _end_answer(self) -> None:
+        if self._answer_open:
+            self._out.print()
+            self._answer_open = False
+
+    def _stop_live(self) -> None:
+        if self._live_done:
+            return
+        self._live_done = True
+        self._live.stop()
+        # The live line is transient; what it ended on stays as one line.
+        parts = []
+        if self._queue is not None:
+            waited = self._waited_s
+            if waited is None:  # left the queue without a prefill chunk
+                waited = self._queue.time_ms / 1000 + self._clock() - self._queue_at
+            parts.append(f"queued {waited:.1f} s")
+        if self._prefill is not None:
+            parts.append(f"prefill {prefill_text(self._prefill)}")
+        if parts:
+            self._err.print(Text(" · ".join(parts), style=STATUS_STYLE))
+
+    def _render(self) -> RenderableType:
+        now = self._clock()
+        prefill, queue = self._prefill, self._queue
+        if prefill is not None:
+            width = max(10, min(BAR_MAX_WIDTH, self._err.width - 60))
+            line = Text.assemble(
+                "prefill ",
+                prefill_bar(prefill, width),
+                f" {prefill.processed}/{prefill.total} tokens · ",
+                (f"cached {prefill.cache}", CACHED_STYLE),
+            )
+            if prefill.rate_tok_s is not None:
+                line.append(f" · {prefill.rate_tok_s:.0f} tok/s")
+            if prefill.eta_s is not None and not prefill.done:
+                line.append(f" · eta {prefill.eta_s:.1f} s")
+            return line
+        if queue is not None:
+            waited = queue.time_ms / 1000 + now - self._queue_at
+            return Spinner("dots", Text(f"queued: {queue_text(queue, waited)}"))
+        waiting = f"waiting for the server, {now - self._started_at:.1f} s"
+        return Spinner("dots", Text(waiting, style=STATUS_STYLE))

@@ -1,0 +1,489 @@
+"""``exl3-sidecar chat`` against a scripted OpenAI-compatible server, in plain mode.
+
+The server (aiohttp, in the test's loop) plays a list of steps: chunks, raw
+``data:`` payloads and pauses. The command runs in a thread (click's
+``CliRunner``, which keeps stdout and stderr apart) or as a subprocess with real
+pipes. Expected lines are computed here from the script's numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from click.testing import CliRunner, Result
+
+from launcher.cli import main
+
+MODEL = "scripted-model"
+TOTAL, CACHE = 1024, 256
+QUEUE = [  # position, queued, time_ms, eta_ms
+    (3, 3, 0, None),
+    (2, 2, 400, None),
+    (1, 1, 800, 1500),
+]
+PREFILL = [(256, 0), (512, 300), (768, 600), (1024, 900)]  # processed, time_ms
+PIECES = ["Hello", ",", " wor", "ld", "!"]
+FIRST_TOKEN_PAUSE_S = 0.2
+TOKEN_PAUSE_S = 0.05
+USAGE: dict[str, Any] = {
+    "prompt_tokens": TOTAL,
+    "completion_tokens": 64,
+    "total_tokens": TOTAL + 64,
+    "prompt_tokens_details": {"cached_tokens": CACHE},
+    "completion_tokens_details": {"accepted_prediction_tokens": 40, "rejected_prediction_tokens": 10},
+    "prompt_time": 0.9,
+}
+
+Step = dict[str, Any] | str | float
+"""A chunk (sent as JSON), a raw ``data:`` payload such as ``[DONE]``, or a pause in seconds."""
+
+
+def chunk(**extra: Any) -> dict[str, Any]:
+    """A progress chunk (llama.cpp's shape) with ``extra`` keys, e.g. ``prompt_progress``."""
+    return {
+        "id": "chatcmpl-1",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": MODEL,
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": None},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ],
+        **extra,
+    }
+
+
+def content(text: str) -> dict[str, Any]:
+    c = chunk()
+    c["choices"][0]["delta"] = {"content": text}
+    return c
+
+
+def finish(reason: str = "stop") -> dict[str, Any]:
+    c = chunk()
+    c["choices"][0].update(delta={}, finish_reason=reason)
+    return c
+
+
+def usage(u: dict[str, Any]) -> dict[str, Any]:
+    return {**chunk(), "choices": [], "usage": u}
+
+
+def answer_steps(pieces: list[str]) -> list[Step]:
+    steps: list[Step] = [FIRST_TOKEN_PAUSE_S]
+    for i, p in enumerate(pieces):
+        if i:
+            steps.append(TOKEN_PAUSE_S)
+        steps.append(content(p))
+    return steps
+
+
+def full_script() -> list[Step]:
+    steps: list[Step] = []
+    for position, queued, time_ms, eta_ms in QUEUE:
+        q: dict[str, Any] = {"position": position, "queued": queued, "time_ms": time_ms}
+        if eta_ms is not None:
+            q["eta_ms"] = eta_ms
+        steps.append(chunk(queue_progress=q))
+    for processed, time_ms in PREFILL:
+        p = {"total": TOTAL, "cache": CACHE, "processed": processed, "time_ms": time_ms}
+        steps.append(chunk(prompt_progress=p))
+    return [*steps, *answer_steps(PIECES), finish(), usage(USAGE), "[DONE]"]
+
+
+class ScriptedServer:
+    """``GET /v1/models`` lists ``models`` (404 when ``None``); ``POST /v1/chat/completions``
+    answers ``reply`` (status, body sent as application/json) if set, else streams ``script``. Records each
+    request's body and Authorization header; ``disconnected`` is set when a client goes
+    away mid-stream (the test server cancels the handler, as the proxy's runner does)."""
+
+    def __init__(self, script: list[Step], models: list[str] | None = None) -> None:
+        self.script = script
+        self.models = [MODEL, "another-model"] if models is None else models
+        self.models_route = True
+        self.reply: tuple[int, str] | None = None
+        self.bodies: list[dict[str, Any]] = []
+        self.auth: list[str | None] = []
+        self.models_calls = 0
+        self.disconnected = asyncio.Event()
+        self.base_url = ""
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        return app
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self.models_calls += 1
+        if not self.models_route:
+            raise web.HTTPNotFound()
+        return web.json_response(
+            {"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]}
+        )
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.json())
+        self.auth.append(request.headers.get("Authorization"))
+        if self.reply is not None:
+            status, body = self.reply
+            return web.Response(status=status, text=body, content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        try:
+            for step in self.script:
+                if isinstance(step, float):
+                    await asyncio.sleep(step)
+                    continue
+                data = step if isinstance(step, str) else json.dumps(step)
+                await resp.write(f"data: {data}\n\n".encode())
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.disconnected.set()
+            raise
+        return resp
+
+
+async def serve(aiohttp_server: Any, script: list[Step], **kw: Any) -> ScriptedServer:
+    s = ScriptedServer(script, **kw)
+    server: TestServer = await aiohttp_server(s.app())
+    s.base_url = str(server.make_url("/v1"))
+    return s
+
+
+async def run_cli(
+    args: list[str], input: str | None = None, env: dict[str, str | None] | None = None
+) -> Result:
+    """``exl3-sidecar ARGS`` in a thread, so the server keeps running in this loop."""
+    return await asyncio.to_thread(CliRunner().invoke, main, args, input=input, env=env)
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No key or proxy from the machine running the tests reaches the client."""
+    for name in ("EXL3_SIDECAR_API_KEY", "OPENAI_API_KEY", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.lower(), raising=False)
+    yield
+
+
+def usage_numbers(line: str) -> dict[str, float]:
+    """The numbers of a usage line, by name."""
+    out: dict[str, float] = {}
+    m = re.search(r"prompt (\d+) \(cached (\d+), (\d+)%\)", line)
+    if m:
+        out.update(prompt=int(m[1]), cached=int(m[2]), cached_pct=int(m[3]))
+    if m := re.search(r"completion (\d+)", line):
+        out["completion"] = int(m[1])
+    if m := re.search(r"drafts accepted (\d+)/(\d+) \((\d+)%\)", line):
+        out.update(accepted=int(m[1]), verified=int(m[2]), accepted_pct=int(m[3]))
+    if m := re.search(r"ttft ([\d.]+) s", line):
+        out["ttft"] = float(m[1])
+    if m := re.search(r"decode ([\d.]+) tok/s", line):
+        out["decode"] = float(m[1])
+    return out
+
+
+async def test_plain_run_shows_queue_prefill_answer_and_usage(aiohttp_server: Any) -> None:
+    server = await serve(aiohttp_server, full_script())
+    r = await run_cli(["chat", "--base-url", server.base_url, "Say hello"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout == "".join(PIECES) + "\n"
+    assert "\x1b" not in r.output
+    lines = r.stderr.splitlines()
+
+    queued = [line for line in lines if line.startswith("queued:")]
+    expected_queue = []
+    for position, n, time_ms, eta_ms in QUEUE:
+        line = f"queued: position {position} of {n}, waited {time_ms / 1000:.1f} s"
+        expected_queue.append(line + (f", eta {eta_ms / 1000:.1f} s" if eta_ms is not None else ""))
+    assert queued == expected_queue
+
+    prefill = [line for line in lines if line.startswith("prefill:")]
+    assert prefill[0] == f"prefill: {CACHE}/{TOTAL} tokens (cached {CACHE})"
+    last_ms = PREFILL[-1][1]
+    rate = (TOTAL - CACHE) / (last_ms / 1000)
+    assert prefill[-1] == f"prefill: {TOTAL}/{TOTAL} tokens (cached {CACHE}), {rate:.0f} tok/s, in 0.90 s"
+    assert len(prefill) <= len(PREFILL)
+
+    (usage_line,) = [line for line in lines if line.startswith("usage:")]
+    got = usage_numbers(usage_line)
+    details = USAGE["completion_tokens_details"]
+    accepted, rejected = details["accepted_prediction_tokens"], details["rejected_prediction_tokens"]
+    assert got["prompt"] == USAGE["prompt_tokens"] and got["cached"] == CACHE
+    assert got["cached_pct"] == round(100 * CACHE / TOTAL)
+    assert got["completion"] == USAGE["completion_tokens"]
+    assert (got["accepted"], got["verified"]) == (accepted, accepted + rejected)
+    assert got["accepted_pct"] == round(100 * accepted / (accepted + rejected))
+    # The server's pauses bound the times: ttft from below; decode from above, loosely, since a
+    # late first chunk shortens the measured span (the exact formula: test_chat_stats).
+    assert got["ttft"] >= FIRST_TOKEN_PAUSE_S
+    gaps_s = TOKEN_PAUSE_S * (len(PIECES) - 1)
+    assert 0 < got["decode"] <= 2 * (USAGE["completion_tokens"] - 1) / gaps_s
+
+    # The order a reader of both streams sees.
+    out = r.output
+    assert out.index("queued:") < out.index("prefill:") < out.index(PIECES[0]) < out.index("usage:")
+
+    (body,) = server.bodies
+    assert body["model"] == MODEL
+    assert body["messages"] == [{"role": "user", "content": "Say hello"}]
+    assert body["stream"] is True and body["return_progress"] is True
+    assert body["stream_options"] == {"include_usage": True}
+    assert "max_tokens" not in body and "temperature" not in body
+    assert server.auth == [None]
+
+
+async def test_options_reach_the_request(aiohttp_server: Any) -> None:
+    server = await serve(aiohttp_server, full_script())
+    r = await run_cli(
+        [
+            "chat",
+            "--base-url",
+            server.base_url + "/",
+            "--system",
+            "Be brief.",
+            "--model",
+            "mine",
+            "--max-tokens",
+            "7",
+            "--temperature",
+            "0.5",
+            "--api-key",
+            "sk-test",
+            "hi",
+        ]
+    )
+    assert r.exit_code == 0, r.output
+    (body,) = server.bodies
+    assert body["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert (body["model"], body["max_tokens"], body["temperature"]) == ("mine", 7, 0.5)
+    assert server.auth == ["Bearer sk-test"]
+    assert server.models_calls == 0
+
+
+@pytest.mark.parametrize(
+    ("env", "header"),
+    [
+        ({"EXL3_SIDECAR_API_KEY": " k1 ,k2", "OPENAI_API_KEY": "o"}, "Bearer k1"),
+        ({"OPENAI_API_KEY": "o"}, "Bearer o"),
+        ({}, None),
+    ],
+)
+async def test_api_key_from_the_environment(
+    aiohttp_server: Any, env: dict[str, str | None], header: str | None
+) -> None:
+    server = await serve(aiohttp_server, full_script())
+    r = await run_cli(["chat", "--base-url", server.base_url, "hi"], env=env)
+    assert r.exit_code == 0, r.output
+    assert server.auth == [header]
+
+
+@pytest.mark.parametrize("listing", ["missing", "empty"])
+async def test_model_falls_back_to_default(aiohttp_server: Any, listing: str) -> None:
+    server = await serve(aiohttp_server, full_script(), models=[])
+    server.models_route = listing != "missing"
+    r = await run_cli(["chat", "--base-url", server.base_url, "hi"])
+    assert r.exit_code == 0, r.output
+    assert server.bodies[0]["model"] == "default"
+
+
+async def test_a_server_without_extensions(aiohttp_server: Any) -> None:
+    # What api.openai.com sends: no progress, draft counters at 0, cached_tokens present.
+    plain_usage = {
+        "prompt_tokens": 12,
+        "completion_tokens": 3,
+        "total_tokens": 15,
+        "prompt_tokens_details": {"cached_tokens": 0, "audio_tokens": 0},
+        "completion_tokens_details": {
+            "reasoning_tokens": 0,
+            "accepted_prediction_tokens": 0,
+            "rejected_prediction_tokens": 0,
+        },
+    }
+    script: list[Step] = [*answer_steps(["a", "b", "c"]), finish(), usage(plain_usage), "[DONE]"]
+    server = await serve(aiohttp_server, script)
+    r = await run_cli(["chat", "--base-url", server.base_url, "hi"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout == "abc\n"
+    (line,) = r.stderr.splitlines()
+    assert line.startswith("usage: prompt 12 (cached 0, 0%), completion 3, ttft ")
+    assert "drafts" not in line and "decode" in line
+
+
+async def test_no_usage_and_no_done_is_still_an_answer(aiohttp_server: Any) -> None:
+    # Older llama.cpp servers close the stream after the finish chunk without [DONE].
+    server = await serve(aiohttp_server, [*answer_steps(["ok\n"]), finish("length")])
+    r = await run_cli(["chat", "--base-url", server.base_url, "hi"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout == "ok\n"
+    (line,) = r.stderr.splitlines()
+    assert re.fullmatch(r"usage: not reported by the server, ttft [\d.]+ s, finish length", line)
+
+
+async def test_a_stream_cut_before_the_end_is_an_error(aiohttp_server: Any) -> None:
+    server = await serve(aiohttp_server, answer_steps(["half"]))
+    r = await run_cli(["chat", "--base-url", server.base_url, "hi"])
+    assert r.exit_code == 1
+    assert r.stdout == "half\n"
+    assert r.stderr == "error: the server closed the stream before the answer finished\n"
+
+
+async def test_an_error_envelope_is_shown_and_exits_1(aiohttp_server: Any) -> None:
+    server = await serve(aiohttp_server, [])
+    message = "The prompt (9000 tokens) is longer than the context (8192 tokens)"
+    envelope = {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": "messages",
+            "code": "context_length_exceeded",
+        }
+    }
+    server.reply = (400, json.dumps(envelope))
+    r = await run_cli(["chat", "--base-url", server.base_url, "hi"])
+    assert r.exit_code == 1
+    assert r.stdout == ""
+    assert r.stderr == f"error: {message} (HTTP 400, context_length_exceeded)\n"
+
+
+async def test_an_error_body_that_is_not_an_envelope(aiohttp_server: Any) -> None:
+    server = await serve(aiohttp_server, [])
+    server.reply = (502, "<html>  Bad\n gateway </html>")
+    r = await run_cli(["chat", "--base-url", server.base_url, "hi"])
+    assert r.exit_code == 1
+    assert r.stderr == "error: <html> Bad gateway </html> (HTTP 502)\n"
+
+
+async def test_an_error_event_mid_stream(aiohttp_server: Any) -> None:
+    error = {
+        "error": {"message": "engine died", "type": "server_error", "param": None, "code": "engine_dead"}
+    }
+    server = await serve(aiohttp_server, [*answer_steps(["partial"]), error, "[DONE]"])
+    r = await run_cli(["chat", "--base-url", server.base_url, "hi"])
+    assert r.exit_code == 1
+    assert r.stdout == "partial\n"
+    assert r.stderr == "error: engine died (engine_dead)\n"
+
+
+async def test_a_reply_that_is_not_a_stream(aiohttp_server: Any) -> None:
+    server = await serve(aiohttp_server, [])
+    server.reply = (200, json.dumps({"object": "chat.completion", "choices": []}))
+    r = await run_cli(["chat", "--base-url", server.base_url, "hi"])
+    assert r.exit_code == 1
+    assert r.stderr.startswith("error: the server did not answer with a stream: ")
+
+
+async def test_a_silent_server_times_out(aiohttp_server: Any) -> None:
+    server = await serve(aiohttp_server, [30.0])
+    r = await run_cli(["chat", "--base-url", server.base_url, "--timeout", "0.3", "hi"])
+    assert r.exit_code == 1
+    assert r.stderr == f"error: {server.base_url} sent nothing for too long (ReadTimeout); see --timeout\n"
+    await asyncio.wait_for(server.disconnected.wait(), 10)
+
+
+async def test_connection_refused_is_one_line_and_exit_1() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # Closed without listen: nothing accepts on that port now.
+    r = await run_cli(["chat", "--base-url", f"http://127.0.0.1:{port}/v1", "hi"])
+    assert r.exit_code == 1
+    (line,) = r.stderr.splitlines()
+    assert line.startswith(f"error: cannot connect to http://127.0.0.1:{port}/v1: ")
+    assert "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("source", ["file", "stdin", "dash"])
+async def test_prompt_from_a_file_or_stdin(aiohttp_server: Any, tmp_path: Path, source: str) -> None:
+    server = await serve(aiohttp_server, full_script())
+    text = "Summarize:\nline one — ünïcode\nline two"
+    args = ["chat", "--base-url", server.base_url]
+    stdin = None
+    if source == "file":
+        path = tmp_path / "prompt.txt"
+        path.write_text(text + "\n", encoding="utf-8")
+        args += ["--file", str(path)]
+    else:
+        stdin = text + "\n"
+        args += ["-"] if source == "dash" else []
+    r = await run_cli(args, input=stdin)
+    assert r.exit_code == 0, r.output
+    assert server.bodies[0]["messages"] == [{"role": "user", "content": text}]
+
+
+@pytest.mark.parametrize(
+    ("args", "stdin", "says"),
+    [
+        (["hi", "--file", __file__], None, "not both"),
+        ([], "  \n", "the prompt is empty"),
+        (["--max-tokens", "0", "hi"], None, "--max-tokens"),
+    ],
+)
+def test_usage_errors_exit_2(args: list[str], stdin: str | None, says: str) -> None:
+    r = CliRunner().invoke(main, ["chat", "--base-url", "http://127.0.0.1:9/v1", *args], input=stdin)
+    assert r.exit_code == 2 and says in r.stderr
+
+
+def test_help_names_the_streams_and_exit_statuses() -> None:
+    r = CliRunner().invoke(main, ["chat", "--help"])
+    assert r.exit_code == 0
+    assert "stdout" in r.output and "stderr" in r.output and "130" in r.output
+
+
+CHAT_COMMAND = [sys.executable, "-m", "launcher", "chat"]
+
+
+async def test_real_pipes_keep_the_answer_alone_on_stdout(aiohttp_server: Any) -> None:
+    server = await serve(aiohttp_server, full_script())
+    proc = await asyncio.create_subprocess_exec(
+        *CHAT_COMMAND,
+        "--base-url",
+        server.base_url,
+        "hi",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=os.environ | {"TERM": "xterm-256color", "FORCE_COLOR": "1"},
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err
+    assert out.decode() == "".join(PIECES) + "\n"
+    assert b"\x1b" not in err and b"usage: prompt" in err
+
+
+async def test_ctrl_c_closes_the_stream_and_exits_130(aiohttp_server: Any) -> None:
+    # The server sends one queue chunk, then stays silent as a long wait would.
+    server = await serve(
+        aiohttp_server, [chunk(queue_progress={"position": 1, "queued": 1, "time_ms": 0}), 60.0]
+    )
+    proc = await asyncio.create_subprocess_exec(
+        *CHAT_COMMAND,
+        "--base-url",
+        server.base_url,
+        "hi",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert proc.stderr is not None
+    first = await asyncio.wait_for(proc.stderr.readline(), 60)
+    assert first.startswith(b"queued: position 1 of 1")
+    proc.send_signal(signal.SIGINT)
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 130
+    assert err.decode() == "error: interrupted\n"
+    await asyncio.wait_for(server.disconnected.wait(), 10)

@@ -1,0 +1,102 @@
+"""The terminal view renders the scripted stream without crashing: with rich forced
+into terminal mode on a buffer, and through the real command on a pseudo-terminal."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import subprocess
+import sys
+from typing import Any
+
+from rich.console import Console
+
+from launcher.chat.client import ChatRequest, open_client
+from launcher.chat.session import run_turn
+from launcher.chat.stats import Prefill
+from launcher.chat.terminal import TerminalView, prefill_bar
+from launcher.chat.wire import PromptProgress
+from tests.unit.launcher.test_chat import (  # clean_environment: the autouse fixture, here too
+    CACHE,
+    PIECES,
+    TOTAL,
+    USAGE,
+    clean_environment,  # noqa: F401
+    full_script,
+    serve,
+)
+
+
+def test_the_bar_shows_the_cached_part_apart() -> None:
+    p = Prefill.of(PromptProgress(total=100, cache=25, processed=50, time_ms=10))
+    bar = prefill_bar(p, 20)
+    assert bar.plain == "━" * 20
+    cells = [(span.start, span.end, str(span.style)) for span in bar.spans]
+    assert cells == [(0, 5, "cyan"), (5, 10, "green"), (10, 20, "grey37")]
+
+
+async def test_rich_terminal_view_renders_a_whole_turn(aiohttp_server: Any) -> None:
+    server = await serve(aiohttp_server, full_script())
+    out, err = io.StringIO(), io.StringIO()
+    view = TerminalView(
+        Console(file=out, force_terminal=True, width=100, color_system="truecolor"),
+        Console(file=err, force_terminal=True, width=100, color_system="truecolor"),
+    )
+
+    def turn() -> None:
+        with open_client(server.base_url, None, 30) as client:
+            try:
+                run_turn(client, ChatRequest("m", ({"role": "user", "content": "hi"},)), view)
+            finally:
+                view.close()
+
+    await asyncio.to_thread(turn)
+    assert out.getvalue() == "".join(PIECES) + "\n"
+    status = err.getvalue()
+    assert "\x1b[" in status
+    assert f"prefill {TOTAL}/{TOTAL} tokens (cached {CACHE})" in status
+    assert f"usage: prompt {USAGE['prompt_tokens']} (cached {CACHE}" in status
+
+
+async def test_the_command_on_a_pseudo_terminal(aiohttp_server: Any) -> None:
+    server = await serve(aiohttp_server, full_script())
+    primary, secondary = os.openpty()
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "launcher",
+            "chat",
+            "--base-url",
+            server.base_url,
+            "hi",
+            stdin=subprocess.DEVNULL,
+            stdout=secondary,
+            stderr=secondary,
+            env=os.environ | {"TERM": "xterm-256color", "COLUMNS": "100"},
+        )
+        os.close(secondary)
+        secondary = -1
+        screen = await asyncio.to_thread(_read_all, primary)
+        assert await asyncio.wait_for(proc.wait(), 60) == 0, screen
+    finally:
+        os.close(primary)
+        if secondary >= 0:
+            os.close(secondary)
+    text = screen.decode(errors="replace")
+    assert "\x1b[" in text  # drawn live, not plain lines
+    assert "".join(PIECES) in text and "usage: prompt" in text and "Traceback" not in text
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except OSError:  # EIO once the child's side is closed (Linux)
+            break
+        if not data:
+            break
+        chunks.append(data)
+    return b"".join(chunks)
