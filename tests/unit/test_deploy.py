@@ -1,96 +1,110 @@
-"""The Kubernetes manifests and images agree with the code they run: every
-environment variable is one the container's command reads, probes hit real
-routes, both containers meet at the same sockets, the grace period outlasts the
-drain, and each image carries only its own process's package."""
+"""The container images agree with the code and the README: each image carries
+only its own process's package and runs an existing command as the pod's
+non-root user, installs exactly what the README's commands install (the proxy
+the base install, which has no torch), and every image a manifest names is
+built by one of them. The pods and add-ons are checked in ``tests/unit/deploy/``."""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
-from typing import Any
+import tomllib
 
-import click
-import yaml
-
-from engine_worker.cli import main as worker_command
 from launcher.cli import main as launcher
-from proxy.cli import main as proxy_command
+from tests.unit.deploy.kustomize import split_image
+from tests.unit.deploy.support import (
+    DOCKER,
+    IMAGE_PREFIX,
+    KUSTOMIZATIONS,
+    REPO,
+    Dockerfile,
+    dockerfile_of,
+    find,
+    pip_installs,
+    pod_spec,
+    rel,
+    rendered,
+)
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-
-
-def _containers() -> dict[str, dict[str, Any]]:
-    docs = list(yaml.safe_load_all((DEPLOY / "k8s" / "deployment.yaml").read_text()))
-    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
-    return {c["name"]: c for c in deployment["spec"]["template"]["spec"]["containers"]}
-
-
-def _envvars_of(cmd: click.Command) -> set[str]:
-    return {p.envvar for p in cmd.params if isinstance(p, click.Option) and isinstance(p.envvar, str)}
-
-
-def _env(container: dict[str, Any]) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container["env"]}
-
-
-def test_every_env_var_is_read_by_the_command_it_configures() -> None:
-    c = _containers()
-    assert set(_env(c["worker"])) <= _envvars_of(worker_command)
-    assert set(_env(c["proxy"])) <= _envvars_of(proxy_command)
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+ENGINE_PACKAGES = ("torch", "transformers", "exllamav3")
 
 
-def test_worker_and_proxy_share_sockets_on_a_shared_volume() -> None:
-    c = _containers()
-    w, p = _env(c["worker"]), _env(c["proxy"])
-    for key in ("EXL3_SIDECAR_INPUT_ADDR", "EXL3_SIDECAR_OUTPUT_ADDR"):
-        assert w[key] == p[key]
-        path = w[key].removeprefix("ipc://")
-        mounts = [m for m in c["worker"]["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
-        (mount,) = mounts
-        assert any(m["name"] == mount["name"] for m in c["proxy"]["volumeMounts"])
+def _image(name: str) -> Dockerfile:
+    return dockerfile_of(IMAGE_PREFIX + name)
 
 
-def test_probes_hit_routes_of_the_app() -> None:
-    from aiohttp import web
-
-    from proxy.handlers import add_routes
-
-    app = web.Application()
-    add_routes(app)
-    paths = {r.resource.canonical for r in app.router.routes() if r.method == "GET" and r.resource}
-    proxy = _containers()["proxy"]
-    assert proxy["readinessProbe"]["httpGet"]["path"] in paths
-    assert proxy["livenessProbe"]["httpGet"]["path"] in paths
-    assert proxy["readinessProbe"]["httpGet"]["path"] != proxy["livenessProbe"]["httpGet"]["path"]
+def _readme_block(marker: str) -> str:
+    readme = (REPO / "README.md").read_text()
+    block = re.search(rf"<!-- {marker} -->\s*```bash\n(.*?)```", readme, re.S)
+    assert block, f"README.md: no block after <!-- {marker} -->"
+    return block.group(1)
 
 
-def test_proxy_listens_beyond_loopback_in_the_pod_and_the_image() -> None:
-    """The proxy defaults to 127.0.0.1 (safe on a shared machine); the pod and
-    the image must say 0.0.0.0 or the Service reaches nothing."""
-    assert _env(_containers()["proxy"])["EXL3_SIDECAR_HOST"] == "0.0.0.0"
-    proxy_image = (DEPLOY / "docker" / "proxy.Dockerfile").read_text()
-    assert re.search(r"^ENV EXL3_SIDECAR_HOST=0\.0\.0\.0$", proxy_image, re.M)
-
-
-def test_grace_period_outlasts_the_drain() -> None:
-    docs = list(yaml.safe_load_all((DEPLOY / "k8s" / "deployment.yaml").read_text()))
-    spec = docs[0]["spec"]["template"]["spec"]
-    drain = float(_env(_containers()["proxy"])["EXL3_SIDECAR_SHUTDOWN_DRAIN"])
-    assert spec["terminationGracePeriodSeconds"] > drain
-
-
-def _copied(text: str) -> set[str]:
-    return set(re.findall(r"^COPY (\w+) \./\1$", text, re.M))
+def _requirement_name(req: str) -> str:
+    return re.split(r"[\[=<>!~ ]", req, maxsplit=1)[0].lower()
 
 
 def test_each_image_carries_its_own_process_and_runs_an_existing_command() -> None:
-    proxy_image = (DEPLOY / "docker" / "proxy.Dockerfile").read_text()
-    assert _copied(proxy_image) == {"protocol", "proxy", "launcher"}
-    entry = re.search(r'ENTRYPOINT \["exl3-sidecar", "(\w+)"', proxy_image)
-    assert entry and entry.group(1) in launcher.commands  # type: ignore[attr-defined]
-    assert re.search(r"pip install --no-cache-dir \.\s", proxy_image), "proxy image must be the base install"
-    assert "torch" not in proxy_image.split("FROM", 1)[1].replace("no torch", "")
-    for name in ("worker-cpu.Dockerfile", "worker-exllamav3.Dockerfile"):
-        text = (DEPLOY / "docker" / name).read_text()
-        assert _copied(text) == {"protocol", "engine_worker"}, name
-        assert 'ENTRYPOINT ["python", "-m", "engine_worker"' in text, name
+    proxy = _image("proxy")
+    assert proxy.copied == {"protocol", "proxy", "launcher"}
+    assert proxy.entrypoint[0] == "exl3-sidecar" and proxy.entrypoint[1] in launcher.commands  # type: ignore[attr-defined]
+    for name in ("worker-cpu", "worker-exllamav3"):
+        worker = _image(name)
+        assert worker.copied == {"protocol", "engine_worker"}, name
+        assert worker.entrypoint[:3] == ["python", "-m", "engine_worker"], name
+
+
+def test_proxy_image_is_the_base_install_without_torch() -> None:
+    assert _image("proxy").pip_installs() == [(frozenset({"."}), frozenset())], "the base install: no extras"
+    base = {_requirement_name(r) for r in PYPROJECT["project"]["dependencies"]}
+    assert not base & set(ENGINE_PACKAGES), f"the base install pulls {sorted(base & set(ENGINE_PACKAGES))}"
+    text = _image("proxy").text.split("FROM", 1)[1]
+    assert not re.search(r"^[^#]*\btorch\b", text, re.M), "torch named outside comments"
+
+
+def test_cpu_worker_image_installs_what_the_readme_serve_command_installs() -> None:
+    readme = set(pip_installs(_readme_block("serve-command")))
+    image = set(_image("worker-cpu").pip_installs())
+    assert image == readme, f"image {sorted(image)} != README {sorted(readme)}"
+    extras = {e for reqs, _ in image for r in reqs if r.startswith(".[") for e in r[2:-1].split(",")}
+    assert extras == {"cpu"}
+    assert extras <= set(PYPROJECT["project"]["optional-dependencies"])
+
+
+def test_installed_extras_exist() -> None:
+    for df in [Dockerfile(p, p.read_text()) for p in sorted(DOCKER.glob("*.Dockerfile"))]:
+        for reqs, _ in df.pip_installs():
+            for r in reqs:
+                if r.startswith(".["):
+                    assert set(r[2:-1].split(",")) <= set(PYPROJECT["project"]["optional-dependencies"]), rel(
+                        df.path
+                    )
+
+
+def test_proxy_listens_beyond_loopback_in_the_image() -> None:
+    """The proxy defaults to 127.0.0.1 (safe on a shared machine); the image must say 0.0.0.0."""
+    assert _image("proxy").env.get("EXL3_SIDECAR_HOST") == "0.0.0.0"
+
+
+def test_our_images_run_as_the_pods_non_root_user() -> None:
+    uids = {name: _image(name).user for name in ("proxy", "worker-cpu")}
+    assert len(set(uids.values())) == 1 and None not in uids.values(), uids
+    (uid,) = set(uids.values())
+    assert uid is not None and uid.isdigit() and uid != "0"
+    for d in KUSTOMIZATIONS:
+        for dep in find(rendered(d), "Deployment", "exl3-sidecar"):
+            assert str(pod_spec(dep)["securityContext"]["runAsUser"]) == uid, rel(d)
+
+
+def test_every_image_in_the_manifests_is_built_here_or_pinned() -> None:
+    for d in KUSTOMIZATIONS:
+        for obj in rendered(d):
+            if obj["kind"] != "Deployment":
+                continue
+            for c in pod_spec(obj)["containers"]:
+                name, tag, digest = split_image(c["image"])
+                if name.startswith(IMAGE_PREFIX) and d.parent.name == "overlays":
+                    dockerfile_of(c["image"])
+                    assert tag or digest, f"{rel(d)}: {c['image']} has no tag"
+                elif not name.startswith(IMAGE_PREFIX):
+                    assert (tag and tag != "latest") or digest, f"{rel(d)}: {c['image']} is not pinned"
