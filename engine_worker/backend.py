@@ -31,6 +31,13 @@ class ModelInfo:
     - ``max_batch_size``: most sequences running at once.
     - ``longest_token_chars``: characters of the longest text one token decodes to
       (an upper bound; 0 if unknown).
+    - ``grammar``, ``logprobs``: whether the backend honours
+      ``SamplingParams.grammar`` and ``SamplingParams.logprobs``; the loop
+      refuses requests that ask for what it does not (never silently ignored).
+    - ``chat_template``: the model's chat template source, sent in ``Ready`` (the
+      proxy reads the model's tool-call format from it); ``None`` if unknown.
+    - ``template_tools``: the backend passes ``Submit.tools_json`` and the tool
+      fields of ``ChatMessage`` to its chat template (else such requests are refused).
     """
 
     model_id: str
@@ -39,6 +46,10 @@ class ModelInfo:
     kv_cache_tokens: int = 1 << 62
     max_batch_size: int = 1 << 30
     longest_token_chars: int = 0
+    grammar: bool = False
+    logprobs: bool = False
+    chat_template: str | None = None
+    template_tools: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +74,18 @@ class RequestRejected(Exception):
         self.code = code
         self.message = message
         self.param = param
+
+
+ENGINE_FAILED_EXIT_STATUS = 3
+"""Exit status of a worker whose engine failed (``EngineFailed``): not 1 (cannot load) or 2 (usage)."""
+
+
+class EngineFailed(Exception):
+    """Raised by ``Backend.step`` when the engine cannot serve any more (faults keep
+    coming, the GPU is in a state the process cannot recover from). The loop fails
+    every request it holds and the worker exits with ``ENGINE_FAILED_EXIT_STATUS``:
+    its heartbeats stop, so the proxy turns not ready, and its supervisor (``serve``,
+    Kubernetes) starts a fresh process."""
 
 
 class Backend(Protocol):
@@ -115,7 +138,8 @@ class Backend(Protocol):
     def step(self) -> list[Event]:
         """Advance every active sequence by at most one engine step (one prefill
         chunk, or one decode/verify pass) and return the events produced, in
-        order. Returns ``[]`` quickly when idle."""
+        order. Returns ``[]`` quickly when idle. Raises ``EngineFailed`` when the
+        engine is beyond repair; any other exception fails every active sequence."""
         ...
 
     def close(self) -> None:

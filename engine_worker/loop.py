@@ -29,11 +29,18 @@ import time
 import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
-from engine_worker.backend import Backend, Prepared, RequestRejected
+from engine_worker.backend import (
+    ENGINE_FAILED_EXIT_STATUS,
+    Backend,
+    EngineFailed,
+    ModelInfo,
+    Prepared,
+    RequestRejected,
+)
 from engine_worker.sockets import WorkerSockets
 from protocol import (
     PROTOCOL_VERSION,
@@ -41,6 +48,7 @@ from protocol import (
     ErrorCode,
     Event,
     EventBatch,
+    Finished,
     Heartbeat,
     Hello,
     QueueProgress,
@@ -61,6 +69,7 @@ class _Queued:
     ids: list[str]
     reservation: int  # KV tokens of all n choices
     queued_at: float  # time.monotonic()
+    arrived: float  # time.monotonic() when the Submit was received
     waited: bool = False  # still queued after the admission pass that queued it
     position: int = 0  # last position sent in a QueueProgress; 0: none sent
     reported_at: float = 0.0
@@ -97,6 +106,7 @@ class _Preparing:
     ids: list[str]
     future: Future[Prepared]
     aborted: bool = False
+    arrived: float = field(default_factory=time.monotonic)
 
 
 class EngineLoop:
@@ -128,6 +138,8 @@ class EngineLoop:
         self._preparing_ids: dict[str, _Preparing] = {}
         self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="worker-prepare")
         self._queue_rate = QueueRate()
+        # Seconds each running sequence spent from arrival to start (_add_wait).
+        self._waited: dict[str, float] = {}
         # Written by the loop thread only, read by the heartbeat thread.
         self._waiting = 0
         self._running = 0
@@ -147,6 +159,7 @@ class EngineLoop:
             max_batch_size=info.max_batch_size,
             max_queue=self._max_queue,
             kv_cache_tokens=min(info.kv_cache_tokens, 2**62),
+            chat_template=info.chat_template,
         )
 
     def run(self, stop: threading.Event) -> None:
@@ -170,7 +183,10 @@ class EngineLoop:
                 self._update_stats()
                 if backend.active_ids():
                     self._step_started = time.monotonic()
-                    pending.extend(self._step())
+                    try:
+                        pending.extend(self._add_wait(self._step()))
+                    except EngineFailed as e:
+                        self._give_up(e, pending)
                     self._step_started = 0.0
                     self._admit(pending)
                     self._update_stats()
@@ -241,6 +257,10 @@ class EngineLoop:
             pending.extend(RequestError(rid, ErrorCode.INVALID_REQUEST, duplicate) for rid in ids)
             return
         info = self._backend.info
+        unsupported = _unsupported(msg, info)
+        if unsupported is not None:
+            pending.extend(RequestError(rid, ErrorCode.INVALID_REQUEST, *unsupported) for rid in ids)
+            return
         if not 1 <= msg.n <= info.max_batch_size:
             message = (
                 f"n={msg.n} choices can never run together: this worker runs at most "
@@ -294,7 +314,7 @@ class EngineLoop:
             text = f"admission failed: {type(e).__name__}: {e}"
             pending.extend(RequestError(rid, ErrorCode.INTERNAL, text) for rid in ids)
             return
-        queued = _Queued(prepared, ids, reservation, time.monotonic())
+        queued = _Queued(prepared, ids, reservation, time.monotonic(), entry.arrived)
         self._queue.append(queued)
         for rid in ids:
             self._queued_ids[rid] = queued
@@ -349,7 +369,27 @@ class EngineLoop:
                 self._queue_rate.departed(time.monotonic())
             self._start(head, pending)
 
+    def _add_wait(self, events: list[Event]) -> list[Event]:
+        """``Finished.time_queued`` from the Submit's arrival: the backend counts
+        only its own wait, not tokenizing and this loop's queue before ``start``."""
+        waited = self._waited
+        if not waited:
+            return events
+        for i, ev in enumerate(events):
+            if isinstance(ev, Finished | RequestError) and ev.request_id is not None:
+                w = waited.pop(ev.request_id, None)
+                if w is not None and isinstance(ev, Finished):
+                    events[i] = msgspec.structs.replace(ev, time_queued=ev.time_queued + w)
+        if len(waited) > 2 * self._backend.info.max_batch_size:
+            # Aborted sequences end without an event here: forget them.
+            active = self._backend.active_ids()
+            self._waited = {rid: w for rid, w in waited.items() if rid in active}
+        return events
+
     def _start(self, queued: _Queued, pending: list[Event]) -> None:
+        waited = time.monotonic() - queued.arrived
+        for rid in queued.ids:
+            self._waited[rid] = waited
         params = queued.prepared.submit.params
         started: list[str] = []
         try:
@@ -368,9 +408,18 @@ class EngineLoop:
                 text = f"admission failed: {type(e).__name__}: {e}"
                 pending.extend(RequestError(rid, ErrorCode.INTERNAL, text) for rid in queued.ids)
 
+    def _give_up(self, error: EngineFailed, pending: list[Event]) -> None:
+        """Fail everything held and exit: a fresh process is the only repair left."""
+        log.critical("worker: %s; exiting with status %d to be restarted", error, ENGINE_FAILED_EXIT_STATUS)
+        pending.extend(self._drop_all(f"the engine failed and the worker is restarting: {error}"))
+        self._sockets.send(EventBatch(pending))
+        raise SystemExit(ENGINE_FAILED_EXIT_STATUS) from error
+
     def _step(self) -> list[Event]:
         try:
             return self._backend.step()
+        except EngineFailed:
+            raise
         except Exception as e:
             # The backend's state for these requests is unknown now: fail them all
             # and keep serving new ones rather than taking the worker down.
@@ -399,6 +448,19 @@ class EngineLoop:
             self._unqueue(queued)
             out.extend(RequestError(rid, ErrorCode.OVERLOADED, message) for rid in queued.ids)
         return out
+
+
+def _unsupported(msg: Submit, info: ModelInfo) -> tuple[str, str | None] | None:
+    """``(message, param)`` when ``msg`` asks for a feature this backend lacks."""
+    params = msg.params
+    if msg.tools_json is not None and not info.template_tools:
+        return "this engine cannot pass 'tools' to its chat template", "tools"
+    if params.grammar is not None and not info.grammar:
+        param = params.grammar_param or "response_format"
+        return f"'{param}' (constrained decoding) is not supported by this engine", param
+    if params.logprobs is not None and not info.logprobs:
+        return "'logprobs' are not supported by this engine", "logprobs"
+    return None
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

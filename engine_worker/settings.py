@@ -175,6 +175,22 @@ class WorkerSettings(LinkSettings):
     add_bos: bool = setting(
         True, "[exllamav3] Prepend the tokenizer's BOS token to raw-text prompts (if the model uses one)."
     )
+    trust_remote_code: bool = setting(
+        False,
+        "[exllamav3] Let transformers run Python code from the model directory to load the tokenizer "
+        "that renders the chat template (AutoTokenizer trust_remote_code); only for directories you trust.",
+    )
+    max_engine_faults: int = setting(
+        3,
+        "[exllamav3] Engine faults (an exception out of a generator step: CUDA out of memory, non-finite "
+        "logits, a CUDA error) within --engine-fault-window seconds at which the worker exits with status 3 "
+        "to be restarted; each fault before that rebuilds the generator and fails only the requests that "
+        "were in the faulted step.",
+        ge=1,
+    )
+    engine_fault_window: float = setting(
+        600.0, "[exllamav3] Seconds over which --max-engine-faults are counted.", gt=0
+    )
 
     # synthetic engine
     synthetic_step_ms: float = setting(20.0, "[synthetic] Milliseconds between engine steps.", ge=0)

@@ -51,10 +51,19 @@ class _Msg(msgspec.Struct, array_like=True, frozen=True, tag=True):
 
 
 class ChatMessage(msgspec.Struct, array_like=True, frozen=True):
-    """One chat turn, content already flattened to text."""
+    """One chat turn, content already flattened to text.
+
+    The tool side of a turn, only when the model's chat template renders tools
+    itself (``Submit.tools_json``): ``tool_calls_json`` (assistant: a JSON array
+    of ``{"id", "type": "function", "function": {"name", "arguments": object}}``,
+    arguments decoded as templates expect them), ``tool_call_id`` and ``name``
+    (tool results)."""
 
     role: str
     content: str
+    tool_calls_json: str | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
@@ -63,6 +72,21 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     ``max_tokens`` counts completion tokens. ``top_k == 0`` and ``top_p == 1.0``
     and ``min_p == 0.0`` disable those filters; ``temperature == 0.0`` means greedy.
     ``logit_bias`` maps token id to an additive bias on the logits.
+
+    ``logprobs``: ``None`` for none; ``k`` (0..20) to get, on every ``TokenDelta``,
+    each generated token's log-probability and the ``k`` most likely
+    alternatives (``TokenLogprob``). They are taken from the distribution the
+    token was sampled from: logits after ``logit_bias``, the penalties and the
+    grammar mask, divided by the temperature (1 when greedy), with tokens that
+    ``top_k``/``top_p``/``min_p`` removed left out (probability 0).
+
+    ``grammar``: ``None``, or an llguidance grammar (a Lark grammar, or the JSON
+    that ``llguidance.LLMatcher.grammar_from_json_schema`` returns) that every
+    generated sequence must match; the worker masks the logits with it (drafted
+    tokens included) and ends the sequence with ``stop`` once the grammar is
+    complete and nothing else may follow. ``grammar_param`` names the request
+    field it came from, for error messages (``response_format``, ``tools``,
+    ``tool_choice``).
     """
 
     max_tokens: int
@@ -79,6 +103,9 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
+    grammar: str | None = None
+    grammar_param: str | None = None
 
 
 class Hello(_Msg, frozen=True, tag="hello"):
@@ -104,6 +131,10 @@ class Submit(_Msg, frozen=True, tag="submit"):
     prompt: str | None = None
     add_generation_prompt: bool = True
     n: int = 1
+    tools_json: str | None = None
+    """The request's tools (OpenAI's ``tools`` array as JSON text) for a chat
+    template that renders them (its ``tools`` variable); ``None`` otherwise. A
+    worker that cannot pass them to its template refuses the request."""
 
 
 def choice_ids(request_id: str, n: int) -> list[str]:
@@ -156,6 +187,9 @@ class Ready(_Msg, frozen=True, tag="ready"):
     """Most requests waiting in the worker's queue; beyond it, ``QUEUE_FULL``."""
     kv_cache_tokens: int = 0
     """KV capacity in tokens shared by running sequences."""
+    chat_template: str | None = None
+    """Source of the model's chat template (Jinja), ``None`` when unknown; the
+    proxy reads from it which tool-call format the model writes."""
 
 
 class Heartbeat(_Msg, frozen=True, tag="heartbeat"):
@@ -219,14 +253,42 @@ class PrefillProgress(_Msg, frozen=True, tag="progress"):
     time_ms: int
 
 
+class TopLogprob(msgspec.Struct, array_like=True, frozen=True):
+    """One alternative token: its text, natural-log probability and raw bytes."""
+
+    token: str
+    logprob: float
+    token_bytes: bytes
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, frozen=True):
+    """One generated token with its log-probability (``SamplingParams.logprobs``).
+
+    ``token`` is the text it adds to the content: the ``token`` of the entries
+    of a ``TokenDelta``, joined, equal its ``text`` (a token whose bytes end
+    inside a UTF-8 character adds nothing until the token that completes it; a
+    token cut by a stop string adds only what is shown). ``token_bytes`` are the
+    token's own bytes. ``top``: the most likely tokens at that position, most
+    likely first."""
+
+    token: str
+    logprob: float
+    token_bytes: bytes
+    top: tuple[TopLogprob, ...] = ()
+
+
 class TokenDelta(_Msg, frozen=True, tag="delta"):
     """New completion text (complete UTF-8, stop strings already removed) and
     the number of tokens it came from. ``text`` may be empty while output is held
-    back; such deltas are not forwarded as content."""
+    back; such deltas are not forwarded as content. ``logprobs``: one entry per
+    token whose text is in ``text``, only when the request asked
+    (``SamplingParams.logprobs``); held-back tokens come with the text they
+    release."""
 
     request_id: str
     text: str
     num_tokens: int
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class Finished(_Msg, frozen=True, tag="finished"):
@@ -234,7 +296,9 @@ class Finished(_Msg, frozen=True, tag="finished"):
 
     ``draft_accepted``/``draft_rejected`` are ``None`` when drafting was not
     active; otherwise their sum is the number of drafted positions the target
-    model verified. Times are seconds: queued before prefill, prefill, decode.
+    model verified. Times are seconds: ``time_queued`` from the worker's receipt
+    of the ``Submit`` to the start of prefill (tokenizing and waiting for
+    admission included), then prefill, then decode.
     """
 
     request_id: str

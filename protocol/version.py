@@ -6,4 +6,5 @@ pod are upgraded separately.
 """
 
 PROTOCOL_VERSION: int = 3
-# 3: QueueProgress joins the Event union (a proxy of version 2 could not decode it).
+# 3: QueueProgress joins the Event union (a proxy of version 2 could not decode it);
+#    logprobs and grammar in SamplingParams, logprobs in TokenDelta.

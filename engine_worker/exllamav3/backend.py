@@ -13,12 +13,16 @@ What 1.6.5's ``Generator.iterate()`` returns and how each piece is converted
   (``job.py:1682-1693``), then one ``"streaming"`` dict per sampled token, so a
   speculative pass yields several (``generator.py:1897-1913``).
 - ``Started`` and the first ``PrefillProgress`` (``processed == cached``) are
-  emitted on the engine's ``"started"`` dict, when the reused prefix is known:
-  the job's ``cached_pages`` (``pagetable.py:650-673``, plus pages a sibling
-  job filled meanwhile, ``job.py:1430-1436``) and ``cached_tokens`` (the
-  token-level match inside the first uncached page, ``job.py:1459-1499``), read
-  after the ``iterate()`` that started it. A job that waits in the engine's
-  queue (batch or cache full) gets its ``Started`` when the engine starts it.
+  emitted on the job's first ``"prefill"`` or ``"streaming"`` dict, not on
+  ``"started"``: only its first prefill pass knows the reused prefix. That is
+  the job's ``cached_pages`` (whole pages found by hash at allocation,
+  ``pagetable.py:650-673``, plus pages a sibling job filled since,
+  ``job.py:1430-1436``) and ``cached_tokens`` (the token-level match inside the
+  first uncached page, ``job.py:1459-1499``), made in that pass; while other
+  jobs decode, a started job's pass can wait several calls for its turn
+  (``generator.py:757-787``). ``time_ms`` counts from the ``"started"`` call. A
+  job that waits in the engine's queue (batch or cache full) gets its
+  ``Started`` when the engine runs it.
 - ``"prefill"``: ``curr_progress`` counts prompt tokens in the KV cache, reused
   ones included, up to ``len(prompt) - 1`` (``job.py:1687-1688``); the last
   prompt token is fed by the first decode step. A fully cached, page-aligned
@@ -50,24 +54,48 @@ What 1.6.5's ``Generator.iterate()`` returns and how each piece is converted
   ``context_length_exceeded``, never a crash. The context limit is checked
   before that too, so the error names the setting.
 
-An exception out of ``iterate()`` itself propagates: the worker loop then fails
-and aborts every active request (``engine_worker/loop.py``).
+Faults. 1.6.5 contains failures of allocation and prefill to their job
+(``"error"`` dicts, ``generator.py:2135-2162``); anything else raises out of
+``iterate()``: a CUDA out-of-memory in a batched forward, ``NonFiniteLogits``
+on a job's first sample (``job.py:21``, ``742-750``), a CUDA error. The batch's
+state is then unknown and the results of that call are lost, so:
+
+- every job the generator had started (``Generator.active_jobs``) fails with a
+  ``RequestError``; jobs still in its queue (``pending_jobs``, untouched by any
+  forward pass) are enqueued again, as new jobs, into
+- a new ``Generator`` over the same model and cache (``EngineHandle.rebuild_generator``;
+  ``Generator.close`` keeps model and cache for a replacement,
+  ``generator.py:839-871``, and the new one takes the cache over with a fresh page
+  table, ``generator.py:242-245``), after ``check_device`` showed the GPU still
+  runs work;
+- a GPU that no longer runs work (a sticky CUDA error poisons the process) or
+  ``max_engine_faults`` faults within ``engine_fault_window`` seconds raise
+  ``EngineFailed``: the worker exits and is restarted (``engine_worker/loop.py``).
+
+Choices of one request (``n > 1``, one ``Prepared`` started several times) share
+their prompt. Started together, each would find pages the others fill only
+during prefill (``job.py:1424-1436``), so its ``Started``/first progress would
+under-report the reused prefix that its usage reports at the end. The later
+choices are therefore held back until the first has finished its prefill (or
+ended), and then find the whole prompt cached.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import threading
 import time
-from collections.abc import Collection
+from collections import deque
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 from engine_worker.admission import check_prompt_fits
-from engine_worker.backend import ModelInfo, Prepared, RequestRejected
+from engine_worker.backend import EngineFailed, ModelInfo, Prepared, RequestRejected
 from engine_worker.exllamav3.config import PAGE_SIZE
-from engine_worker.exllamav3.engine import EngineHandle
+from engine_worker.exllamav3.engine import EngineHandle, GeneratorLike
 from engine_worker.exllamav3.sampling import job_settings
 from engine_worker.settings import WorkerSettings
 from protocol.messages import (
@@ -96,9 +124,11 @@ class _Phase(enum.Enum):
 class _Request:
     request_id: str
     job: Any
-    serial: int
+    serial: int  # -1 while held back (not enqueued yet)
     prompt_tokens: int
     reservation: int
+    new_job: Callable[[], Any]  # the same job again, for a rebuilt generator
+    prepared: Prepared
     phase: _Phase = _Phase.QUEUED
     cached: int = 0
     processed: int = 0
@@ -138,7 +168,9 @@ class ExLlamaV3Backend:
     """``engine_worker.backend.Backend`` over an ExLlamaV3 ``Generator``.
 
     ``handle`` comes from ``engine_worker.exllamav3.loader.load_engine`` (or a
-    fake in tests); ``config`` supplies the context limit and prompt options.
+    fake in tests); ``config`` supplies the context limit, prompt options and
+    the fault limits (``max_engine_faults`` within ``engine_fault_window``).
+    ``longest_step_s`` is the longest ``iterate()`` so far, seconds.
     """
 
     def __init__(self, handle: EngineHandle, config: WorkerSettings) -> None:
@@ -155,7 +187,10 @@ class ExLlamaV3Backend:
         )
         self._requests: dict[str, _Request] = {}
         self._by_serial: dict[int, _Request] = {}
+        self._held: list[_Request] = []  # later choices waiting for their first choice's prefill
+        self._faults: deque[float] = deque()
         self._owner: int | None = None
+        self.longest_step_s = 0.0
 
     @property
     def info(self) -> ModelInfo:
@@ -222,32 +257,55 @@ class ExLlamaV3Backend:
         self.start(submit.request_id, self.prepare(submit), submit.params)
 
     def start(self, request_id: str, prepared: Prepared, params: SamplingParams) -> None:
-        """Validate the sampling ``params`` and enqueue one job.
+        """Validate the sampling ``params`` and enqueue one job; a later choice of a
+        ``prepared`` whose first choice is still before its first token is held back
+        until then (see the module docstring).
 
         Raises ``RequestRejected``: ``INVALID_REQUEST`` for parameters the engine
         cannot honour, ``CONTEXT_LENGTH_EXCEEDED`` when the job can never fit the
         cache, ``INTERNAL`` for anything unexpected.
         """
         self._check_thread()
-        rid, n, input_ids, param = request_id, prepared.prompt_tokens, prepared.prompt, prepared.param
+        rid, n, input_ids = request_id, prepared.prompt_tokens, prepared.prompt
         max_new = min(params.max_tokens, self._max_context - n)
         settings = job_settings(
             params,
             max_new_tokens=max_new,
             eos_token_ids=self._h.eos_token_ids,
             vocab_size=self._h.vocab_size,
+            stop_strings=self._h.stop_strings,
         )
         max_rq = self._config.max_rq_tokens if self._config.output_chunking else None
-        try:
-            sampler = self._h.new_sampler(**settings.sampler_kwargs)
-            job = self._h.new_job(
+        h = self._h
+
+        def new_job() -> Any:
+            return h.new_job(
                 input_ids=input_ids,
-                sampler=sampler,
+                sampler=h.new_sampler(**settings.sampler_kwargs),
                 identifier=rid,
                 max_rq_tokens=max_rq,
                 **settings.job_kwargs,
             )
-            serial = int(self._h.generator.enqueue(job))
+
+        try:
+            job = new_job()
+        except AssertionError as e:
+            raise RequestRejected(ErrorCode.INVALID_REQUEST, f"rejected by the engine: {e}") from e
+        except Exception as e:
+            log.exception("exllamav3: creating the job of %s failed", rid)
+            raise RequestRejected(ErrorCode.INTERNAL, f"enqueue failed: {type(e).__name__}: {e}") from e
+        req = _Request(rid, job, -1, n, self.reservation(prepared), new_job, prepared)
+        # Same prompt and budget as the first choice, which enqueue() accepted: a held
+        # choice fits the cache too, so holding it back cannot hide a rejection.
+        if any(r.prepared is prepared and r.phase is not _Phase.DECODE for r in self._requests.values()):
+            self._held.append(req)
+        else:
+            self._enqueue(req, prepared.param)
+        self._requests[rid] = req
+
+    def _enqueue(self, req: _Request, param: str | None) -> None:
+        try:
+            req.serial = int(self._gen.enqueue(req.job))
         except AssertionError as e:
             text = str(e)
             if "pages" in text:
@@ -258,52 +316,142 @@ class ExLlamaV3Backend:
                 ) from e
             raise RequestRejected(ErrorCode.INVALID_REQUEST, f"rejected by the engine: {text}") from e
         except Exception as e:
-            log.exception("exllamav3: enqueue of %s failed", rid)
+            log.exception("exllamav3: enqueue of %s failed", req.request_id)
             raise RequestRejected(ErrorCode.INTERNAL, f"enqueue failed: {type(e).__name__}: {e}") from e
-        req = _Request(rid, job, serial, n, self.reservation(prepared))
-        self._requests[rid] = req
-        self._by_serial[serial] = req
+        self._by_serial[req.serial] = req
+
+    @property
+    def _gen(self) -> GeneratorLike:
+        return self._h.generator
 
     def abort(self, request_id: str) -> None:
         """Cancel the job now (its pages return to the cache); unknown ids are ignored."""
         self._check_thread()
-        req = self._requests.pop(request_id, None)
+        req = self._requests.get(request_id)
         if req is None:
             return
-        self._by_serial.pop(req.serial, None)
-        self._h.generator.cancel(req.job)
+        self._finish(req)
+        if req.serial >= 0:
+            self._gen.cancel(req.job)
 
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[Event]:
-        """One ``Generator.iterate()`` and the events of its results, in order."""
+        """One ``Generator.iterate()`` and the events of its results, in order.
+        Raises ``EngineFailed`` when a fault cannot be repaired in this process."""
         self._check_thread()
         if not self._requests:
             return []
         t0 = time.monotonic()
-        results = self._h.generator.iterate()
+        try:
+            results = self._gen.iterate()
+        except Exception as e:
+            return self._recover(e)
+        finally:
+            self.longest_step_s = max(self.longest_step_s, time.monotonic() - t0)
         now = time.monotonic()
         events: list[Event] = []
         for r in results:
             req = self._by_serial.get(r.get("serial", -1))
             if req is not None:
                 self._convert(req, r, t0, now, events)
+        self._release_held(events)
         return events
 
     def _finish(self, req: _Request) -> None:
         self._requests.pop(req.request_id, None)
         self._by_serial.pop(req.serial, None)
+        if req in self._held:
+            self._held.remove(req)
 
-    def _begin(self, req: _Request, t0: float, events: list[Event]) -> None:
+    def _release_held(self, events: list[Event]) -> None:
+        """Enqueue held choices whose first choice is past its prefill or gone."""
+        if not self._held:
+            return
+        leaders = {
+            id(r.prepared) for r in self._requests.values() if r.serial >= 0 and r.phase is not _Phase.DECODE
+        }
+        for req in [r for r in self._held if id(r.prepared) not in leaders]:
+            self._held.remove(req)
+            try:
+                self._enqueue(req, req.prepared.param)
+            except RequestRejected as e:
+                self._finish(req)
+                events.append(RequestError(req.request_id, e.code, e.message, e.param))
+
+    # ------------------------------------------------------------------ faults
+
+    def _recover(self, error: Exception) -> list[Event]:
+        """Fail the requests of the faulted step, rebuild the generator, carry the
+        queued ones over (module docstring). Raises ``EngineFailed``."""
+        what = f"{type(error).__name__}: {error}"
+        if len(what) > 500:
+            what = what[:500] + "..."
+        log.error("exllamav3: engine fault in a step: %s", what, exc_info=error)
+        now = time.monotonic()
+        self._faults.append(now)
+        while self._faults and now - self._faults[0] > self._config.engine_fault_window:
+            self._faults.popleft()
+        if len(self._faults) >= self._config.max_engine_faults:
+            raise EngineFailed(
+                f"{len(self._faults)} engine faults within {self._config.engine_fault_window:g} s "
+                f"(max_engine_faults), the last: {what}"
+            ) from error
+        try:
+            if self._h.check_device is not None:
+                self._h.check_device()
+        except Exception as e:
+            raise EngineFailed(f"the GPU no longer runs work after {what}: {type(e).__name__}: {e}") from e
+        if self._h.rebuild_generator is None:
+            raise EngineFailed(f"the generator cannot be rebuilt after {what}") from error
+        pending = getattr(self._gen, "pending_jobs", None)
+        untouched = {id(j) for j in pending} if pending is not None else set()
+        try:
+            self._h = dataclasses.replace(self._h, generator=self._h.rebuild_generator())
+        except Exception as e:
+            raise EngineFailed(
+                f"rebuilding the generator after {what} failed: {type(e).__name__}: {e}"
+            ) from e
+
+        out_of_memory = "out of memory" in str(error).lower()
+        code = ErrorCode.OVERLOADED if out_of_memory else ErrorCode.INTERNAL
+        message = f"engine fault, the engine was reset and this request dropped: {what}"
+        events: list[Event] = []
+        for req in list(self._requests.values()):
+            if req.serial < 0:
+                continue  # held back: no job in the old generator
+            self._by_serial.pop(req.serial, None)
+            # A re-queued job (output chunking) waits in pending_jobs too, but has streamed.
+            if id(req.job) not in untouched or req.phase is not _Phase.QUEUED:
+                self._finish(req)
+                events.append(RequestError(req.request_id, code, message))
+                continue
+            req.serial = -1
+            try:
+                req.job = req.new_job()
+                self._enqueue(req, req.prepared.param)
+            except Exception as e:
+                self._finish(req)
+                events.append(RequestError(req.request_id, ErrorCode.INTERNAL, f"{message}; re-queue: {e}"))
+        log.warning(
+            "exllamav3: generator rebuilt after a fault (%d of %d allowed within %g s); %d request(s) failed",
+            len(self._faults),
+            self._config.max_engine_faults,
+            self._config.engine_fault_window,
+            len(events),
+        )
+        self._release_held(events)
+        return events
+
+    def _begin(self, req: _Request, now: float, events: list[Event]) -> None:
         pages = _as_int(getattr(req.job, "cached_pages", 0))
         cached = pages * PAGE_SIZE + _as_int(getattr(req.job, "cached_tokens", 0))
         cached = max(0, min(cached, req.prompt_tokens - 1))
         req.phase = _Phase.PREFILL
         req.cached = req.processed = cached
-        req.started_at = t0
         rid, total = req.request_id, req.prompt_tokens
         events.append(Started(rid, total, cached))
-        events.append(PrefillProgress(rid, total, cached, cached, 0))
+        events.append(PrefillProgress(rid, total, cached, cached, int((now - req.started_at) * 1000)))
 
     def _progress(self, req: _Request, processed: int, now: float, events: list[Event]) -> None:
         if processed <= req.processed:
@@ -323,7 +471,11 @@ class ExLlamaV3Backend:
             self._finish(req)
             return
         if req.phase is _Phase.QUEUED:
-            self._begin(req, t0, events)
+            if stage == "started" or not req.started_at:
+                req.started_at = t0
+            if stage == "started":
+                return
+            self._begin(req, now, events)
         if stage == "prefill":
             if req.phase is _Phase.PREFILL:
                 done = min(int(r.get("curr_progress", 0)), req.prompt_tokens - 1)
@@ -413,9 +565,17 @@ class ExLlamaV3Backend:
         return fin
 
     def close(self) -> None:
-        """Cancel what is left and release the generator, model and cache."""
-        for req in list(self._requests.values()):
-            self._h.generator.cancel(req.job)
-        self._requests.clear()
-        self._by_serial.clear()
-        self._h.close()
+        """Cancel what is left and release the generator, model and cache. After an
+        ``EngineFailed`` the GPU may refuse this too; that is logged, not raised, so
+        the worker still exits with its own status."""
+        try:
+            for req in list(self._requests.values()):
+                if req.serial >= 0:
+                    self._gen.cancel(req.job)
+            self._h.close()
+        except Exception:
+            log.exception("exllamav3: releasing the engine failed")
+        finally:
+            self._requests.clear()
+            self._by_serial.clear()
+            self._held.clear()

@@ -56,10 +56,14 @@ class EngineHandle:
     - ``encode(text, add_bos)``: raw prompt -> ``(1, n)`` ids, special tokens in the text parsed.
     - ``encode_chat(messages, add_generation_prompt)``: the model's chat template applied and
       tokenized; ``messages`` are ``{"role", "content"}`` dicts.
-    - ``decode(ids)``: token ids -> text, special tokens dropped (``Tokenizer.decode``).
+    - ``decode(ids)``: token ids -> text, special tokens as their text (``Tokenizer.decode`` with
+      ``decode_special_tokens=True``, as jobs decode).
     - ``pieces``: token id -> the text ``Job`` appends for it (``get_id_to_piece_list`` with
-      ``decode_special_tokens=False``, ``generator/job.py:971``).
-    - ``eos_token_ids``: the model's end-of-sequence ids (``Config.eos_token_id_list``).
+      ``decode_special_tokens=True``, ``generator/job.py:971``).
+    - ``eos_token_ids``: the model's end-of-sequence ids (``Config.eos_token_id_list``), plus the
+      token that ends an assistant turn in the chat template when it is one token.
+    - ``stop_strings``: the chat template's turn-end text (``<|im_end|>``), which also ends a
+      completion when the model spells it out of ordinary tokens.
     - ``vocab_size``: ids ``0 .. vocab_size - 1`` are valid (``Tokenizer.actual_vocab_size``).
     - ``max_position_embeddings``: the model's trained context, tokens.
     - ``cache_tokens``: ``Generator.max_total_tokens``, the cache size in tokens.
@@ -67,6 +71,12 @@ class EngineHandle:
     - ``drafting``: ``Ready.drafting`` name or ``None``.
     - ``close``: free the generator, model and cache.
     - ``max_batch_size``: the generator's ``max_batch_size``, most jobs running at once.
+    - ``rebuild_generator()``: close ``generator`` and return a new one over the same model and
+      cache (``Generator.close``, ``generator/generator.py:839-871``: "the model and cache stay
+      loaded for a replacement generator"); ``None`` where the engine cannot.
+    - ``check_device()``: raises when the GPU can no longer run work (a sticky CUDA error);
+      ``None`` where there is nothing to check.
+    - ``warmup_s``: seconds the start-up warm-up through the generator took (0 without one).
     """
 
     generator: GeneratorLike
@@ -85,3 +95,7 @@ class EngineHandle:
     model_id: str
     close: Callable[[], None]
     max_batch_size: int = 32
+    stop_strings: tuple[str, ...] = ()
+    rebuild_generator: Callable[[], GeneratorLike] | None = None
+    check_device: Callable[[], None] | None = None
+    warmup_s: float = 0.0

@@ -22,6 +22,12 @@ Semantics that differ from OpenAI's, documented rather than hidden:
   are masked until then, but a stop *string* can still end the completion earlier
   (``generator/job.py:461-462``).
 - ``seed`` seeds the job's own RNG; ExLlamaV3 does not promise bitwise determinism.
+- special tokens the model emits that are not stop conditions (``<think>``, tool-call
+  markers) are streamed as their text: ``decode_special_tokens=True``, as TabbyAPI does.
+  With ``False`` a special token's text is whatever the tokenizer's plain decode gives
+  it, empty for some tokenizers and literal for others (``tokenizer/tokenizer.py:704-725``
+  against ``727-736``).
+- ``ignore_eos`` also drops the chat template's turn-end stop conditions.
 
 A parameter the engine cannot honour is refused with ``RequestRejected`` naming it.
 """
@@ -59,12 +65,14 @@ def job_settings(
     max_new_tokens: int,
     eos_token_ids: tuple[int, ...],
     vocab_size: int,
+    stop_strings: tuple[str, ...] = (),
 ) -> JobSettings:
     """Validate ``params`` and translate them.
 
     ``max_new_tokens`` is the completion budget after clamping to the context
     (tokens, >= 1). Stop conditions are the stop strings, ``stop_token_ids`` and,
-    unless ``ignore_eos``, the model's EOS ids. Raises ``RequestRejected``
+    unless ``ignore_eos``, the model's EOS ids and ``stop_strings`` (the chat
+    template's turn end). Raises ``RequestRejected``
     (``INVALID_REQUEST``) with the offending field as ``param``.
     """
     p = params
@@ -84,6 +92,8 @@ def job_settings(
         logit_bias[int(token_id)] = float(bias)
 
     stop_conditions: list[int | str] = [s for s in p.stop if s]
+    if not p.ignore_eos:
+        stop_conditions += [s for s in stop_strings if s and s not in stop_conditions]
     stop_ids: list[int] = [] if p.ignore_eos else list(eos_token_ids)
     stop_ids += [t for t in p.stop_token_ids if t not in stop_ids]
     stop_conditions += stop_ids
@@ -103,6 +113,6 @@ def job_settings(
         "min_new_tokens": min(p.min_tokens, max_new_tokens),
         "seed": p.seed,
         "stop_conditions": stop_conditions,
-        "decode_special_tokens": False,
+        "decode_special_tokens": True,
     }
     return JobSettings(sampler_kwargs, job_kwargs)

@@ -63,6 +63,22 @@ choosing tokens instead of a network:
 - ``enqueue`` asserts the job can ever fit, with 1.6.5's message
   (``job.py:1340-1344``), after capping ``max_new_tokens`` to the room left
   (``job.py:1287-1292``).
+- ``decode_special_tokens`` picks the piece list of each sampled token
+  (``job.py:971``) and the decode that repairs held text (``job.py:887-893``,
+  ``1005-1016``), and survives a re-queue (``job.py:1246``); with ``True`` every
+  special token is its text (``tokenizer/tokenizer.py:727-736``).
+- ``Tokenizer.hf_chat_template`` renders with ``hf_tokenizer``, loading
+  ``AutoTokenizer`` from the model directory on first use when none is set
+  (``tokenizer/tokenizer.py:86``, ``866-876``); ``write_hf_tokenizer`` writes real
+  ``transformers`` tokenizer files with the fake's ids.
+- Faults out of ``iterate()``: ``NonFiniteLogits`` on a job's first sample
+  (``job.py:21``, ``742-750``); a new ``Generator`` over the same cache supersedes
+  the old one, which then drops its jobs and refuses to run (``generator.py:242-245``,
+  ``741-749``); ``close()`` leaves model and cache for a replacement
+  (``generator.py:839-871``). ``Model.device_error`` (fake-only) stands for a
+  sticky CUDA error, which fails every later GPU call.
+- ``Cache.layers`` report ``storage_size``/``overhead_size`` as FP16 and quantized
+  cache layers compute them (``cache/fp16.py:92-98``, ``cache/quant.py:137-147``).
 
 Deliberately stricter than 1.6.5: ``Job``, ``Generator``, ``Cache`` and
 ``ComboSampler`` take exactly the 1.6.5 parameter names and no ``**kwargs``, so a
@@ -220,6 +236,9 @@ class Tokenizer:
             return [_piece(i) for i in range(VOCAB_SIZE)]
         return ["" if i in SPECIAL_PIECES else _piece(i) for i in range(VOCAB_SIZE)]
 
+    hf_tokenizer: Any = None
+    """What ``hf_chat_template`` renders with; ``None`` until first use (``tokenizer.py:86``)."""
+
     def hf_chat_template(
         self,
         messages: list[dict[str, str]],
@@ -227,8 +246,50 @@ class Tokenizer:
         embeddings: list[Any] | None = None,
         **template_kwargs: Any,
     ) -> FakeTensor:
+        """``tokenizer/tokenizer.py:806-907``: a ``transformers.AutoTokenizer`` of the model
+        directory, loaded on first use unless one is set (``866-867``), renders and tokenizes
+        (``870-876``). A directory without tokenizer files (the tests' bare model dirs) gets
+        ``ChatMLTemplate`` instead, a stand-in with the same ids."""
         if embeddings or template_kwargs:
             raise NotImplementedError
+        if self.hf_tokenizer is None:
+            directory = self.config.directory if self.config is not None else None
+            if directory and os.path.exists(os.path.join(directory, "tokenizer.json")):
+                from transformers import AutoTokenizer
+
+                self.hf_tokenizer = AutoTokenizer.from_pretrained(directory)
+            else:
+                self.hf_tokenizer = ChatMLTemplate()
+        rendered = self.hf_tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
+        )
+        ids = rendered.get("input_ids") if hasattr(rendered, "get") else rendered
+        if ids and isinstance(ids[0], list):
+            ids = ids[0]
+        return FakeTensor(ids)
+
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class ChatMLTemplate:
+    """Stands in for the ``transformers`` tokenizer of a ChatML model over the fake
+    vocabulary: ``chat_template`` and ``apply_chat_template`` as ``hf_chat_template`` and the
+    worker's start-up check call them. Unknown roles raise, as strict templates do."""
+
+    chat_template = CHATML_TEMPLATE
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, str]],
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
+        return_dict: bool = False,
+        **kwargs: Any,
+    ) -> Any:
         text = ""
         for m in messages:
             if m["role"] not in ("system", "user", "assistant"):
@@ -236,7 +297,43 @@ class Tokenizer:
             text += f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
         if add_generation_prompt:
             text += "<|im_start|>assistant\n"
-        return self.encode(text, encode_special_tokens=True)
+        if not tokenize:
+            return text
+        ids = Tokenizer().encode(text, encode_special_tokens=True).tolist()[0]
+        return {"input_ids": ids} if return_dict else ids
+
+
+def _byte_symbols() -> list[str]:
+    """The printable character byte-level BPE uses for each byte value: bytes that are
+    printable Latin-1 stand for themselves, the others are shifted past U+0100."""
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    out: dict[int, str] = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(0x100 + extra)
+            extra += 1
+    return [out[b] for b in range(256)]
+
+
+def write_hf_tokenizer(directory: str, chat_template: str | None = CHATML_TEMPLATE) -> None:
+    """Write ``tokenizer.json``/``tokenizer_config.json`` for a real ``transformers`` tokenizer
+    with the fake's ids (bytes 0..255, then ``<s>``, ``</s>``, ``<|im_start|>``, ``<|im_end|>``),
+    so the worker's start-up path (``AutoTokenizer``, ``apply_chat_template``) runs for real
+    over the fake model. ``chat_template=None`` writes none."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {sym: b for b, sym in enumerate(_byte_symbols())}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([SPECIAL_PIECES[i] for i in sorted(SPECIAL_PIECES)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(directory)
 
 
 # ---------------------------------------------------------------- scripted models
@@ -303,10 +400,22 @@ class Config:
 
 DEFAULT_SCRIPT = reply("Hello from the fake model.")
 
+DOMINANT_BIAS = 1e4
+"""A logit bias at least this large makes the fake model choose that token."""
+
+
+class NonFiniteLogits(RuntimeError):
+    """``generator/job.py:21``: NaN/Inf logits on a job's first sample."""
+
 
 class Model:
     """A model whose next token is ``script(prompt, generated)``. ``fail_prefill(prompt)``
-    returning True makes prefill raise for that job (to produce ``"error"`` results)."""
+    returning True makes prefill raise for that job (to produce ``"error"`` results);
+    ``nonfinite(prompt)`` returning True makes that job's first sample raise
+    ``NonFiniteLogits`` out of ``iterate()`` (``job.py:742-750``: ``receive_logits`` is
+    called from the batched decode, which does not contain it). ``device_error``, once set,
+    stands for a sticky CUDA error: every later GPU call raises it (``iterate`` here, and
+    ``make_handle``'s ``check_device``)."""
 
     warmup_failures: tuple[str, ...] = ()
     """What ``warmup`` returns: labels of passes that raised (tests set it)."""
@@ -322,6 +431,8 @@ class Model:
         self.component = component
         self.script: Script = script or (config.script if config and config.script else DEFAULT_SCRIPT)
         self.fail_prefill = fail_prefill
+        self.nonfinite: Callable[[Sequence[int]], bool] | None = None
+        self.device_error: Exception | None = None
         self.caps: dict[str, Any] = {}
         if component == "mtp":
             self.caps.update({"mtp_draft": True, "default_draft_size": 2})
@@ -413,10 +524,31 @@ class CacheLayer_quant:
     """Marker for a quantized cache layer (``cache/quant.py``)."""
 
 
+class _CacheLayerSize:
+    """The sizes of one attention layer's cache tensors: FP16 keys and values
+    (``cache/fp16.py:27-30``, ``92-98``), or packed ``k_bits``/``v_bits`` ints per 32 channels
+    plus an FP16 scale each (``cache/quant.py:32-42``, ``137-147``)."""
+
+    def __init__(self, tokens: int, kv_heads: int, head_dim: int, bits: tuple[int, int] | None) -> None:
+        self.tokens, self.token_dim, self.bits = tokens, kv_heads * head_dim, bits
+
+    def storage_size(self) -> int:
+        if self.bits is None:
+            return 2 * self.tokens * self.token_dim * 2
+        k, v = self.bits
+        groups = self.tokens * (self.token_dim // 32)
+        return groups * k * 4 + groups * v * 4 + 2 * groups * 2
+
+    def overhead_size(self) -> int:
+        return 0 if self.bits is None else 2 * self.token_dim * 2
+
+
 class Cache:
     """``Cache(model, max_num_tokens, layer_type, max_batch_size, max_history, recurrent_dtype,
     **kwargs)`` (``cache/cache.py:93-185``); ``k_bits``/``v_bits``/``compand_a`` are the
-    keyword arguments ``CacheLayer_quant`` takes (``cache/quant.py:15-30``)."""
+    keyword arguments ``CacheLayer_quant`` takes (``cache/quant.py:15-30``). ``layers`` has
+    one entry per attention layer (``cache/cache.py:158-167``), sized from ``config.json``'s
+    ``num_hidden_layers``/``num_key_value_heads``/``head_dim``."""
 
     def __init__(
         self,
@@ -446,6 +578,15 @@ class Cache:
         self.max_history = max_history
         self.initialized = False
         self.owner: Generator | None = None
+        self.owner_serial = 0
+        cfg = model.config.config_dict if model.config is not None else {}
+        bits = None if layer_type is not CacheLayer_quant else (int(k_bits or 0), int(v_bits or 0))
+        self.layers = {
+            (i, 0): _CacheLayerSize(
+                max_num_tokens, int(cfg.get("num_key_value_heads", 2)), int(cfg.get("head_dim", 64)), bits
+            )
+            for i in range(int(cfg.get("num_hidden_layers", 2)))
+        }
         model.caches.append(self)
 
 
@@ -700,7 +841,7 @@ class Job:
     ) -> None:
         if filters or token_healing or banned_strings or embeddings or stop_on_loop:
             raise NotImplementedError("feature not modelled by the fake")
-        if return_top_tokens or return_logits or return_probs or decode_special_tokens:
+        if return_top_tokens or return_logits or return_probs:
             raise NotImplementedError("feature not modelled by the fake")
         ids = _ids_of(input_ids)
         assert len(ids) > 0, "Input IDs cannot be empty."
@@ -1026,7 +1167,9 @@ class Job:
                 r["requeue"] = True
             if emit_held:
                 if emit_eos and "\ufffd" in self.held_text and self.held_tokens:
-                    self.held_text = gen.tokenizer.decode(FakeTensor(self.held_tokens))[0]
+                    self.held_text = gen.tokenizer.decode(
+                        FakeTensor(self.held_tokens), decode_special_tokens=self.decode_special_tokens
+                    )[0]
                 if self.held_text != "":
                     self.full_completion += self.held_text
                     r["text"] = self.held_text
@@ -1082,7 +1225,9 @@ class Job:
         if self.new_tokens >= self.max_new_tokens:
             return emit(emit_eos=True, emit_held=True, eos_reason="max_new_tokens")
         if "\ufffd" in self.held_text:
-            test = gen.tokenizer.decode(FakeTensor(self.held_tokens))[0]
+            test = gen.tokenizer.decode(
+                FakeTensor(self.held_tokens), decode_special_tokens=self.decode_special_tokens
+            )[0]
             if test.endswith("\ufffd") and len(test) <= self.stop_string_max_length + 20:
                 return emit()
             self.held_text = test
@@ -1132,6 +1277,7 @@ class Job:
             max_new_tokens=self.max_new_tokens - last_completed,
             min_new_tokens=max(self.min_new_tokens - last_completed, 0),
             sampler=self.sampler,
+            decode_special_tokens=self.decode_special_tokens,
             identifier=self.identifier,
             max_rq_tokens=self.orig_max_rq_tokens,
             rq_state=rq_state,
@@ -1186,6 +1332,10 @@ class Generator:
         self.cache = cache
         self.tokenizer = tokenizer
         cache.owner = self
+        # A new generator takes the cache over with a fresh page table; the old one is
+        # superseded (generator.py:242-245).
+        cache.owner_serial += 1
+        self.cache_owner_serial = cache.owner_serial
         self.pagetable = _PageTable(cache.max_num_tokens // PAGE_SIZE)
         self.max_total_tokens = PAGE_SIZE * self.pagetable.max_pages
         self.draft_model = draft_model
@@ -1246,6 +1396,8 @@ class Generator:
             self.active_jobs.remove(job)
 
     def close(self) -> None:
+        """``generator.py:839-871``: releases host buffers; model and cache stay loaded for a
+        replacement generator. Stricter here: a closed generator refuses ``iterate``."""
         self.closed = True
 
     def _reap(self, job: Job, error: Exception, results: list[dict[str, Any]]) -> None:
@@ -1291,6 +1443,18 @@ class Generator:
         assert self.cache.initialized, (
             "Cache tensors were never allocated. Construct the Cache BEFORE calling model.load()"
         )
+        if self.cache.owner_serial != self.cache_owner_serial:
+            # generator.py:741-749: a superseded generator drops its jobs and refuses to run.
+            self.pending_jobs.clear()
+            self.active_jobs.clear()
+            raise RuntimeError(
+                "This Generator no longer owns its Cache: a newer Generator was created over the same "
+                "Cache. Close or discard the old Generator before creating a new one."
+            )
+        if self.closed:
+            raise RuntimeError("iterate() on a closed Generator")
+        if self.model.device_error is not None:
+            raise self.model.device_error
         self.iterations += 1
         if self.fail_next_iterate is not None:
             e, self.fail_next_iterate = self.fail_next_iterate, None
@@ -1332,7 +1496,16 @@ class Generator:
     def _target(self, job: Job) -> int:
         generated = job.sequence_ids[len(job.client_prompt) :]
         token = self.model.script(job.client_prompt, generated)
-        if job.new_tokens < job.min_new_tokens and token in job.stop_tokens:
+        masked = job.new_tokens < job.min_new_tokens
+        bias = job.sampler.settings.get("logit_bias") or {}
+        if bias:
+            # The logit bias comes first in the sampler stack (generator/sampler/presets.py,
+            # ComboSampler); the script's choice stands for a logit that a bias of
+            # DOMINANT_BIAS or more outweighs, unless the biased token is a masked stop token.
+            top = max(bias, key=lambda t: bias[t])
+            if bias[top] >= DOMINANT_BIAS and not (masked and top in job.stop_tokens):
+                token = top
+        if masked and token in job.stop_tokens:
             # Stop tokens are masked out of the logits until min_new_tokens (job.py:461-462):
             # the fake model's next choice is a space.
             token = 0x20
@@ -1369,6 +1542,11 @@ class Generator:
             draft = drafts[id(job)] if drafts is not None else []
             width = len(draft) + 1
             for i in range(width):
+                nonfinite = self.model.nonfinite
+                if job.new_tokens < 1 and nonfinite is not None and nonfinite(job.client_prompt):
+                    raise NonFiniteLogits(
+                        f"Job {job.identifier!r} (serial {job.serial_number}) produced non-finite logits"
+                    )
                 token = self._target(job)
                 eos, rq = job.receive_sample(token, results)
                 if rq:
@@ -1414,10 +1592,13 @@ def make_handle(
     draft_script: Script | None = None,
     fail_prefill: Callable[[Sequence[int]], bool] | None = None,
     eos_token_ids: tuple[int, ...] = (EOS, IM_END),
+    stop_strings: tuple[str, ...] = (),
     special_pieces: bool = True,
 ) -> Any:
     """An ``EngineHandle`` over a fake generator, as ``loader.load_engine`` would build it.
-    The generator is ``handle.generator`` (a ``Generator``)."""
+    The generator is ``handle.generator`` (a ``Generator``); ``rebuild_generator`` makes a
+    new one over the same model and cache, as the loader's does, and ``check_device`` raises
+    ``model.device_error`` (``handle.generator.model``) once it is set."""
     from engine_worker.exllamav3.engine import EngineHandle
 
     model = Model(script=script, fail_prefill=fail_prefill)
@@ -1432,17 +1613,19 @@ def make_handle(
     if draft_model is not None:
         draft_model.load()
     tok = Tokenizer(special_pieces=special_pieces)
-    gen = Generator(
-        model,
-        cache,
-        tok,
-        max_batch_size=max_batch_size,
-        max_chunk_size=max_chunk_size,
-        draft_model=draft_model,
-        draft_cache=draft_cache,
-        num_draft_tokens=num_draft_tokens,
-        ngram_match_min=ngram_match_min if drafting == "ngram" else 0,
-    )
+    gen_kwargs: dict[str, Any] = {
+        "model": model,
+        "cache": cache,
+        "tokenizer": tok,
+        "max_batch_size": max_batch_size,
+        "max_chunk_size": max_chunk_size,
+        "draft_model": draft_model,
+        "draft_cache": draft_cache,
+        "num_draft_tokens": num_draft_tokens,
+        "ngram_match_min": ngram_match_min if drafting == "ngram" else 0,
+    }
+    gen = Generator(**gen_kwargs)
+    current = [gen]
 
     def encode(text: str, add_bos: bool) -> FakeTensor:
         return tok.encode(text, add_bos=add_bos and not text.startswith("<s>"), encode_special_tokens=True)
@@ -1451,7 +1634,16 @@ def make_handle(
         return tok.hf_chat_template(messages, add_generation_prompt=add_generation_prompt)
 
     def decode(ids: list[int]) -> str:
-        return str(tok.decode(FakeTensor(ids, flat=True)))
+        return str(tok.decode(FakeTensor(ids, flat=True), decode_special_tokens=True))
+
+    def rebuild_generator() -> Generator:
+        current[0].close()
+        current[0] = Generator(**gen_kwargs)
+        return current[0]
+
+    def check_device() -> None:
+        if model.device_error is not None:
+            raise model.device_error
 
     return EngineHandle(
         generator=gen,
@@ -1460,7 +1652,7 @@ def make_handle(
         encode=encode,
         encode_chat=encode_chat,
         decode=decode,
-        pieces=tok.get_id_to_piece_list(False),
+        pieces=tok.get_id_to_piece_list(True),
         eos_token_ids=eos_token_ids,
         vocab_size=VOCAB_SIZE,
         max_position_embeddings=max_position_embeddings,
@@ -1468,6 +1660,9 @@ def make_handle(
         max_draft_tokens=gen.max_draft_tokens,
         drafting=drafting,
         model_id="fake-exl3",
-        close=gen.close,
+        close=lambda: current[0].close(),
         max_batch_size=max_batch_size,
+        stop_strings=stop_strings,
+        rebuild_generator=rebuild_generator,
+        check_device=check_device,
     )

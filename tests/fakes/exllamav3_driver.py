@@ -24,7 +24,8 @@ from tests.fakes import exllamav3 as fx
 
 
 class RecordingGenerator:
-    """Passes calls to a generator and keeps every ``iterate()`` result list."""
+    """Passes calls to a generator and keeps every ``iterate()`` result list. A rebuild
+    (``EngineHandle.rebuild_generator``) swaps ``inner`` and keeps recording."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
@@ -45,6 +46,10 @@ class RecordingGenerator:
         return int(self.inner.num_remaining_jobs())
 
     @property
+    def pending_jobs(self) -> list[Any]:
+        return list(self.inner.pending_jobs)
+
+    @property
     def results(self) -> list[dict[str, Any]]:
         return [r for b in self.batches for r in b]
 
@@ -55,7 +60,13 @@ def make_backend(
     """A backend over ``fx.make_handle(**handle_kwargs)`` whose generator records its results."""
     handle = fx.make_handle(**handle_kwargs)
     rec = RecordingGenerator(handle.generator)
-    handle = dataclasses.replace(handle, generator=rec)
+    rebuild = handle.rebuild_generator
+
+    def rebuild_recorded() -> RecordingGenerator:
+        rec.inner = rebuild()
+        return rec
+
+    handle = dataclasses.replace(handle, generator=rec, rebuild_generator=rebuild_recorded)
     cfg = config or WorkerSettings(backend="exllamav3", model_dir=Path("/models/fake-exl3"))
     return ExLlamaV3Backend(handle, cfg), rec
 

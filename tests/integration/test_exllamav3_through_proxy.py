@@ -1,12 +1,15 @@
 """End to end on the fake generator: the real worker loop (``EngineLoop`` on ipc
 sockets, in a thread) runs ``ExLlamaV3Backend``; the real proxy app
-(``create_app`` + ``ZmqEngineClient``) serves HTTP. Asserts what a client reads."""
+(``create_app`` + ``ZmqEngineClient``) serves HTTP. Asserts what a client reads,
+also when a step faults (the engine recovers) or the GPU is lost (the worker
+exits with status 3 and the proxy turns not ready)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +17,7 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestClient
 
+from engine_worker.backend import ENGINE_FAILED_EXIT_STATUS
 from engine_worker.exllamav3.backend import ExLlamaV3Backend
 from engine_worker.loop import EngineLoop
 from engine_worker.settings import WorkerSettings
@@ -28,10 +32,43 @@ LONG = "The quick brown fox jumps over the lazy dog. " * 30  # 1350 bytes of con
 REPLY = "Paris is the capital of France. " * 3
 CONTEXT = 4000
 
+MODEL: list[fx.Model] = []  # the fixture's model, for scripts that break its GPU
+
+
+def _fault_at(n: int, error: Exception, sticky: bool = False) -> fx.Script:
+    """Raise ``error`` out of the batched decode at the ``n``-th token, as a CUDA fault in
+    a forward pass would; ``sticky`` also poisons the GPU for every later call."""
+
+    def script(prompt: Sequence[int], generated: Sequence[int]) -> int:
+        if len(generated) == n:
+            if sticky:
+                MODEL[0].device_error = error
+            raise error
+        return fx.reply(REPLY)(prompt, generated)
+
+    return script
+
+
 SCRIPT = fx.by_prompt(
     fx.reply(REPLY),
     holdback=fx.reply("It ends with EN"),  # "EN" is held for the stop string "END"
+    oom_fault=_fault_at(5, RuntimeError("CUDA out of memory. Tried to allocate 8.00 GiB")),
+    lost_gpu=_fault_at(5, RuntimeError("CUDA error: an illegal memory access was encountered"), True),
 )
+
+
+@dataclass
+class Worker:
+    backend: ExLlamaV3Backend
+    sockets: WorkerSockets
+    thread: threading.Thread
+    exits: list[BaseException] = field(default_factory=list)
+    sockets_open: bool = True
+
+    def close_sockets(self) -> None:
+        if self.sockets_open:
+            self.sockets_open = False
+            self.sockets.close()
 
 
 @pytest.fixture
@@ -40,8 +77,9 @@ def addrs(tmp_path: Path) -> tuple[str, str]:
 
 
 @pytest.fixture
-def worker(addrs: tuple[str, str]) -> Iterator[ExLlamaV3Backend]:
+def worker(addrs: tuple[str, str]) -> Iterator[Worker]:
     handle = fx.make_handle(script=SCRIPT, drafting="ngram", max_chunk_size=CHUNK, cache_tokens=8192)
+    MODEL[:] = [handle.generator.model]
     backend = ExLlamaV3Backend(
         handle,
         WorkerSettings(
@@ -50,24 +88,30 @@ def worker(addrs: tuple[str, str]) -> Iterator[ExLlamaV3Backend]:
     )
     sockets = WorkerSockets(*addrs)
     stop = threading.Event()
-    thread = threading.Thread(
-        target=EngineLoop(backend, sockets, heartbeat_interval=0.2, max_queue=64).run,
-        args=(stop,),
-        daemon=True,
-    )
+    loop = EngineLoop(backend, sockets, heartbeat_interval=0.2, max_queue=64)
+    exits: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            loop.run(stop)
+        except BaseException as e:  # SystemExit ends a thread silently: keep it for the test
+            exits.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
+    w = Worker(backend, sockets, thread, exits)
     try:
-        yield backend
+        yield w
     finally:
         stop.set()
         thread.join(10)
-        sockets.close()
+        w.close_sockets()
         backend.close()
 
 
 @pytest.fixture
 async def client(
-    aiohttp_client: Any, worker: ExLlamaV3Backend, addrs: tuple[str, str]
+    aiohttp_client: Any, worker: Worker, addrs: tuple[str, str]
 ) -> AsyncIterator[TestClient[Any, Any]]:
     config = ProxySettings(
         input_addr=addrs[0], output_addr=addrs[1], heartbeat_timeout=5.0, sse_ping_interval=5.0
@@ -173,3 +217,55 @@ async def test_prompt_longer_than_the_context_is_a_400(client: TestClient[Any, A
     assert resp.status == 400
     err = (await resp.json())["error"]
     assert err["code"] == "context_length_exceeded" and str(CONTEXT) in err["message"]
+
+
+def _stream_body(content: str) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": content}], "stream": True, "max_tokens": 50}
+
+
+async def _failed_stream(c: TestClient[Any, Any], content: str) -> dict[str, Any]:
+    """The error of a stream that fails: an error event after the SSE headers, or the
+    error response itself when the proxy had not started the stream yet (the fake's
+    steps are fast enough for either)."""
+    resp = await c.post("/v1/chat/completions", json=_stream_body(content))
+    if resp.status != 200:
+        err: dict[str, Any] = (await resp.json())["error"]
+        return err
+    raw = await resp.text()
+    events = [orjson.loads(f[6:]) for f in raw.split("\n\n") if f.startswith("data: {")]
+    assert raw.endswith("data: [DONE]\n\n") and "error" in events[-1], raw
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e.get("choices"))
+    assert REPLY[:5].startswith(text)
+    last: dict[str, Any] = events[-1]["error"]
+    return last
+
+
+async def test_a_fault_in_a_step_fails_that_stream_and_the_worker_serves_on(
+    client: TestClient[Any, Any], worker: Worker
+) -> None:
+    err = await _failed_stream(client, "oom_fault")
+    assert "out of memory" in err["message"] and "engine was reset" in err["message"]
+    assert err["code"] == "overloaded"  # a 503: the OpenAI SDKs retry it
+    assert (await client.get("/ready")).status == 200
+    resp = await client.post("/v1/chat/completions", json={**_stream_body("hi"), "stream": False})
+    after = await resp.json()
+    assert resp.status == 200, after
+    assert after["choices"][0]["message"]["content"] == REPLY[:50]
+    assert not worker.exits
+
+
+async def test_a_lost_gpu_fails_the_stream_and_the_worker_exits_not_ready(
+    client: TestClient[Any, Any], worker: Worker
+) -> None:
+    err = await _failed_stream(client, "lost_gpu")
+    assert "no longer runs work" in err["message"]
+    worker.thread.join(5)
+    assert [type(e) for e in worker.exits] == [SystemExit]
+    assert worker.exits[0].args == (ENGINE_FAILED_EXIT_STATUS,)
+    worker.close_sockets()  # what the process exit does
+    for _ in range(100):
+        if (await client.get("/ready")).status == 503:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("/ready stayed 200 after the worker exited")

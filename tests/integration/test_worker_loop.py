@@ -440,6 +440,9 @@ def test_queued_requests_get_queue_progress_until_they_start(tmp_path: Path) -> 
     assert 2 in d_positions and d_positions[-1] == 1  # moved up past the aborted c, then past b
     assert "c" not in [rid for rid, _ in backend.started]
     assert [rid for rid, _ in backend.started] == ["a", "b-0", "b-1", "d"]
+    # time_queued counts the wait in the worker's queue, not only the backend's.
+    (d_done,) = [e for e in events if isinstance(e, Finished) and e.request_id == "d"]
+    assert d_done.time_queued >= 0.6  # queued before the two 0.3 s sleeps above
 
 
 def test_queue_rate_estimates_only_from_a_steady_rate() -> None:
@@ -561,3 +564,14 @@ def test_a_slow_prepare_does_not_stall_running_sequences(running: Running) -> No
     # "big" took a second to prepare; "run" kept streaming through it.
     assert len(during) >= 20 and max(during) > 0.8
     peer.send(Abort(("run",)))
+
+
+def test_features_the_backend_lacks_are_refused_not_ignored(tmp_path: Path) -> None:
+    with serve_loop(tmp_path) as (backend, peer, _):
+        peer.send(Submit("g", SamplingParams(3, grammar='start: "a"', grammar_param="tools"), prompt="p"))
+        peer.send(Submit("l", SamplingParams(3, logprobs=2), prompt="p"))
+        events = peer.events_until_terminal({"g", "l"})
+    by_id = {e.request_id: e for e in events if isinstance(e, RequestError)}
+    assert by_id["g"].code == ErrorCode.INVALID_REQUEST and by_id["g"].param == "tools"
+    assert by_id["l"].param == "logprobs"
+    assert backend.prepared == []  # refused before any work

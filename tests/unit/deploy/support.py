@@ -136,8 +136,16 @@ installs non-editable and keeps no cache; a developer's venv installs editable."
 def pip_installs(shell: str) -> list[tuple[frozenset[str], frozenset[str]]]:
     """``(requirements, options)`` of each ``pip install`` in a shell command line."""
     out = []
-    for part in re.split(r"&&|;", shell):
-        words = shlex.split(part)
+    # The shell's own splitting: an operator inside quotes (python -c '...; ...') is text.
+    lexer = shlex.shlex(shell, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    commands: list[list[str]] = [[]]
+    for token in lexer:
+        if token in ("&&", ";", "||", "|", "&"):
+            commands.append([])
+        else:
+            commands[-1].append(token)
+    for words in commands:
         for i, word in enumerate(words[:-1]):
             if word.endswith("pip") and words[i + 1] == "install":
                 args = words[i + 2 :]

@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 import struct
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from engine_worker.backend import RequestRejected
+from engine_worker.backend import EngineFailed, RequestRejected
 from engine_worker.exllamav3.backend import ExLlamaV3Backend
 from engine_worker.exllamav3.config import PAGE_SIZE
 from engine_worker.settings import WorkerSettings
@@ -28,6 +29,7 @@ from protocol.messages import (
 )
 from tests.fakes import exllamav3 as fx
 from tests.fakes.exllamav3_driver import (
+    RecordingGenerator,
     chat,
     check_lifecycle,
     finished,
@@ -152,9 +154,68 @@ def test_sibling_jobs_of_one_prompt_share_its_prefill() -> None:
         assert text_of(events, f"req-{i}") == "same"
     first, second = finished(events, "req-0"), finished(events, "req-1")
     assert first.cached_tokens == 0
-    # the second job found the first one's pages filled during the same steps
-    assert of(events, "req-1")[0].cached_tokens == 512  # type: ignore[union-attr]
+    # The second job's first prefill pass found the first one's pages filled in the same
+    # steps (job.py:1430-1436); Started waits for that pass, so it reports them.
+    assert of(events, "req-1")[0].cached_tokens == n - 1  # type: ignore[union-attr]
     assert second.cached_tokens == n - 1
+
+
+def test_choices_of_one_request_report_the_prefix_they_reuse_from_the_start() -> None:
+    n = 1001
+    cfg = dataclasses.replace(CFG, max_rq_tokens=256)
+    backend, rec = make_backend(cfg, script=fx.reply("same"), max_chunk_size=512)
+    prepared = backend.prepare(raw("r", _letters(n)))
+    for i in range(3):
+        backend.start(f"r-{i}", prepared, prepared.submit.params)
+    assert [j.identifier for j in rec.inner.pending_jobs] == ["r-0"]  # the others wait for its prefill
+    assert backend.kv_reserved() == 3 * backend.reservation(prepared)
+    events = run(backend)
+    for i in range(3):
+        check_lifecycle(events, f"r-{i}")
+        assert text_of(events, f"r-{i}") == "same"
+    assert of(events, "r-0")[0] == Started("r-0", n, 0)
+    for i in (1, 2):
+        # whole pages by hash, the rest by the token-level match: what usage says at the end
+        assert of(events, f"r-{i}")[0] == Started(f"r-{i}", n, n - 1)
+        assert progress(events, f"r-{i}") == [n - 1, n]
+        assert finished(events, f"r-{i}").cached_tokens == n - 1
+
+
+def test_held_choices_start_when_the_first_one_ends_early() -> None:
+    backend, _ = make_backend(script=fx.reply("same"), max_chunk_size=256)
+    prepared = backend.prepare(raw("r", _letters(700)))
+    backend.start("r-0", prepared, prepared.submit.params)
+    backend.start("r-1", prepared, prepared.submit.params)
+    backend.step()
+    backend.abort("r-0")
+    backend.abort("nobody")
+    events = run(backend)
+    check_lifecycle(events, "r-1")
+    assert not of(events, "r-0")
+
+
+def test_aborting_a_held_choice_leaves_no_job_behind() -> None:
+    backend, rec = make_backend(script=fx.reply("same"))
+    prepared = backend.prepare(raw("r", _letters(700)))
+    backend.start("r-0", prepared, prepared.submit.params)
+    backend.start("r-1", prepared, prepared.submit.params)
+    backend.abort("r-1")
+    events = run(backend)
+    assert not of(events, "r-1") and rec.num_remaining_jobs() == 0
+    check_lifecycle(events, "r-0")
+
+
+def test_held_choices_survive_a_fault_of_the_first() -> None:
+    backend, rec = make_backend(script=fx.reply("same"), max_chunk_size=256)
+    prepared = backend.prepare(raw("r", _letters(700)))
+    backend.start("r-0", prepared, prepared.submit.params)
+    backend.start("r-1", prepared, prepared.submit.params)
+    backend.step()
+    rec.inner.fail_next_iterate = RuntimeError("boom")
+    assert [(type(e), e.request_id) for e in backend.step()] == [(RequestError, "r-0")]
+    events = run(backend)
+    check_lifecycle(events, "r-1")
+    assert text_of(events, "r-1") == "same"
 
 
 # ------------------------------------------------------------------ text and finish
@@ -167,14 +228,42 @@ def test_held_text_is_flushed_when_a_stop_token_ends_the_job(special_pieces: boo
     events = run(backend)
     eos = rec.results[-1]
     assert eos["eos_reason"] == "stop_token" and "text" not in eos  # the engine dropped it
-    stop_piece = fx.SPECIAL_PIECES[fx.IM_END] if special_pieces else ""
-    assert eos["held"]["text"] == "EN" + stop_piece
+    # decode_special_tokens=True: the stop token's piece is its text whatever the tokenizer
+    # kind (tokenizer/tokenizer.py:727-736), and is stripped before flushing
+    assert eos["held"]["text"] == "EN" + fx.SPECIAL_PIECES[fx.IM_END]
     assert text_of(events, "a") == "abcEN"
     check_lifecycle(events, "a")
     fin = finished(events, "a")
     assert fin.finish_reason is FinishReason.STOP and fin.completion_tokens == 6
     deltas = [e for e in of(events, "a") if isinstance(e, TokenDelta)]
     assert sum(d.num_tokens for d in deltas) == 5  # the stop token itself is not text
+
+
+@pytest.mark.parametrize("special_pieces", [True, False])
+def test_special_tokens_that_are_not_stop_conditions_are_streamed_as_text(special_pieces: bool) -> None:
+    # decode_special_tokens=True, as TabbyAPI: the same text whichever way the tokenizer
+    # decodes special tokens on their own (tokenizer/tokenizer.py:704-725)
+    ids = [*b"ab", fx.IM_START, *b"cd", fx.IM_END]
+    backend, rec = make_backend(script=fx.reply(ids), special_pieces=special_pieces)
+    backend.add(raw("a", "x"))
+    events = run(backend)
+    (job,) = {id(r["job"]): r["job"] for r in rec.results}.values()
+    assert job.decode_special_tokens is True
+    assert text_of(events, "a") == "ab<|im_start|>cd"
+    assert finished(events, "a").finish_reason is FinishReason.STOP
+
+
+def test_the_templates_turn_end_stops_also_when_spelled_out() -> None:
+    # The model writes "<|im_end|>" from ordinary byte tokens: only the stop string ends it.
+    backend, _ = make_backend(
+        script=fx.reply("done<|im_end|>and more", then=fx.EOS), stop_strings=("<|im_end|>",)
+    )
+    backend.add(chat("a", "hi"))
+    backend.add(raw("b", "hi", ignore_eos=True, max_tokens=30))
+    events = run(backend)
+    assert text_of(events, "a") == "done"
+    assert finished(events, "a").finish_reason is FinishReason.STOP
+    assert text_of(events, "b").startswith("done<|im_end|>and more")  # ignore_eos drops it too
 
 
 def test_flushed_held_text_keeps_multibyte_characters_whole() -> None:
@@ -483,14 +572,104 @@ def test_calls_from_another_thread_are_refused() -> None:
     assert caught and "thread" in str(caught[0])
 
 
-def test_iterate_exception_propagates_for_the_loop_to_handle() -> None:
-    backend, rec = make_backend()
+# ------------------------------------------------------------------ faults in a step
+
+
+def _faulty(**cfg: Any) -> tuple[ExLlamaV3Backend, RecordingGenerator]:
+    return make_backend(
+        dataclasses.replace(CFG, **cfg), script=fx.reply("fine"), max_chunk_size=256, cache_tokens=6144
+    )
+
+
+def _step_until(backend: ExLlamaV3Backend, done: Any, limit: int = 200) -> list[Any]:
+    events: list[Any] = []
+    for _ in range(limit):
+        events += backend.step()
+        if done(events):
+            return events
+    raise AssertionError("condition never met")
+
+
+def test_a_fault_fails_the_started_jobs_and_carries_the_queued_ones_to_a_new_generator() -> None:
+    backend, rec = _faulty()
+    first = rec.inner
+    backend.add(raw("decoding", "x", max_tokens=50))
+    backend.add(raw("prefilling", _letters(1000)))
+    events = _step_until(backend, lambda ev: any(isinstance(e, TokenDelta) for e in ev))
+    # 24 pages of cache: the two running jobs take 9 and 12 (output chunking reserves 2048
+    # completion tokens), so "waiting" (9) stays in the engine's queue
+    backend.add(raw("waiting", "y", max_tokens=5))
+    assert [j.identifier for j in first.pending_jobs] == ["waiting"]
+    first.fail_next_iterate = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    events = backend.step()
+    assert rec.inner is not first and first.closed  # a new generator over the same cache
+    assert rec.inner.cache is first.cache and rec.inner.model is first.model
+    errors = {e.request_id: e for e in events if isinstance(e, RequestError)}
+    assert sorted(errors) == ["decoding", "prefilling"]
+    assert all(e.code is ErrorCode.OVERLOADED and "out of memory" in e.message for e in errors.values())
+    assert sorted(backend.active_ids()) == ["waiting"]
+    events = run(backend)
+    check_lifecycle(events, "waiting")
+    assert text_of(events, "waiting") == "fine"
+
+
+def test_non_finite_logits_fail_the_batch_as_internal_errors() -> None:
+    backend, rec = _faulty()
+    rec.inner.model.nonfinite = lambda prompt: b"poison" in bytes(t for t in prompt if t < 256)
+    backend.add(raw("good", "hello", max_tokens=3))
+    backend.add(raw("bad", "poison", max_tokens=3))
+    events = run(backend)
+    errors = {e.request_id: e for e in events if isinstance(e, RequestError)}
+    # the exception escapes iterate(): the batch's results of that call are lost
+    assert sorted(errors) == ["bad", "good"]
+    assert all(e.code is ErrorCode.INTERNAL and "NonFiniteLogits" in e.message for e in errors.values())
+    backend.add(raw("after", "hello", max_tokens=3))
+    assert text_of(run(backend), "after") == "fin"
+
+
+def test_a_gpu_that_no_longer_runs_work_gives_up() -> None:
+    backend, rec = _faulty()
     backend.add(raw("a", "x"))
-    rec.inner.fail_next_iterate = RuntimeError("CUDA error: device-side assert")
-    with pytest.raises(RuntimeError, match="device-side"):
+    rec.inner.model.device_error = RuntimeError("CUDA error: an illegal memory access was encountered")
+    with pytest.raises(EngineFailed, match=r"no longer runs work.*illegal memory access"):
         backend.step()
-    backend.abort("a")
-    assert rec.num_remaining_jobs() == 0
+
+
+def test_repeated_faults_within_the_window_give_up() -> None:
+    backend, rec = _faulty(max_engine_faults=2, engine_fault_window=60.0)
+    backend.add(raw("a", "x"))
+    backend.step()
+    rec.inner.fail_next_iterate = RuntimeError("boom 1")
+    assert [type(e) for e in backend.step()] == [RequestError]
+    backend.add(raw("b", "x"))
+    backend.step()
+    rec.inner.fail_next_iterate = RuntimeError("boom 2")
+    with pytest.raises(EngineFailed, match=r"2 engine faults within 60 s.*boom 2"):
+        backend.step()
+
+
+def test_faults_older_than_the_window_are_forgotten() -> None:
+    backend, rec = _faulty(max_engine_faults=2, engine_fault_window=0.05)
+    for i in range(3):
+        backend.add(raw(f"r{i}", "x"))
+        backend.step()
+        rec.inner.fail_next_iterate = RuntimeError(f"boom {i}")
+        assert [type(e) for e in backend.step()] == [RequestError]
+        time.sleep(0.1)
+
+
+def test_a_requeued_job_waiting_in_the_engine_fails_rather_than_restarting() -> None:
+    # max_rq_tokens 256: the job re-queues (job.py:879) and waits in pending_jobs having
+    # streamed text; starting it over would repeat that text.
+    backend, rec = _faulty(max_rq_tokens=256)
+    rec.inner.model.script = fx.reply("z" * 600)
+    backend.add(raw("long", "x", max_tokens=600))
+    _step_until(backend, lambda ev: any(r.get("requeue") for r in rec.results), limit=1000)
+    assert [j.identifier for j in rec.inner.pending_jobs] == ["long"]
+    rec.inner.fail_next_iterate = RuntimeError("boom")
+    (err,) = backend.step()
+    assert isinstance(err, RequestError) and err.request_id == "long"
+    assert not backend.active_ids() and rec.num_remaining_jobs() == 0
 
 
 def test_close_cancels_and_releases() -> None:
@@ -594,7 +773,9 @@ def test_empty_text_tokens_are_credited_to_the_next_delta() -> None:
 
 
 def test_results_of_unknown_serials_are_ignored() -> None:
-    backend = _canned_backend([[{"stage": "started", "serial": 0, "eos": False}]])
+    backend = _canned_backend(
+        [[{"stage": "started", "serial": 0, "eos": False}, _stream("x"), {**_stream("y"), "serial": 1}]]
+    )
     backend.add(raw("a", "q"))
     backend._h.generator.jobs.append(object())  # type: ignore[attr-defined]
     assert isinstance(backend.step()[0], Started)

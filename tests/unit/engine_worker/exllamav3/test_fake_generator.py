@@ -258,3 +258,65 @@ def test_mtp_never_reuses_the_page_of_the_last_prompt_token(drafting: str | None
     # the rebuilt page took the content hash; the stale copy was cleared (job.py:678-682)
     full = [p for p in g.pagetable.pages if p.content_hashed and p.kv_position == fx.PAGE_SIZE]
     assert len(full) == 1 and g.pagetable.by_hash[full[0].phash] is full[0]
+
+
+def test_decode_special_tokens_keeps_their_text_in_held_and_streamed_output() -> None:
+    # job.py:971 picks the piece list by decode_special_tokens; tokenizer.py:727-736 gives every
+    # special token its text there, whatever the tokenizer's plain decode does
+    for special_pieces in (True, False):
+        g = _gen(script=fx.reply([*b"a", fx.IM_START, *b"\xc3\xa9"]), special_pieces=special_pieces)
+        g.enqueue(_job(_prompt(4), max_new_tokens=4, decode_special_tokens=True))
+        out = _drain(g)
+        text = "".join(r.get("text", "") for r in out)
+        assert text == "a<|im_start|>é"
+
+
+def test_a_new_generator_supersedes_the_old_one_on_the_same_cache() -> None:
+    # generator.py:242-245 and 741-749
+    g = _gen(script=fx.reply("ok"))
+    g.enqueue(_job(_prompt(10)))
+    g.iterate()
+    new = fx.Generator(g.model, g.cache, g.tokenizer)
+    with pytest.raises(RuntimeError, match="no longer owns its Cache"):
+        g.iterate()
+    assert g.num_remaining_jobs() == 0
+    new.enqueue(_job(_prompt(10)))
+    assert _drain(new)[-1]["eos"]
+
+
+def test_non_finite_logits_escape_iterate_on_a_jobs_first_sample_only() -> None:
+    # job.py:742-750 checks the first sampled token; iterate_gen does not contain it
+    g = _gen(script=fx.reply("ok"))
+    g.model.nonfinite = lambda prompt: True
+    g.enqueue(_job(_prompt(10)))
+    with pytest.raises(fx.NonFiniteLogits, match="serial 0"):
+        g.iterate()
+    g2 = _gen(script=fx.reply("okay"))
+    g2.enqueue(_job(_prompt(10)))
+    g2.iterate()
+    g2.model.nonfinite = lambda prompt: True
+    assert _drain(g2)[-1]["eos"]  # past its first token the check no longer runs
+
+
+def test_a_sticky_device_error_fails_every_iterate() -> None:
+    handle = fx.make_handle()
+    g = handle.generator
+    assert isinstance(g, fx.Generator)
+    g.model.device_error = RuntimeError("CUDA error: an illegal memory access was encountered")
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            g.iterate()
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        handle.check_device()
+
+
+def test_hf_chat_template_loads_the_directorys_tokenizer_on_first_use(tmp_path: Any) -> None:
+    # tokenizer.py:866-867: AutoTokenizer of config.directory, unless hf_tokenizer is set
+    fx.write_hf_tokenizer(str(tmp_path))
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    tok = fx.Tokenizer(fx.Config.from_directory(str(tmp_path)))
+    assert tok.hf_tokenizer is None
+    msgs = [{"role": "user", "content": "hé <|im_end|>"}]
+    ids = tok.hf_chat_template(msgs)
+    assert type(tok.hf_tokenizer).__name__ != "ChatMLTemplate"
+    assert ids.tolist() == fx.Tokenizer().hf_chat_template(msgs).tolist()

@@ -23,20 +23,27 @@ from tests.fakes.exllamav3_driver import chat, raw, run, text_of
 torch = pytest.importorskip("torch")
 
 
-def _model_dir(root: Path, name: str, **extra: Any) -> Path:
+FREE_VRAM = 80 * loader.GIB
+
+
+def _model_dir(root: Path, name: str, chat_template: str | None = fx.CHATML_TEMPLATE, **extra: Any) -> Path:
+    """A model directory: ``config.json`` and the tokenizer files ``transformers`` loads
+    (``fx.write_hf_tokenizer``, with ``chat_template``)."""
     d = root / name
     d.mkdir()
     cfg = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 2048, "eos_token_id": [257, 259]}
     (d / "config.json").write_text(json.dumps({**cfg, **extra}))
+    fx.write_hf_tokenizer(str(d), chat_template)
     return d
 
 
 @pytest.fixture
 def fake_exl3(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Installs the fake as ``exllamav3``, pretends CUDA exists, and records the order of
-    model loads as ``"<dir name>/<component>"``."""
+    """Installs the fake as ``exllamav3``, pretends CUDA exists with ``FREE_VRAM`` free, and
+    records the order of model loads as ``"<dir name>/<component>"``."""
     monkeypatch.setitem(sys.modules, "exllamav3", fx)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(loader, "_free_vram_bytes", lambda split: FREE_VRAM)
     order: list[str] = []
     real = fx.Model.load_gen
 
@@ -259,3 +266,169 @@ def test_dataclass_replace_keeps_validation() -> None:
     c = WorkerSettings(backend="exllamav3", model_dir=Path("/m"))
     with pytest.raises(ValueError, match="chunk_size"):
         dataclasses.replace(c, chunk_size=10)
+
+
+# ------------------------------------------------------------------ chat template at start-up
+
+
+def test_chat_template_is_loaded_before_the_weights_and_used_as_loaded(
+    tmp_path: Path, fake_exl3: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import AutoTokenizer
+
+    calls: list[dict[str, Any]] = []
+    real = AutoTokenizer.from_pretrained
+
+    def from_pretrained(path: str, **kw: Any) -> Any:
+        calls.append({"path": path, "loaded": list(fake_exl3), **kw})
+        return real(path, **kw)
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", from_pretrained)
+    d = _model_dir(tmp_path, "m", eos_token_id=257)  # the EOS list does not name <|im_end|>
+    handle = loader.load_engine(
+        WorkerSettings(backend="exllamav3", model_dir=d, trust_remote_code=True, warmup=False)
+    )
+    assert calls == [{"path": str(d), "loaded": [], "trust_remote_code": True}]
+    ids = handle.encode_chat([{"role": "user", "content": "hi"}], True)
+    assert len(calls) == 1  # rendering used the tokenizer loaded at start-up
+    assert ids.tolist()[0] == fx.ChatMLTemplate().apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True
+    )
+    # the template ends an assistant turn with <|im_end|>: a stop token and a stop string
+    assert handle.stop_strings == ("<|im_end|>",)
+    assert handle.eos_token_ids == (fx.EOS, fx.IM_END)
+
+
+def test_a_model_without_a_chat_template_fails_at_start_before_loading(
+    tmp_path: Path, fake_exl3: list[str]
+) -> None:
+    d = _model_dir(tmp_path, "base-model", chat_template=None)
+    with pytest.raises(ValueError, match="base-model has no chat template") as e:
+        loader.load_engine(WorkerSettings(backend="exllamav3", model_dir=d))
+    assert "\n" not in str(e.value)
+    assert fake_exl3 == []  # no weights were read
+
+
+def test_a_template_that_fails_on_a_plain_conversation_fails_at_start(
+    tmp_path: Path, fake_exl3: list[str]
+) -> None:
+    d = _model_dir(tmp_path, "m", chat_template="{{ raise_exception('system message required') }}")
+    with pytest.raises(ValueError, match=r"fails on a one-message conversation.*system message required"):
+        loader.load_engine(WorkerSettings(backend="exllamav3", model_dir=d))
+
+
+def test_a_tokenizer_needing_remote_code_names_the_option(
+    tmp_path: Path, fake_exl3: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import AutoTokenizer
+
+    def refuse(path: str, **kw: Any) -> Any:
+        raise ValueError(f"{path} contains custom code ... set the option `trust_remote_code=True`")
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", refuse)
+    with pytest.raises(ValueError, match="pass --trust-remote-code if you trust"):
+        loader.load_engine(WorkerSettings(backend="exllamav3", model_dir=_model_dir(tmp_path, "m")))
+    assert fake_exl3 == []
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        (fx.CHATML_TEMPLATE, "<|im_end|>"),
+        (
+            "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+            "{{ m['content'] }}<|eot_id|>{% endfor %}",
+            "<|eot_id|>",
+        ),
+        (
+            "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+            "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}",
+            "<end_of_turn>",
+        ),
+        ("{% for m in messages %}{{ m['content'] }}{% endfor %}", None),
+    ],
+)
+def test_turn_end_is_what_follows_an_assistant_message(template: str, expected: str | None) -> None:
+    from engine_worker.exllamav3 import chat_template
+
+    tok = SimpleNamespace(
+        chat_template=template,
+        apply_chat_template=lambda messages, add_generation_prompt, tokenize: _jinja(
+            template, messages, add_generation_prompt
+        ),
+    )
+    render = chat_template.check(tok, Path("/m"))
+    assert chat_template.turn_end(render) == expected
+
+
+def _jinja(template: str, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    import jinja2
+
+    return jinja2.Template(template).render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+
+# ------------------------------------------------------------------ warm-up, VRAM, rebuild
+
+
+def test_warmup_runs_a_job_through_the_generator(tmp_path: Path, fake_exl3: list[str]) -> None:
+    # Model.warmup skips MTP drafters (model/model.py:259-260): the generator's own pass warms them.
+    d = _model_dir(tmp_path, "mtp-model", fake_mtp=True)
+    handle = loader.load_engine(WorkerSettings(backend="exllamav3", model_dir=d, draft_mode=DraftMode.MTP))
+    g = handle.generator
+    assert isinstance(g, fx.Generator)
+    assert g.job_serial == 1 and g.iterations > 0 and g.num_remaining_jobs() == 0
+    assert handle.warmup_s > 0
+    cold = loader.load_engine(
+        WorkerSettings(backend="exllamav3", model_dir=_model_dir(tmp_path, "m"), warmup=False)
+    )
+    assert isinstance(cold.generator, fx.Generator) and cold.generator.job_serial == 0
+
+
+def test_a_cache_larger_than_free_vram_is_warned_about(
+    tmp_path: Path, fake_exl3: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    # 1M-token context, 32 layers of 8 KV heads of 128: an FP16 cache of 128 GiB by default
+    d = _model_dir(
+        tmp_path,
+        "long",
+        max_position_embeddings=1 << 20,
+        num_hidden_layers=32,
+        num_key_value_heads=8,
+        head_dim=128,
+    )
+    (d / "model.safetensors").write_bytes(b"\0" * 1024)
+    with caplog.at_level(logging.WARNING, logger=loader.__name__):
+        loader.load_engine(WorkerSettings(backend="exllamav3", model_dir=d, warmup=False))
+    (rec,) = [r for r in caplog.records if "free VRAM" in r.getMessage()]
+    msg = rec.getMessage()
+    assert "no --cache-size" in msg and "128.0 GiB" in msg and "80.0 GiB of free VRAM" in msg
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=loader.__name__):
+        loader.load_engine(
+            WorkerSettings(backend="exllamav3", model_dir=d, cache_size=65536, cache_mode="4,4", warmup=False)
+        )
+    assert not [r for r in caplog.records if "free VRAM" in r.getMessage()]
+
+
+def test_quantized_cache_size_follows_its_bits() -> None:
+    fp16 = fx._CacheLayerSize(256, 8, 128, None).storage_size()
+    q44 = fx._CacheLayerSize(256, 8, 128, (4, 4)).storage_size()
+    assert fp16 == 2 * 256 * 1024 * 2
+    assert q44 == 256 * 32 * (4 * 4 + 4 * 4 + 4)  # ints of k and v, an fp16 scale each per 32 channels
+    assert not loader.warn_if_cache_exceeds_vram(None, 1, 0, 256, defaulted=True)
+
+
+def test_the_handle_rebuilds_its_generator_over_the_same_cache(tmp_path: Path, fake_exl3: list[str]) -> None:
+    handle = loader.load_engine(
+        WorkerSettings(backend="exllamav3", model_dir=_model_dir(tmp_path, "m"), warmup=False)
+    )
+    old = handle.generator
+    assert handle.rebuild_generator is not None and handle.check_device is not None
+    new = handle.rebuild_generator()
+    assert isinstance(old, fx.Generator) and isinstance(new, fx.Generator)
+    assert old.closed and new is not old and new.cache is old.cache
+    with pytest.raises(RuntimeError, match="no longer owns its Cache"):
+        old.iterate()
+    handle.check_device()  # no CUDA device here: nothing to probe
+    handle.close()
+    assert new.closed

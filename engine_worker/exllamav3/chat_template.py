@@ -1,0 +1,103 @@
+"""The model's chat template, loaded and checked once, before the weights.
+
+ExLlamaV3 1.6.5 renders chat through ``Tokenizer.hf_chat_template``, which
+creates a ``transformers.AutoTokenizer`` the first time it is called, without
+``trust_remote_code`` (``tokenizer/tokenizer.py:866-867``). Left to that, the
+first chat request pays the tokenizer load, and a model whose template cannot
+load answers every chat request with 400 while the worker looks ready. Here the
+tokenizer is loaded at start-up (``trust_remote_code`` as configured) and put
+where ``hf_chat_template`` looks for it (``Tokenizer.hf_tokenizer``, set to
+``None`` at ``tokenizer/tokenizer.py:86``), and a one-message conversation is
+rendered once: a model without a usable template stops the worker with one
+line (``ChatTemplateError``).
+
+The template also tells how an assistant turn ends (``<|im_end|>``,
+``<|eot_id|>``, ``<end_of_turn>``): ``turn_end`` finds that text by rendering a
+short conversation, and the loader makes it a stop condition, because a model's
+EOS list does not always name it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+Render = Callable[[list[dict[str, str]], bool], str]
+"""``(messages, add_generation_prompt) -> prompt text``."""
+
+PROBE: list[dict[str, str]] = [{"role": "user", "content": "Hi"}]
+_MARKER = "Exl3SidecarTurnProbe"
+_MAX_TURN_END_CHARS = 32
+
+
+class ChatTemplateError(ValueError):
+    """The model directory has no chat template the worker can render."""
+
+
+def load_hf_tokenizer(directory: Path, *, trust_remote_code: bool) -> Any:
+    """``transformers.AutoTokenizer`` for ``directory``, the object
+    ``Tokenizer.hf_chat_template`` renders with. Raises ``ChatTemplateError``."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
+    except Exception as e:
+        hint = ""
+        if not trust_remote_code and "trust_remote_code" in str(e):
+            hint = " (its tokenizer is custom code: pass --trust-remote-code if you trust the directory)"
+        raise ChatTemplateError(
+            f"{directory}: transformers cannot load the tokenizer that renders the chat template{hint}: "
+            f"{type(e).__name__}: {e}"
+        ) from e
+
+
+def renderer(hf_tokenizer: Any) -> Render:
+    def render(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        text = hf_tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template returned {type(text).__name__}, not text")
+        return text
+
+    return render
+
+
+def check(hf_tokenizer: Any, directory: Path) -> Render:
+    """Render ``PROBE`` once; returns the text renderer. Raises ``ChatTemplateError``
+    naming ``directory`` when there is no template or it fails on a plain
+    conversation."""
+    if not getattr(hf_tokenizer, "chat_template", None):
+        raise ChatTemplateError(
+            f"{directory} has no chat template (chat_template in tokenizer_config.json, or "
+            "chat_template.jinja): /v1/chat/completions cannot be served"
+        )
+    render = renderer(hf_tokenizer)
+    try:
+        text = render(PROBE, True)
+    except Exception as e:
+        raise ChatTemplateError(
+            f"{directory}: the chat template fails on a one-message conversation: {type(e).__name__}: {e}"
+        ) from e
+    if not text.strip():
+        raise ChatTemplateError(f"{directory}: the chat template renders a conversation as empty text")
+    return render
+
+
+def turn_end(render: Render) -> str | None:
+    """The text the template puts right after an assistant message (its first
+    word, whitespace stripped), or ``None`` when it puts nothing there or cannot
+    render a user/assistant pair. Templates that rewrite assistant content (some
+    drop reasoning) leave a plain word alone, so a marker word finds the spot."""
+    try:
+        text = render([*PROBE, {"role": "assistant", "content": _MARKER}], False)
+    except Exception:
+        return None
+    at = text.rfind(_MARKER)
+    if at < 0:
+        return None
+    words = text[at + len(_MARKER) :].split()
+    if not words or len(words[0]) > _MAX_TURN_END_CHARS:
+        return None
+    return words[0]

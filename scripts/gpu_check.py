@@ -1,0 +1,1114 @@
+#!/usr/bin/env python3
+"""The ExLlamaV3 backend's check on one GPU, in two commands that fit a 10-minute lease.
+
+Run through ``scripts/gpu_check.sh``, which installs the wheels carried in ``.whl/``
+(``scripts/gpu_check_assets.py`` prepares them) and sets the environment both
+commands share; docs/exllamav3.md ("Checking on a GPU") has the exact device calls.
+
+- ``build`` (command 1, ``--budget`` 450 s): versions of torch, CUDA, nvcc and ninja;
+  the exllamav3 extension compiled by its own first import (``exllamav3/ext.py``:
+  ``torch.utils.cpp_extension.load`` over the package's .cu files) with ``MAX_JOBS``
+  and ``TORCH_CUDA_ARCH_LIST`` into ``TORCH_EXTENSIONS_DIR`` (``build/torch_extensions``,
+  git-ignored, kept on a warm machine); its build time; then a second import that must
+  reuse it. A build that cannot finish in its time is stopped and reported with the
+  objects done so far: ninja keeps them, so running command 1 again continues.
+- ``run`` (command 2, ``--budget`` 225 s): a random-weight Llama in Hugging Face format
+  (fp16 safetensors, which ExLlamaV3 loads without conversion) with the SmolLM2
+  tokenizer and chat template; the backend driven in-process (progress, prefix reuse,
+  stops, aborts, re-queues, drafts, the context limit, a fault and its recovery, the
+  longest ``iterate()`` and whether heartbeats kept their pace during it); then worker
+  and proxy as processes, through HTTP (progress, reuse, the context 400, TTFT and the
+  gap between tokens beside the in-process numbers).
+
+Every phase runs as a child process with its own timeout inside the budget, so one hang
+cannot eat the lease; the parent imports nothing heavy. Each command writes
+``gpu_check_<command>.json`` (``SUMMARY_KEYS``; the summary is rewritten after every
+phase) and the phases' logs under ``--out`` (``$OUT`` on the device machine). Exit status:
+0 when every phase and check passed, 1 otherwise, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+WORK = REPO / "build" / "gpu-check"
+TOKENIZER = REPO / ".whl" / "smollm2-tokenizer"
+EXT_NAME = "exllamav3_ext"
+LOG_TAIL_BYTES = 2 * 2**20
+SUMMARY_KEYS = ("command", "ok", "budget_s", "total_s", "started_at", "phases", "checks", "metrics")
+PHASE_KEYS = ("name", "status", "seconds", "timeout_s", "checks", "metrics", "error", "log")
+STATUSES = ("ok", "failed", "timeout", "skipped")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One step of a command: a child process given at most ``timeout_s`` (less when the
+    budget runs short), started only with ``min_s`` left after reserving the later
+    phases' ``min_s``, and only when the phases in ``needs`` passed. ``argv`` replaces
+    the default child (this script's ``phase NAME``)."""
+
+    name: str
+    timeout_s: float
+    min_s: float = 10.0
+    needs: tuple[str, ...] = ()
+    argv: tuple[str, ...] | None = None
+
+
+COMMANDS: dict[str, tuple[Phase, ...]] = {
+    "build": (
+        Phase("env", 60),
+        Phase("build_ext", 420, min_s=30, needs=("env",)),
+        Phase("reimport", 90, min_s=20, needs=("build_ext",)),
+    ),
+    "run": (
+        Phase("import", 60, needs=()),
+        Phase("model", 60, needs=("import",)),
+        Phase("backend", 120, min_s=40, needs=("model",)),
+        Phase("proxy", 100, min_s=40, needs=("model",)),
+    ),
+}
+DEFAULT_BUDGET = {"build": 450.0, "run": 225.0}
+
+
+# ---------------------------------------------------------------- the parent: phases under a budget
+
+
+def extension_dir() -> Path:
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or REPO / "build" / "torch_extensions") / EXT_NAME
+
+
+def installed_module() -> Path:
+    """Where the built library goes as the module ``exllamav3_ext``, which exllamav3
+    imports instead of compiling (``ext.py:21-31``), as in the worker image: the carried
+    wheels' folder, first on ``PYTHONPATH``."""
+    return Path(os.environ.get("GPU_CHECK_SITE") or WORK / "site") / f"{EXT_NAME}.so"
+
+
+def count_sources() -> int | None:
+    """Translation units the extension build compiles (``.c``/``.cpp``/``.cu`` under
+    ``exllamav3_ext``, ROCm ones left out: ``util/cuda_flags.py:extension_sources``),
+    found without importing exllamav3, whose import is the build."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("exllamav3")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(next(iter(spec.submodule_search_locations))) / EXT_NAME
+    return sum(
+        1
+        for p in root.rglob("*")
+        if p.suffix in (".c", ".cpp", ".cu")
+        and "rocm" not in p.relative_to(root).parts[:1]
+        and "_hip." not in p.name
+        and not p.name.startswith("hip_")
+    )
+
+
+def build_progress() -> dict[str, Any]:
+    d = extension_dir()
+    objects = len(list(d.glob("*.o"))) if d.is_dir() else 0
+    return {
+        "objects_built": objects,
+        "sources": count_sources(),
+        "extension_built": any(d.glob(f"{EXT_NAME}*.so")) if d.is_dir() else False,
+    }
+
+
+def clear_stale_lock() -> bool:
+    """torch serializes builds with a ``lock`` file in the build folder; a build killed at
+    its timeout leaves it behind, and the next import would wait on it forever."""
+    lock = extension_dir() / "lock"
+    if lock.exists():
+        lock.unlink()
+        return True
+    return False
+
+
+PRE_HOOKS: dict[str, Callable[[], dict[str, Any]]] = {
+    "build_ext": lambda: {"stale_lock_removed": clear_stale_lock(), **build_progress()},
+    "reimport": lambda: {"stale_lock_removed": clear_stale_lock()},
+    "import": lambda: {"stale_lock_removed": clear_stale_lock()},
+}
+"""Run by the parent before a phase starts; what they return joins the phase's metrics."""
+TIMEOUT_HOOKS: dict[str, Callable[[], dict[str, Any]]] = {
+    "build_ext": lambda: {
+        **build_progress(),
+        "note": "stopped at its timeout; ninja keeps the objects built: run command 1 again to go on",
+    },
+}
+"""Run by the parent after a phase timed out."""
+
+
+def _now_iso() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def _tail(path: Path, limit: int = 4000) -> str:
+    if not path.exists():
+        return ""
+    data = path.read_bytes()[-limit:]
+    return data.decode("utf-8", errors="replace")
+
+
+def run_child(argv: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None) -> int | None:
+    """Run ``argv`` in its own process group with stdout and stderr in ``log``; the exit
+    status, or ``None`` when it was killed at ``timeout_s``."""
+    with log.open("ab") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            return proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return None
+
+
+@dataclass
+class Runner:
+    """Runs the phases of one command within ``budget_s`` seconds."""
+
+    command: str
+    phases: tuple[Phase, ...]
+    budget_s: float
+    work: Path
+    out: Path
+    options: list[str] = field(default_factory=list)
+    clock: Callable[[], float] = time.monotonic
+
+    def summary_path(self) -> Path:
+        return self.out / f"gpu_check_{self.command}.json"
+
+    def child_argv(self, phase: Phase, result: Path) -> list[str]:
+        if phase.argv is not None:
+            return [*phase.argv, str(result)]
+        script = str(Path(__file__).resolve())
+        return [
+            sys.executable,
+            script,
+            "phase",
+            phase.name,
+            "--work",
+            str(self.work),
+            "--result",
+            str(result),
+        ]
+
+    def run(self) -> dict[str, Any]:
+        start = self.clock()
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.out.mkdir(parents=True, exist_ok=True)
+        logs = self.work / "logs"
+        logs.mkdir(exist_ok=True)
+        summary: dict[str, Any] = {
+            "command": self.command,
+            "ok": False,
+            "budget_s": self.budget_s,
+            "total_s": 0.0,
+            "started_at": _now_iso(),
+            "phases": [],
+            "checks": {},
+            "metrics": {},
+        }
+        passed: set[str] = set()
+        for i, phase in enumerate(self.phases):
+            elapsed = self.clock() - start
+            reserve = sum(p.min_s for p in self.phases[i + 1 :])
+            timeout = min(phase.timeout_s, self.budget_s - elapsed - reserve)
+            log = logs / f"{self.command}-{phase.name}.log"
+            log.unlink(missing_ok=True)
+            rec: dict[str, Any] = {
+                "name": phase.name,
+                "status": "skipped",
+                "seconds": 0.0,
+                "timeout_s": round(max(timeout, 0.0), 1),
+                "checks": {},
+                "metrics": {},
+                "error": None,
+                "log": log.name,
+            }
+            missing = [n for n in phase.needs if n not in passed]
+            if missing:
+                rec["error"] = f"needs {', '.join(missing)}, which did not pass"
+            elif timeout < phase.min_s:
+                rec["error"] = f"{timeout:.0f} s of the budget left for it, it needs {phase.min_s:.0f} s"
+            else:
+                self._run_phase(phase, timeout, log, rec)
+                if rec["status"] == "ok":
+                    passed.add(phase.name)
+            summary["phases"].append(rec)
+            print(
+                f"[gpu_check] {phase.name}: {rec['status']} in {rec['seconds']} s {rec['error'] or ''}",
+                flush=True,
+            )
+            self._finish(summary, start)
+        self._copy_logs(logs)
+        return summary
+
+    def _run_phase(self, phase: Phase, timeout: float, log: Path, rec: dict[str, Any]) -> None:
+        pre = PRE_HOOKS.get(phase.name)
+        if pre is not None:
+            rec["metrics"].update(pre())
+        result = self.work / f"{self.command}-{phase.name}.result.json"
+        result.unlink(missing_ok=True)
+        t0 = self.clock()
+        rc = run_child(self.child_argv(phase, result), log, timeout)
+        rec["seconds"] = round(self.clock() - t0, 1)
+        data: dict[str, Any] = {}
+        if result.exists():
+            try:
+                data = json.loads(result.read_text())
+            except ValueError as e:
+                data = {"error": f"unreadable result: {e}"}
+        elif rc == 0:
+            data = {"error": "the phase wrote no result"}
+        rec["checks"].update(data.get("checks", {}))
+        rec["metrics"].update(data.get("metrics", {}))
+        if rc is None:
+            rec["status"] = "timeout"
+            rec["error"] = f"killed after {timeout:.0f} s"
+            post = TIMEOUT_HOOKS.get(phase.name)
+            if post is not None:
+                rec["metrics"].update(post())
+        elif rc != 0 or data.get("error"):
+            rec["status"] = "failed"
+            rec["error"] = data.get("error") or f"exit status {rc}: {_tail(log, 1500)}"
+        else:
+            rec["status"] = "ok" if all(rec["checks"].values()) else "failed"
+            if rec["status"] == "failed":
+                rec["error"] = "checks failed: " + ", ".join(k for k, v in rec["checks"].items() if not v)
+
+    def _finish(self, summary: dict[str, Any], start: float) -> None:
+        summary["total_s"] = round(self.clock() - start, 1)
+        checks: dict[str, bool] = {}
+        metrics: dict[str, Any] = {}
+        for rec in summary["phases"]:
+            checks.update({f"{rec['name']}.{k}": bool(v) for k, v in rec["checks"].items()})
+            metrics.update({f"{rec['name']}.{k}": v for k, v in rec["metrics"].items()})
+        metrics.update(compare_latency(metrics))
+        summary["checks"] = checks
+        summary["metrics"] = metrics
+        summary["ok"] = bool(summary["phases"]) and all(r["status"] == "ok" for r in summary["phases"])
+        tmp = self.summary_path().with_suffix(".tmp")
+        tmp.write_text(json.dumps(summary, indent=2, sort_keys=False) + "\n")
+        tmp.replace(self.summary_path())
+
+    def _copy_logs(self, logs: Path) -> None:
+        """The logs' tails into ``out`` (the device tool brings back 8 files, the summary
+        included)."""
+        for log in sorted(logs.glob(f"{self.command}-*.log"))[:7]:
+            data = log.read_bytes()[-LOG_TAIL_BYTES:]
+            (self.out / log.name).write_bytes(data)
+
+
+def compare_latency(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Proxy minus in-process time to first token and mean gap between tokens, seconds."""
+    out: dict[str, Any] = {}
+    for key in ("ttft_s", "itl_s"):
+        direct, proxied = metrics.get(f"backend.{key}"), metrics.get(f"proxy.{key}")
+        if isinstance(direct, int | float) and isinstance(proxied, int | float):
+            out[f"proxy_minus_backend.{key}"] = round(proxied - direct, 4)
+    return out
+
+
+# ---------------------------------------------------------------- the children: one phase each
+
+
+class Result:
+    """What a phase reports: named checks (bool) and metrics (JSON values)."""
+
+    def __init__(self) -> None:
+        self.checks: dict[str, bool] = {}
+        self.metrics: dict[str, Any] = {}
+
+    def check(self, name: str, ok: bool, **metrics: Any) -> bool:
+        self.checks[name] = bool(ok)
+        self.metrics.update(metrics)
+        print(f"  {'ok  ' if ok else 'FAIL'} {name} {metrics or ''}", flush=True)
+        return bool(ok)
+
+    def attempt(self, name: str, fn: Callable[[], None]) -> None:
+        """Run one scenario; an exception fails its check and the phase goes on."""
+        try:
+            fn()
+        except Exception as e:
+            import traceback
+
+            traceback.print_exc()
+            self.check(name, False, **{f"{name}_error": f"{type(e).__name__}: {e}"[:500]})
+
+
+def phase_env(work: Path, res: Result) -> None:
+    import torch
+
+    res.metrics.update(
+        {
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "torch_cuda": torch.version.cuda,
+            "TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST"),
+            "MAX_JOBS": os.environ.get("MAX_JOBS"),
+            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR"),
+            "sources": count_sources(),
+        }
+    )
+    cuda = torch.cuda.is_available()
+    res.check("cuda_available", cuda)
+    if cuda:
+        res.metrics["gpu"] = torch.cuda.get_device_name(0)
+        res.metrics["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    try:
+        text = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        release = text.rsplit("release ", 1)[1].split(",")[0] if "release " in text else ""
+    except OSError:
+        release = ""
+    res.metrics["nvcc"] = release or None
+    # cpp_extension refuses a toolkit whose major version differs from torch's CUDA
+    res.check(
+        "nvcc_matches_torch_cuda",
+        bool(release) and release.split(".")[0] == str(torch.version.cuda).split(".")[0],
+    )
+    res.check("ninja_found", shutil.which("ninja") is not None)
+    res.check("exllamav3_installed", count_sources() is not None)
+
+
+def phase_build_ext(work: Path, res: Result) -> None:
+    target = installed_module()
+    if target.exists():
+        target.unlink()  # else exllamav3 would load it instead of building (ext.py:30-31)
+    t0 = time.monotonic()
+    error = None
+    try:
+        import exllamav3.ext  # noqa: F401  (the import is the build)
+    except Exception as e:
+        # The build can succeed and the import fail later for another reason; the .so says.
+        error = f"{type(e).__name__}: {e}"
+    took = round(time.monotonic() - t0, 1)
+    print(f"extension build (import exllamav3.ext): {took} s", flush=True)
+    progress = build_progress()
+    res.metrics.update({"build_s": took, **progress})
+    res.check("extension_built", progress["extension_built"], import_error=error)
+    res.check("import_ok", error is None)
+    built = sorted(extension_dir().glob(f"{EXT_NAME}*.so"))
+    if built:
+        shutil.copy2(built[-1], target)
+    res.check("installed_as_module", target.exists(), module_path=str(target))
+
+
+def phase_reimport(work: Path, res: Result) -> None:
+    """What a worker start does: import exllamav3, which must load the installed module
+    (no compiler run, nothing written)."""
+    if not installed_module().exists():
+        # Importing would start a build of several minutes inside a short phase.
+        raise RuntimeError(f"no {installed_module()}: run command 1 (build) first")
+    t0 = time.monotonic()
+    import exllamav3
+    import exllamav3.ext
+    from exllamav3.version import __version__
+
+    took = round(time.monotonic() - t0, 1)
+    loaded = Path(getattr(exllamav3.ext.exllamav3_ext, "__file__", "") or "")
+    res.metrics.update({"import_s": took, "exllamav3": __version__, "extension": str(loaded)})
+    res.check("precompiled_module_loaded", loaded.resolve() == installed_module().resolve())
+    res.check("exllamav3_is_1.6.5", __version__ == "1.6.5")
+
+
+def phase_import(work: Path, res: Result) -> None:
+    phase_reimport(work, res)
+
+
+# ---------------------------------------------------------------- the model
+
+
+CHAT_PROMPT = "Summarise these notes. " + " ".join(
+    f"Note {i}: the sidecar streams prefill progress and reports cache reuse." for i in range(110)
+)
+
+
+def phase_model(work: Path, res: Result, tokenizer_dir: Path = TOKENIZER) -> None:
+    """A 2-layer random-weight Llama over the SmolLM2 vocabulary. The output head is the
+    embedding table and the embeddings are large, so the model repeats its last token:
+    n-gram drafts get accepted and outputs are predictable enough to test stops."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = work / "model"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if not (tokenizer_dir / f).exists():
+            raise RuntimeError(f"{tokenizer_dir / f} missing: run scripts/gpu_check_assets.py and carry .whl")
+        shutil.copy(tokenizer_dir / f, out / f)
+    tok_config = json.loads((out / "tokenizer_config.json").read_text())
+    vocab = json.loads((out / "tokenizer.json").read_text())
+    ids = {t["content"]: t["id"] for t in vocab.get("added_tokens", [])}
+    size = max([*vocab["model"]["vocab"].values(), *ids.values()]) + 1
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=size,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=ids.get(tok_config.get("bos_token")),
+        eos_token_id=ids.get(tok_config.get("eos_token")),
+        pad_token_id=ids.get(tok_config.get("pad_token")),
+    )
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        emb.mul_(50.0)
+        model.lm_head.weight.copy_(emb)
+    model.half().save_pretrained(str(out))  # safetensors, the only format transformers 5 writes
+    res.metrics.update({"vocab_size": size, "model_dir": str(out)})
+    res.check("model_written", (out / "config.json").exists() and any(out.glob("*.safetensors")))
+
+
+# ---------------------------------------------------------------- the backend, in-process
+
+
+class RecordingGenerator:
+    """Passes the backend's calls to the real generator, timing ``iterate()`` and keeping
+    its results; ``fail_next`` makes the next ``iterate()`` raise it (a fault)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.results: list[dict[str, Any]] = []
+        self.iterate_s: list[float] = []
+        self.fail_next: Exception | None = None
+
+    def enqueue(self, job: Any) -> int:
+        return int(self.inner.enqueue(job))
+
+    def cancel(self, job: Any) -> None:
+        self.inner.cancel(job)
+
+    def num_remaining_jobs(self) -> int:
+        return int(self.inner.num_remaining_jobs())
+
+    @property
+    def pending_jobs(self) -> list[Any]:
+        return list(self.inner.pending_jobs)
+
+    def iterate(self) -> list[dict[str, Any]]:
+        if self.fail_next is not None:
+            e, self.fail_next = self.fail_next, None
+            raise e
+        t0 = time.monotonic()
+        out: list[dict[str, Any]] = self.inner.iterate()
+        self.iterate_s.append(time.monotonic() - t0)
+        self.results += out
+        return out
+
+
+class PaceMonitor:
+    """A thread that wakes every ``tick`` seconds, as the worker's heartbeat thread does,
+    and records the longest gap between its wake-ups: a step that holds the GIL would
+    show here as a gap as long as the step."""
+
+    def __init__(self, tick: float = 0.02) -> None:
+        import threading
+
+        self.tick = tick
+        self.max_gap = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(self.tick):
+            now = time.monotonic()
+            self.max_gap = max(self.max_gap, now - last)
+            last = now
+
+    def __enter__(self) -> PaceMonitor:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def lifecycle_problems(events: list[Any], rid: str) -> list[str]:
+    """The per-request order of ``protocol.messages`` for a request that finished."""
+    from protocol.messages import Finished, PrefillProgress, RequestError, Started, TokenDelta
+
+    evs = [e for e in events if e.request_id == rid]
+    problems = []
+    if not evs or not isinstance(evs[-1], Finished):
+        return [f"does not end with Finished: {evs[-1:]!r}"]
+    if not isinstance(evs[0], Started):
+        problems.append("does not begin with Started")
+    if sum(isinstance(e, Finished | RequestError) for e in evs) != 1:
+        problems.append("not exactly one terminal event")
+    prog = [e.processed for e in evs if isinstance(e, PrefillProgress)]
+    first_delta = next((i for i, e in enumerate(evs) if isinstance(e, TokenDelta)), len(evs))
+    last_prog = max((i for i, e in enumerate(evs) if isinstance(e, PrefillProgress)), default=-1)
+    if not prog or prog != sorted(set(prog)):
+        problems.append(f"progress not strictly rising: {prog}")
+    if (
+        isinstance(evs[0], Started)
+        and prog
+        and (prog[0] != evs[0].cached_tokens or prog[-1] != evs[0].prompt_tokens)
+    ):
+        problems.append(f"progress {prog[0]}..{prog[-1]} is not cached..total")
+    if last_prog > first_delta:
+        problems.append("progress after the first token")
+    return problems
+
+
+def phase_backend(work: Path, res: Result) -> None:
+    from engine_worker.backend import RequestRejected
+    from engine_worker.exllamav3.backend import ExLlamaV3Backend
+    from engine_worker.exllamav3.loader import load_engine
+    from engine_worker.settings import WorkerSettings
+    from protocol.messages import (
+        ChatMessage,
+        ErrorCode,
+        Event,
+        Finished,
+        FinishReason,
+        PrefillProgress,
+        RequestError,
+        SamplingParams,
+        Started,
+        Submit,
+        TokenDelta,
+    )
+
+    settings = WorkerSettings(
+        backend="exllamav3",
+        model_dir=work / "model",
+        draft_mode="ngram",
+        max_seq_len=4096,
+        cache_size=16384,
+        chunk_size=256,
+        max_batch_size=8,
+    )
+    t0 = time.monotonic()
+    handle = load_engine(settings)
+    res.metrics.update(
+        {"load_s": round(time.monotonic() - t0, 1), "generator_warmup_s": round(handle.warmup_s, 2)}
+    )
+    rec = RecordingGenerator(handle.generator)
+    import dataclasses
+
+    handle = dataclasses.replace(handle, generator=rec)
+    backend = ExLlamaV3Backend(handle, settings)
+    res.metrics["stop_strings"] = list(handle.stop_strings)
+
+    def chat(rid: str, text: str, **p: Any) -> Submit:
+        p.setdefault("max_tokens", 32)
+        p.setdefault("temperature", 0.0)
+        return Submit(rid, SamplingParams(**p), messages=(ChatMessage("user", text),))
+
+    def raw(rid: str, text: str, **p: Any) -> Submit:
+        p.setdefault("max_tokens", 16)
+        p.setdefault("temperature", 0.0)
+        return Submit(rid, SamplingParams(**p), prompt=text)
+
+    def drive(
+        b: ExLlamaV3Backend, *submits: Submit, limit: int = 4000
+    ) -> tuple[list[Event], dict[str, list[float]]]:
+        """Start ``submits`` and step until none is active. ``times["<id>:<Event>"]``: the
+        seconds since the start at which each event of that kind arrived."""
+        events: list[Event] = []
+        times: dict[str, list[float]] = {}
+        start = time.monotonic()
+        for s in submits:
+            b.add(s)
+        for _ in range(limit):
+            if not b.active_ids():
+                break
+            step = b.step()
+            now = time.monotonic() - start
+            for e in step:
+                times.setdefault(f"{e.request_id}:{type(e).__name__}", []).append(now)
+            events += step
+        else:
+            raise RuntimeError(f"still active after {limit} steps")
+        return events, times
+
+    def of(events: list[Event], rid: str) -> list[Event]:
+        return [e for e in events if e.request_id == rid]
+
+    def text_of(events: list[Event], rid: str) -> str:
+        return "".join(e.text for e in of(events, rid) if isinstance(e, TokenDelta))
+
+    def fin(events: list[Event], rid: str) -> Finished:
+        (f,) = [e for e in of(events, rid) if isinstance(e, Finished)]
+        return f
+
+    with PaceMonitor() as pace:
+
+        def progress() -> None:
+            events, times = drive(backend, chat("p1", CHAT_PROMPT, max_tokens=64))
+            problems = lifecycle_problems(events, "p1")
+            prog = [e for e in of(events, "p1") if isinstance(e, PrefillProgress)]
+            f = fin(events, "p1")
+            deltas = times.get("p1:TokenDelta", [])
+            gaps = [b - a for a, b in itertools.pairwise(deltas)]
+            res.check(
+                "progress_rises_to_total",
+                not problems and len(prog) >= 4,
+                problems=problems,
+                progress_chunks=len(prog),
+            )
+            res.metrics.update(
+                {
+                    "prompt_tokens": f.prompt_tokens,
+                    "ttft_s": round(deltas[0], 4) if deltas else None,
+                    "itl_s": round(sum(gaps) / len(gaps), 5) if gaps else None,
+                    "completion_tokens": f.completion_tokens,
+                }
+            )
+            res.check(
+                "ngram_draft_counters",
+                f.draft_accepted is not None and f.draft_rejected is not None and f.draft_accepted > 0,
+                draft_accepted=f.draft_accepted,
+                draft_rejected=f.draft_rejected,
+            )
+            again, _ = drive(backend, chat("p2", CHAT_PROMPT, max_tokens=8))
+            f2 = fin(again, "p2")
+            started = of(again, "p2")[0]
+            res.check(
+                "repeat_reuses_prefix",
+                f2.cached_tokens >= f2.prompt_tokens - 256
+                and isinstance(started, Started)
+                and started.cached_tokens == f2.cached_tokens,
+                cached_tokens_repeat=f2.cached_tokens,
+                started_cached_repeat=getattr(started, "cached_tokens", None),
+            )
+
+        def max_tokens_one() -> None:
+            events, _ = drive(backend, raw("m1", "The quick brown fox", max_tokens=1))
+            f = fin(events, "m1")
+            res.check(
+                "max_tokens_1",
+                f.completion_tokens == 1
+                and f.finish_reason is FinishReason.LENGTH
+                and not lifecycle_problems(events, "m1"),
+                max_tokens_1_text=text_of(events, "m1"),
+            )
+
+        def stop_string() -> None:
+            events, _ = drive(backend, raw("s0", "Once upon a time there was", max_tokens=12))
+            plain = text_of(events, "s0")
+            stop = plain[len(plain) // 2 : len(plain) // 2 + 2]
+            if len(plain) < 4 or not stop.strip():
+                res.check("stop_string", False, stop_string_plain=plain)
+                return
+            events, _ = drive(backend, raw("s1", "Once upon a time there was", max_tokens=12, stop=(stop,)))
+            f = fin(events, "s1")
+            res.check(
+                "stop_string",
+                f.finish_reason is FinishReason.STOP and text_of(events, "s1") == plain[: plain.find(stop)],
+                stop_string_plain=plain,
+                stop_string=stop,
+                stop_string_text=text_of(events, "s1"),
+            )
+
+        def stop_token_with_held_text() -> None:
+            # The first two tokens repeat the prompt's last one (T); a stop string that T's
+            # text begins holds them back; the stop token, masked for two tokens and then
+            # forced by a bias, ends the job with them still held (job.py:978-993).
+            prompt = "The quick brown fox"
+            plain, _ = drive(backend, raw("h0", prompt, max_tokens=2))
+            t_ids = [
+                int(t) for r in rec.results if r.get("identifier") == "h0" for t in _ids(r.get("token_ids"))
+            ]
+            if not t_ids:
+                res.check("stop_token_held_text", False, held_error="no token ids seen")
+                return
+            piece = handle.pieces[t_ids[0]]
+            stop_id = handle.encode("Zebra", False).tolist()[0][-1]
+            n_before = len(rec.results)
+            events, _ = drive(
+                backend,
+                raw(
+                    "h1",
+                    prompt,
+                    max_tokens=8,
+                    min_tokens=2,
+                    stop_token_ids=(stop_id,),
+                    logit_bias={stop_id: 1e6},
+                    stop=(piece + "\u00a7\u00a7",),
+                ),
+            )
+            eos = [r for r in rec.results[n_before:] if r.get("identifier") == "h1" and r.get("eos")]
+            held = (eos[-1].get("held") or {}).get("text", "") if eos else ""
+            f = fin(events, "h1")
+            res.check(
+                "stop_token_held_text",
+                f.finish_reason is FinishReason.STOP
+                and bool(eos)
+                and eos[-1].get("eos_reason") == "stop_token"
+                and held.startswith(piece)
+                and text_of(events, "h1") == text_of(plain, "h0"),
+                held_engine=held,
+                held_text=text_of(events, "h1"),
+                held_piece=piece,
+            )
+
+        def aborts() -> None:
+            backend.add(chat("a-prefill", "Another long one. " + CHAT_PROMPT))
+            backend.add(raw("a-decode", "The quick brown fox", max_tokens=400))
+            aborted: set[str] = set()
+            after: list[Event] = []
+            for _ in range(2000):
+                if not backend.active_ids():
+                    break
+                for e in backend.step():
+                    if e.request_id in aborted:
+                        after.append(e)
+                    elif e.request_id == "a-prefill" and isinstance(e, PrefillProgress):
+                        if e.cached < e.processed < e.total:
+                            backend.abort("a-prefill")
+                            aborted.add("a-prefill")
+                    elif e.request_id == "a-decode" and isinstance(e, TokenDelta):
+                        backend.abort("a-decode")
+                        aborted.add("a-decode")
+            res.check(
+                "abort_in_prefill_and_decode",
+                set(aborted) == {"a-prefill", "a-decode"} and not after and rec.num_remaining_jobs() == 0,
+                aborted=sorted(aborted),
+                events_after_abort=len(after),
+            )
+
+        def requeue() -> None:
+            rq = ExLlamaV3Backend(handle, dataclasses.replace(settings, max_rq_tokens=256))
+            n_before = len(rec.results)
+            # pages of 256 and max_rq_tokens 256: a re-queue about every 256 tokens after the first 512
+            events, _ = drive(rq, raw("rq", "The quick brown fox", max_tokens=1000, ignore_eos=True))
+            requeues = sum(1 for r in rec.results[n_before:] if r.get("requeue"))
+            f = fin(events, "rq")
+            tokens = sum(e.num_tokens for e in of(events, "rq") if isinstance(e, TokenDelta))
+            problems = lifecycle_problems(events, "rq")
+            res.check(
+                "requeue_usage_and_progress",
+                requeues >= 2
+                and not problems
+                and f.completion_tokens == 1000
+                and tokens == 1000
+                and f.prompt_tokens == of(events, "rq")[0].prompt_tokens,  # type: ignore[union-attr]
+                requeues=requeues,
+                requeue_problems=problems,
+                requeue_completion_tokens=f.completion_tokens,
+                requeue_delta_tokens=tokens,
+            )
+
+        def context() -> None:
+            try:
+                backend.prepare(raw("ctx", "word " * 6000))
+            except RequestRejected as e:
+                res.check("context_length_exceeded", e.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED)
+            else:
+                res.check("context_length_exceeded", False)
+
+        def fault() -> None:
+            backend.add(raw("f1", "The quick brown fox", max_tokens=50))
+            backend.step()
+            rec.fail_next = RuntimeError("injected fault (gpu_check)")
+            step = backend.step()
+            failed = [e.request_id for e in step if isinstance(e, RequestError)]
+            events, _ = drive(backend, raw("f2", "Once upon a time", max_tokens=8))
+            res.check(
+                "fault_rebuilds_the_generator",
+                failed == ["f1"]
+                and fin(events, "f2").completion_tokens > 0
+                and backend._h.generator is not rec,
+                fault_failed=failed,
+            )
+
+        for name, fn in (
+            ("progress_rises_to_total", progress),
+            ("max_tokens_1", max_tokens_one),
+            ("stop_string", stop_string),
+            ("stop_token_held_text", stop_token_with_held_text),
+            ("abort_in_prefill_and_decode", aborts),
+            ("requeue_usage_and_progress", requeue),
+            ("context_length_exceeded", context),
+            ("fault_rebuilds_the_generator", fault),
+        ):
+            res.attempt(name, fn)
+    res.metrics.update(
+        {
+            "iterate_s_max": round(max(rec.iterate_s, default=0.0), 4),
+            "iterate_count": len(rec.iterate_s),
+            "longest_step_s": round(backend.longest_step_s, 4),
+            "pace_gap_max_s": round(pace.max_gap, 4),
+        }
+    )
+    # Heartbeats come from a thread: they keep their pace only if steps let go of the GIL.
+    res.check("heartbeat_pace_kept", pace.max_gap < 0.5)
+    backend.close()
+
+
+def _ids(t: Any) -> list[int]:
+    if t is None:
+        return []
+    rows = t.tolist()
+    return [int(x) for x in (rows[0] if rows and isinstance(rows[0], list) else rows)]
+
+
+# ---------------------------------------------------------------- worker and proxy, over HTTP
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _post(base: str, path: str, body: dict[str, Any], timeout: float = 60) -> tuple[int, Any]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(
+        base + path,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def stream_chat(base: str, prompt: str, max_tokens: int, timeout: float = 60) -> dict[str, Any]:
+    """One streamed chat request with progress and usage; arrival times per chunk."""
+    import urllib.request
+
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "return_progress": True,
+        "stream_options": {"include_usage": True},
+    }
+    req = urllib.request.Request(
+        base + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    t0 = time.monotonic()
+    progress: list[dict[str, Any]] = []
+    content_t: list[float] = []
+    usage: dict[str, Any] | None = None
+    error = None
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            now = time.monotonic() - t0
+            if "error" in ev:
+                error = ev["error"]
+            if ev.get("prompt_progress"):
+                progress.append(ev["prompt_progress"])
+            if ev.get("usage") and not ev.get("choices"):
+                usage = ev["usage"]
+            if any(c["delta"].get("content") for c in ev.get("choices", [])):
+                content_t.append(now)
+    gaps = [b - a for a, b in itertools.pairwise(content_t)]
+    return {
+        "progress": progress,
+        "usage": usage,
+        "error": error,
+        "ttft_s": content_t[0] if content_t else None,
+        "itl_s": sum(gaps) / len(gaps) if gaps else None,
+    }
+
+
+def phase_proxy(work: Path, res: Result, worker_args: list[str] | None = None) -> None:
+    """Worker and proxy as processes, over HTTP. ``worker_args`` replaces the worker's
+    engine options (tests run this phase on the synthetic engine)."""
+    import tempfile
+    import urllib.request
+
+    rundir = Path(tempfile.mkdtemp(prefix="gpu-check-ipc-"))
+    addr = ["--input-addr", f"ipc://{rundir / 'in'}", "--output-addr", f"ipc://{rundir / 'out'}"]
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    logs = work / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    engine = worker_args or [
+        "--backend", "exllamav3", "--model-dir", str(work / "model"), "--draft-mode", "ngram",
+        "--max-seq-len", "4096", "--cache-size", "16384", "--chunk-size", "256",
+    ]  # fmt: skip
+    worker_cmd = [sys.executable, "-m", "engine_worker", *addr, *engine]
+    proxy_cmd = [sys.executable, "-m", "proxy", *addr, "--host", "127.0.0.1", "--port", str(port)]
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    outs = []
+    try:
+        for name, cmd in (("worker", worker_cmd), ("proxy", proxy_cmd)):
+            outs.append((logs / f"run-proxy-{name}.log").open("wb"))
+            procs[name] = subprocess.Popen(
+                cmd, stdout=outs[-1], stderr=subprocess.STDOUT, start_new_session=True
+            )
+        t0 = time.monotonic()
+        ready = False
+        while time.monotonic() - t0 < 75 and not ready:
+            for name, p in procs.items():
+                if p.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {p.returncode} before /ready")
+            try:
+                with urllib.request.urlopen(base + "/ready", timeout=2) as r:
+                    ready = r.status == 200
+            except OSError:
+                time.sleep(0.5)
+        res.metrics["ready_s"] = round(time.monotonic() - t0, 1)
+        if not res.check("ready", ready):
+            return
+        prompt = "Fresh prompt. " + CHAT_PROMPT
+        first = stream_chat(base, prompt, 64)
+        prog = [p["processed"] for p in first["progress"]]
+        usage = first["usage"] or {}
+        total = usage.get("prompt_tokens")
+        res.metrics.update(
+            {"ttft_s": round(first["ttft_s"] or 0.0, 4), "itl_s": first["itl_s"] and round(first["itl_s"], 5)}
+        )
+        res.check(
+            "progress_rises_to_total",
+            first["error"] is None and len(prog) >= 4 and prog == sorted(set(prog)) and prog[-1] == total,
+            progress_chunks=len(prog),
+        )
+        again = stream_chat(base, prompt, 8)
+        cached = ((again["usage"] or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+        res.check(
+            "repeat_reuses_prefix",
+            isinstance(cached, int) and isinstance(total, int) and cached >= total - 256,
+            cached_tokens_repeat=cached,
+        )
+        status, body = _post(base, "/v1/completions", {"prompt": "word " * 6000, "max_tokens": 4})
+        res.check(
+            "context_400",
+            status == 400 and (body.get("error") or {}).get("code") == "context_length_exceeded",
+            context_status=status,
+        )
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for out in outs:
+            out.close()
+        shutil.rmtree(rundir, ignore_errors=True)
+
+
+PHASE_FUNCS: dict[str, Callable[[Path, Result], None]] = {
+    "env": phase_env,
+    "build_ext": phase_build_ext,
+    "reimport": phase_reimport,
+    "import": phase_import,
+    "model": phase_model,
+    "backend": phase_backend,
+    "proxy": phase_proxy,
+}
+
+
+def run_phase(name: str, work: Path, result: Path) -> int:
+    """A child's body: run one phase and write its result JSON, also when it fails."""
+    res = Result()
+    error = None
+    try:
+        PHASE_FUNCS[name](work, res)
+    except Exception as e:
+        import traceback
+
+        traceback.print_exc()
+        error = f"{type(e).__name__}: {e}"[:1000]
+    result.write_text(json.dumps({"checks": res.checks, "metrics": res.metrics, "error": error}, default=str))
+    return 1 if error else 0
+
+
+# ---------------------------------------------------------------- command line
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="gpu_check.py")
+    sub = ap.add_subparsers(dest="command", required=True)
+    for command, phases in COMMANDS.items():
+        p = sub.add_parser(command, help=f"phases: {', '.join(ph.name for ph in phases)}")
+        p.add_argument(
+            "--budget", type=float, default=DEFAULT_BUDGET[command], help="Seconds for all phases together."
+        )
+        p.add_argument(
+            "--out",
+            type=Path,
+            default=Path(os.environ["OUT"]) if os.environ.get("OUT") else WORK / "out",
+            help="Where the summary and logs go (default: $OUT, else build/gpu-check/out).",
+        )
+        p.add_argument("--work", type=Path, default=WORK, help="Model, logs and results (git-ignored).")
+        p.add_argument(
+            "--only", default=None, help="Comma-separated phases to run (their needs are then not checked)."
+        )
+    ph = sub.add_parser("phase", help="(internal) run one phase in this process")
+    ph.add_argument("name", choices=sorted(PHASE_FUNCS))
+    ph.add_argument("--work", type=Path, required=True)
+    ph.add_argument("--result", type=Path, required=True)
+    args = ap.parse_args(argv)
+    if args.command != "phase":
+        if args.budget <= 0:
+            ap.error("--budget must be positive")
+        if args.only is not None:
+            names = [n.strip() for n in args.only.split(",") if n.strip()]
+            known = {p.name for p in COMMANDS[args.command]}
+            unknown = [n for n in names if n not in known]
+            if unknown or not names:
+                ap.error(f"--only: unknown phase(s) {unknown or names} for {args.command}: {sorted(known)}")
+            args.only = names
+    return args
+
+
+def select(command: str, only: list[str] | None) -> tuple[Phase, ...]:
+    phases = COMMANDS[command]
+    if only is None:
+        return phases
+    return tuple(Phase(p.name, p.timeout_s, p.min_s, (), p.argv) for p in phases if p.name in only)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.command == "phase":
+        return run_phase(args.name, args.work, args.result)
+    runner = Runner(args.command, select(args.command, args.only), args.budget, args.work, args.out)
+    summary = runner.run()
+    print(json.dumps({k: summary[k] for k in ("command", "ok", "total_s", "checks")}, indent=1))
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
