@@ -136,74 +136,66 @@ class Metrics:
 
     def __init__(self, engine: EngineClient) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens", "Prompt tokens of completed requests (usage.prompt_tokens).", registry=r
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=r)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
+            return Histogram(PREFIX + name, doc, buckets=buckets, registry=r)
+
+        self.prompt_tokens = counter(
+            "prompt_tokens", "Prompt tokens of completed requests (usage.prompt_tokens)."
         )
-        self.prompt_tokens_cached = Counter(
-            PREFIX + "prompt_tokens_cached",
+        self.prompt_tokens_cached = counter(
+            "prompt_tokens_cached",
             "Prompt tokens reused from the prefix cache (usage.prompt_tokens_details.cached_tokens).",
-            registry=r,
         )
-        self.generation_tokens = Counter(
-            PREFIX + "generation_tokens",
-            "Completion tokens of completed requests (usage.completion_tokens).",
-            registry=r,
+        self.generation_tokens = counter(
+            "generation_tokens", "Completion tokens of completed requests (usage.completion_tokens)."
         )
-        self.draft_accepted = Counter(
-            PREFIX + "draft_tokens_accepted",
+        self.draft_accepted = counter(
+            "draft_tokens_accepted",
             "Drafted tokens the target model accepted "
             "(usage.completion_tokens_details.accepted_prediction_tokens).",
-            registry=r,
         )
-        self.draft_rejected = Counter(
-            PREFIX + "draft_tokens_rejected",
+        self.draft_rejected = counter(
+            "draft_tokens_rejected",
             "Drafted tokens the target model rejected "
             "(usage.completion_tokens_details.rejected_prediction_tokens).",
-            registry=r,
         )
-        self.requests = Counter(
-            PREFIX + "requests",
+        self.requests = counter(
+            "requests",
             "HTTP requests by route and status code (499: the client went away before the response ended).",
-            ["endpoint", "status"],
-            registry=r,
+            ("endpoint", "status"),
         )
-        self.request_errors = Counter(
-            PREFIX + "request_errors",
+        self.request_errors = counter(
+            "request_errors",
             "Errors sent to clients, as an HTTP status or as an error event in a stream, by OpenAI "
             "error code.",
-            ["code"],
-            registry=r,
+            ("code",),
         )
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
+        self.ttft = histogram(
+            "time_to_first_token_seconds",
             "Seconds from a request's arrival to its first generated token, completed requests.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds",
+        self.itl = histogram(
+            "inter_token_latency_seconds",
             "Mean seconds between tokens of one sequence after its first (decode time / (tokens - 1)), "
             "one observation per sequence of two or more tokens.",
-            buckets=ITL_BUCKETS,
-            registry=r,
+            ITL_BUCKETS,
         )
-        self.duration = Histogram(
-            PREFIX + "request_duration_seconds",
+        self.duration = histogram(
+            "request_duration_seconds",
             "Seconds from a completed request's arrival to the end of its response.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.queue_time = Histogram(
-            PREFIX + "queue_time_seconds",
-            "Seconds a completed request waited in the worker's queue before its prefill started.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.queue_time = histogram(
+            "queue_time_seconds",
+            "Seconds from the worker's receipt of a completed request to the start of its prefill "
+            "(tokenizing and the wait for a batch slot or KV room).",
         )
-        self.prefill_time = Histogram(
-            PREFIX + "prefill_time_seconds",
+        self.prefill_time = histogram(
+            "prefill_time_seconds",
             "Seconds of prompt processing (prefill) of a completed request, cached tokens excluded.",
-            buckets=LATENCY_BUCKETS,
-            registry=r,
         )
         r.register(_EngineCollector(engine))
 

@@ -6,24 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
-
-from tests.integration.synthetic import served_proxy, synthetic_worker
-
-
-@pytest.fixture
-async def base_url(tmp_path: Path) -> AsyncIterator[str]:
-    args = ("--synthetic-step-ms", "20", "--max-batch-size", "1", "--heartbeat-interval", "0.05")
-    with synthetic_worker(tmp_path, *args) as addrs:
-        async with served_proxy(addrs) as url:
-            yield url
 
 
 def gauges(text: str) -> dict[str, float]:
@@ -49,12 +36,12 @@ async def _complete(c: httpx.AsyncClient, url: str, i: int) -> dict[str, Any]:
     return usage
 
 
-async def test_gauges_follow_the_worker_and_counters_the_usage(base_url: str) -> None:
+async def test_gauges_follow_the_worker_and_counters_the_usage(one_slot_url: str) -> None:
     async with httpx.AsyncClient(timeout=30) as c:
-        tasks = [asyncio.create_task(_complete(c, base_url, i)) for i in range(3)]
+        tasks = [asyncio.create_task(_complete(c, one_slot_url, i)) for i in range(3)]
         seen_running = seen_waiting = 0.0
         while not all(t.done() for t in tasks):
-            g = gauges((await c.get(base_url + "/metrics")).text)
+            g = gauges((await c.get(one_slot_url + "/metrics")).text)
             seen_running = max(seen_running, g["exl3_sidecar_requests_running"])
             seen_waiting = max(seen_waiting, g["exl3_sidecar_requests_waiting"])
             assert g["exl3_sidecar_worker_up"] == 1
@@ -65,7 +52,7 @@ async def test_gauges_follow_the_worker_and_counters_the_usage(base_url: str) ->
         assert seen_waiting == 2
         deadline = time.monotonic() + 5
         while True:
-            g = gauges((await c.get(base_url + "/metrics")).text)
+            g = gauges((await c.get(one_slot_url + "/metrics")).text)
             if g["exl3_sidecar_requests_running"] == 0 or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.05)

@@ -6,26 +6,13 @@ cancelled while queued frees its place and never reaches the engine."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
-import pytest
 from httpx_sse import aconnect_sse
 
-from tests.integration.synthetic import served_proxy, synthetic_worker
-
 MAX_TOKENS = 25  # at 20 ms per step: about 0.5 s per request
-
-
-@pytest.fixture
-async def base_url(tmp_path: Path) -> AsyncIterator[str]:
-    args = ("--synthetic-step-ms", "20", "--max-batch-size", "1", "--heartbeat-interval", "0.05")
-    with synthetic_worker(tmp_path, *args) as addrs:
-        async with served_proxy(addrs) as url:
-            yield url
 
 
 def _body(i: int, *, progress: bool = True, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
@@ -80,9 +67,9 @@ def _check_queue_then_prefill(chunks: list[dict[str, Any]]) -> list[int]:
     return positions
 
 
-async def test_three_streams_one_slot(base_url: str) -> None:
+async def test_three_streams_one_slot(one_slot_url: str) -> None:
     async with httpx.AsyncClient(timeout=30) as c:
-        results = await asyncio.gather(*(_chunks(c, base_url, _body(i), 0.15 * i) for i in range(3)))
+        results = await asyncio.gather(*(_chunks(c, one_slot_url, _body(i), 0.15 * i) for i in range(3)))
     first, second, third = results
     assert not any("queue_progress" in ch for ch in first)  # started at once
     assert _check_queue_then_prefill(second) == [1]
@@ -91,24 +78,24 @@ async def test_three_streams_one_slot(base_url: str) -> None:
         assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS
 
 
-async def test_without_the_flag_nothing_changes(base_url: str) -> None:
+async def test_without_the_flag_nothing_changes(one_slot_url: str) -> None:
     async with httpx.AsyncClient(timeout=30) as c:
         bodies = [_body(i, progress=False) for i in range(2)]
-        results = await asyncio.gather(*(_chunks(c, base_url, b, 0.15 * i) for i, b in enumerate(bodies)))
+        results = await asyncio.gather(*(_chunks(c, one_slot_url, b, 0.15 * i) for i, b in enumerate(bodies)))
     for chunks in results:
         assert not any("queue_progress" in ch or "prompt_progress" in ch for ch in chunks)
 
 
-async def test_a_request_cancelled_while_queued_frees_its_place(base_url: str) -> None:
+async def test_a_request_cancelled_while_queued_frees_its_place(one_slot_url: str) -> None:
     async with httpx.AsyncClient(timeout=30) as c:
         # Runs ~1.5 s: the leaver and the one behind it queue meanwhile.
-        running = asyncio.create_task(_chunks(c, base_url, _body(0, max_tokens=75), 0))
+        running = asyncio.create_task(_chunks(c, one_slot_url, _body(0, max_tokens=75), 0))
         await asyncio.sleep(0.15)
         leaver_saw: list[dict[str, Any]] = []
 
         async def leave_after_first_queue_chunk() -> None:
             body = _body(1)
-            async with aconnect_sse(c, "POST", base_url + "/v1/chat/completions", json=body) as source:
+            async with aconnect_sse(c, "POST", one_slot_url + "/v1/chat/completions", json=body) as source:
                 async for ev in source.aiter_sse():
                     leaver_saw.append(orjson.loads(ev.data))
                     await asyncio.sleep(0.5)  # the one behind queues at position 2
@@ -116,10 +103,10 @@ async def test_a_request_cancelled_while_queued_frees_its_place(base_url: str) -
 
         leaver = asyncio.create_task(leave_after_first_queue_chunk())
         await asyncio.sleep(0.15)
-        behind = asyncio.create_task(_chunks(c, base_url, _body(2), 0))
+        behind = asyncio.create_task(_chunks(c, one_slot_url, _body(2), 0))
         await leaver
         results = [await running, await behind]
-        metrics = (await c.get(base_url + "/metrics")).text
+        metrics = (await c.get(one_slot_url + "/metrics")).text
     assert leaver_saw[0]["queue_progress"]["position"] == 1
     positions = _check_queue_then_prefill(results[1])
     assert positions[0] == 2 and positions[-1] == 1  # moved up when the leaver went
