@@ -14,6 +14,18 @@ active request by one forward pass, in admission order:
   would produce (greedy: identical tokens; sampling: the target distribution).
   The KV of rejected positions is cropped.
 
+With a grammar (``SamplingParams.grammar``, ``engine_worker.constraints``), each
+position's logits are masked by the sequence's matcher before sampling and the
+chosen token is consumed by it, positions of a verify pass included, so drafted
+tokens are judged under the same mask plain decoding would use; drafts are first
+cut to the prefix the grammar allows (no pass verifies a token it forbids). The
+grammar is compiled in ``prepare`` (the loop's prepare thread); each choice
+decodes with its own copy. A complete grammar ends the sequence with ``stop``.
+
+With ``SamplingParams.logprobs`` the sampler also scores each chosen token
+(``TokenSampler.sample_scored``) and a ``LogprobTrail`` lines the entries up with
+the text each ``TokenDelta`` carries. Without it neither runs.
+
 Events follow ``protocol.messages``: ``Started``, ``PrefillProgress`` (first with
 ``processed == cached``, one after every chunk, last with ``processed == total``),
 ``TokenDelta``, then ``Finished`` or ``RequestError``. A finished or aborted
@@ -23,6 +35,7 @@ KV may be half-written).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
@@ -31,15 +44,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from llguidance import LLMatcher
 
 from engine_worker.admission import check_prompt_fits, full_reservation, validate_sampling
 from engine_worker.backend import Backend, ModelInfo, Prepared, RequestRejected
+from engine_worker.constraints import GrammarUnsupported, TokenConstraint, Vocabulary, compile_grammar
 from engine_worker.cpu.detokenize import IncrementalDetokenizer, StopStringMatcher
 from engine_worker.cpu.kv_cache import SequenceKV
+from engine_worker.cpu.logprobs import LogprobTrail
 from engine_worker.cpu.model_store import LoadedModel, load_embedded, load_model
 from engine_worker.cpu.ngram import NgramDrafter
 from engine_worker.cpu.prefix_cache import PrefixCache
-from engine_worker.cpu.sampling import TokenSampler
+from engine_worker.cpu.sampling import Scored, TokenSampler
 from engine_worker.settings import DraftMode, WorkerSettings
 from protocol.messages import (
     ErrorCode,
@@ -65,6 +81,18 @@ _END_OF_TEXT_TOKENS = ("<|endoftext|>",)
 _DETOKENIZER_CONTEXT = 4
 # First KV allocation beyond the prompt, tokens; the cache grows when needed.
 _INITIAL_DECODE_ROOM = 256
+# Most alternatives per token (SamplingParams.logprobs), OpenAI's top_logprobs limit.
+_MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class _Prompt:
+    """``Prepared.prompt`` of this backend: the token ids, and the request's
+    grammar compiled on the prepare thread (``None`` without one)."""
+
+    ids: list[int]
+    grammar: str | None = None
+    matcher: LLMatcher | None = None
 
 
 @dataclass(eq=False)
@@ -81,6 +109,8 @@ class _Request:
     drafter: NgramDrafter | None
     stop_ids: frozenset[int]
     reservation: int  # KV tokens reserved for it out of kv_cache_mb
+    constraint: TokenConstraint | None = None  # the grammar, when the request has one
+    trail: LogprobTrail | None = None  # when the request asked for logprobs
     tokens: list[int] = field(default_factory=list)  # prompt + output; tokens[:kv.length] have KV
     kv: SequenceKV | None = None
     processed: int = 0
@@ -138,6 +168,9 @@ class CpuBackend:
         max_positions = getattr(text_config, "max_position_embeddings", None) or self._max_seq_len
         self._max_context = min(self._max_seq_len, int(max_positions))
         self._end_ids = self._find_end_ids()
+        # Grammars and logprobs' token bytes; built on the first request that needs them.
+        self._vocabulary = Vocabulary(self._vocab_size, self._end_ids)
+        self._token_info_cache: dict[int, tuple[str, bytes]] = {}
         self._prefix_cache = PrefixCache(config.prefix_cache_mb * 2**20)
         self._requests: dict[str, _Request] = {}
         self._next_turn = 0  # round-robin position for steps cut by step_budget
@@ -157,6 +190,11 @@ class CpuBackend:
             # Byte-level BPE pieces spell each byte as one character, so a piece is
             # never shorter than the text it decodes to: a safe upper bound.
             longest_token_chars=max((len(t) for t in vocab), default=0),
+            grammar=True,
+            logprobs=True,
+            # The proxy reads the model's tool-call format from it; this engine
+            # passes no tools to its template, so tools come as a system prompt.
+            chat_template=self._prompt_tokenizer.chat_template,
         )
         self._warm_up()
 
@@ -186,23 +224,38 @@ class CpuBackend:
         return self._requests.keys()
 
     def prepare(self, submit: Submit) -> Prepared:
-        """Tokenize (applying the chat template to ``messages``) and check.
+        """Tokenize (applying the chat template to ``messages``), check, and compile
+        the grammar, if any.
 
-        Raises ``RequestRejected``: ``INVALID_REQUEST`` for bad parameters or an
-        empty prompt; ``CONTEXT_LENGTH_EXCEEDED`` when the prompt has
+        Raises ``RequestRejected``: ``INVALID_REQUEST`` for bad parameters, an
+        empty prompt or a grammar that does not compile (``param`` =
+        ``params.grammar_param``); ``CONTEXT_LENGTH_EXCEEDED`` when the prompt has
         ``max_seq_len`` tokens or more.
         """
-        validate_sampling(submit.params, self._vocab_size)
-        for token_id, bias in (submit.params.logit_bias or {}).items():
+        params = submit.params
+        validate_sampling(params, self._vocab_size)
+        for token_id, bias in (params.logit_bias or {}).items():
             if not -100.0 <= bias <= 100.0:  # OpenAI's range; the sampler adds it to fp32 logits
                 raise RequestRejected(
                     ErrorCode.INVALID_REQUEST,
                     f"logit_bias: bias {bias} for token {token_id} is outside [-100, 100]",
                     param="logit_bias",
                 )
+        if params.logprobs is not None and not 0 <= params.logprobs <= _MAX_LOGPROBS:
+            raise RequestRejected(
+                ErrorCode.INVALID_REQUEST,
+                f"logprobs must be in [0, {_MAX_LOGPROBS}], got {params.logprobs}",
+                param="logprobs",
+            )
         prompt_ids, param = self._tokenize(submit)
         check_prompt_fits(len(prompt_ids), self._max_context, param, "setting: max_seq_len")
-        return Prepared(submit, prompt_ids, len(prompt_ids), param)
+        matcher = None
+        if params.grammar is not None:
+            # Compiled here, off the engine thread; start() copies it per choice.
+            matcher = self._compile(params, self._prompt_tokenizer)
+        elif params.logprobs is not None:
+            self._load_vocabulary(self._prompt_tokenizer)  # token bytes, built here too
+        return Prepared(submit, _Prompt(prompt_ids, params.grammar, matcher), len(prompt_ids), param)
 
     def reservation(self, prepared: Prepared) -> int:
         """Prompt plus every completion token the sequence may produce: its KV never
@@ -217,8 +270,22 @@ class CpuBackend:
         self.start(submit.request_id, self.prepare(submit), submit.params)
 
     def start(self, request_id: str, prepared: Prepared, params: SamplingParams) -> None:
-        """Admit one sequence of ``prepared``, sampling with ``params``."""
-        prompt_ids: list[int] = prepared.prompt
+        """Admit one sequence of ``prepared``, sampling with ``params``. Raises
+        ``RequestRejected`` when ``params`` has a grammar ``prepare`` did not
+        compile and it does not compile."""
+        prompt: _Prompt = prepared.prompt
+        prompt_ids = prompt.ids
+        constraint = None
+        if params.grammar is not None:
+            if prompt.matcher is not None and prompt.grammar == params.grammar:
+                matcher = prompt.matcher.deep_copy()
+            else:  # params other than the prepared request's: compile on this thread
+                matcher = self._compile(params, self._tokenizer)
+            constraint = TokenConstraint(matcher, self._vocab_size, params.grammar_param)
+        trail = None
+        if params.logprobs is not None:
+            self._load_vocabulary(self._tokenizer)
+            trail = LogprobTrail(self._token_info)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._end_ids)
         drafter = None
         if self._ngram:
@@ -234,6 +301,8 @@ class CpuBackend:
             drafter=drafter,
             stop_ids=stop_ids,
             reservation=self.reservation(prepared),
+            constraint=constraint,
+            trail=trail,
             tokens=list(prompt_ids),
         )
 
@@ -281,6 +350,11 @@ class CpuBackend:
     def _guarded_advance(self, req: _Request, events: list[Event]) -> None:
         try:
             self._advance(req, events)
+        except RequestRejected as exc:  # the request's own fault (its grammar failed): its KV is sound
+            logger.info("request %s rejected while decoding: %s", req.request_id, exc.message)
+            if self._requests.pop(req.request_id, None) is not None:
+                self._release(req, keep_kv=True)
+            events.append(RequestError(req.request_id, exc.code, exc.message, exc.param))
         except Exception as exc:  # one request's failure must not end the others
             logger.exception("request %s failed", req.request_id)
             if self._requests.pop(req.request_id, None) is not None:
@@ -310,6 +384,31 @@ class CpuBackend:
             )
 
     # ------------------------------------------------------------------ admission
+
+    def _load_vocabulary(self, tokenizer: Any) -> None:
+        """Build llguidance's vocabulary from ``tokenizer`` (one the calling thread
+        owns) unless built; without it, logprobs fall back on decoded token text."""
+        with contextlib.suppress(GrammarUnsupported):
+            self._vocabulary.load(tokenizer)
+
+    def _compile(self, params: SamplingParams, tokenizer: Any) -> LLMatcher:
+        assert params.grammar is not None
+        try:
+            ll_tokenizer = self._vocabulary.load(tokenizer)
+        except GrammarUnsupported as exc:
+            raise RequestRejected(ErrorCode.INVALID_REQUEST, str(exc), param=params.grammar_param) from exc
+        return compile_grammar(ll_tokenizer, params.grammar, params.grammar_param)
+
+    def _token_info(self, token_id: int) -> tuple[str, bytes]:
+        """A token's text (its bytes decoded, invalid UTF-8 replaced) and raw bytes."""
+        info = self._token_info_cache.get(token_id)
+        if info is None:
+            if self._vocabulary.loaded:
+                raw = self._vocabulary.token_bytes(token_id)
+            else:  # no llguidance vocabulary for this tokenizer: its decoded text
+                raw = str(self._tokenizer.decode([token_id], skip_special_tokens=False)).encode()
+            info = self._token_info_cache[token_id] = (raw.decode("utf-8", errors="replace"), raw)
+        return info
 
     def _find_end_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -395,8 +494,8 @@ class CpuBackend:
         if last:
             assert logits is not None
             req.t_prefill_end = now
-            token = req.sampler.sample(logits[-1])
-            text, reason = self._append_token(req, token)
+            token, scored = self._choose(req, logits[-1])
+            text, reason = self._append_token(req, token, scored)
             self._report(req, text, reason, events)
 
     def _decode(self, req: _Request, events: list[Event]) -> None:
@@ -410,6 +509,8 @@ class CpuBackend:
                 self._max_context - history_len - 1,
             )
             drafts = req.drafter.propose(room)
+            if drafts and req.constraint is not None:
+                drafts = drafts[: req.constraint.valid_prefix(drafts)]
         inputs = [req.tokens[-1], *drafts]
         logits = self._forward(req, inputs, num_logits=len(inputs))
         assert logits is not None
@@ -417,9 +518,9 @@ class CpuBackend:
         reason: FinishReason | None = None
         accepted = 0
         for position in range(len(inputs)):
-            token = req.sampler.sample(logits[position])
+            token, scored = self._choose(req, logits[position])
             is_draft = position < len(drafts) and token == drafts[position]
-            text, reason = self._append_token(req, token)
+            text, reason = self._append_token(req, token, scored)
             pieces.append(text)
             if not is_draft:
                 break  # the target's own token: correction or bonus
@@ -444,9 +545,21 @@ class CpuBackend:
         logits: torch.Tensor = out.logits[0]
         return logits
 
-    def _append_token(self, req: _Request, token: int) -> tuple[str, FinishReason | None]:
-        """Add one generated token; returns its emittable text and the finish reason
-        if generation ends with it."""
+    def _choose(self, req: _Request, logits: torch.Tensor) -> tuple[int, Scored | None]:
+        """The token for one position's logits, within the grammar, and its score
+        when the request asked for logprobs."""
+        forbidden = req.constraint.forbidden() if req.constraint is not None else None
+        if req.trail is None:
+            return req.sampler.sample(logits, forbidden), None
+        assert req.params.logprobs is not None
+        scored = req.sampler.sample_scored(logits, req.params.logprobs, forbidden)
+        return scored.token, scored
+
+    def _append_token(
+        self, req: _Request, token: int, scored: Scored | None = None
+    ) -> tuple[str, FinishReason | None]:
+        """Add one generated token (``scored`` when logprobs are on); returns its
+        emittable text and the finish reason if generation ends with it."""
         req.tokens.append(token)
         req.unreported += 1
         req.sampler.observe(token)
@@ -455,11 +568,20 @@ class CpuBackend:
         if token in req.stop_ids:
             # Stop and end-of-sequence tokens contribute no text.
             return "", FinishReason.STOP
+        complete = False
+        if req.constraint is not None:
+            req.constraint.consume(token)
+            complete = req.constraint.stopped
         text = req.detokenizer.add(token)
+        if req.trail is not None:
+            assert scored is not None
+            req.trail.add(scored, text)
         emit, stopped = (
             req.stopper.feed(text, check=req.num_output >= req.params.min_tokens) if text else ("", False)
         )
-        if stopped:
+        if req.trail is not None:
+            req.trail.emitted(emit)
+        if stopped or complete:
             return emit, FinishReason.STOP
         if req.num_output >= req.params.max_tokens or len(req.tokens) >= self._max_context:
             return emit, FinishReason.LENGTH
@@ -471,10 +593,20 @@ class CpuBackend:
             # Generation ended without a stop string: release held-back text.
             tail = req.detokenizer.flush()
             emit, stopped = req.stopper.feed(tail) if tail else ("", False)
-            text += emit if stopped else emit + req.stopper.flush()
+            released = emit if stopped else emit + req.stopper.flush()
+            text += released
+            if req.trail is not None:
+                req.trail.released_tail(tail)
+                req.trail.emitted(released)
             if stopped:
                 reason = FinishReason.STOP
-        if text:
+        if req.trail is not None:
+            # Cut at a token boundary: the rest of `text` comes with the next delta.
+            text, logprobs = req.trail.take(final=reason is not None, cut=req.stopper.stopped)
+            if text or logprobs:
+                events.append(TokenDelta(req.request_id, text, req.unreported, logprobs))
+                req.unreported = 0
+        elif text:
             events.append(TokenDelta(req.request_id, text, req.unreported))
             req.unreported = 0
         if reason is not None:

@@ -9,9 +9,11 @@ OpenAI-compatible servers (vLLM, llama.cpp):
    negative ones multiplied.
 3. ``presence_penalty``/``frequency_penalty`` (OpenAI's definition): subtract
    ``frequency * count + presence * (count > 0)`` over the output tokens.
-4. Before ``min_tokens`` output tokens, end-of-sequence and stop token ids are
-   masked.
-5. ``temperature == 0`` takes the argmax. Otherwise divide by the temperature,
+4. A grammar's forbidden tokens (``engine_worker.constraints``) are masked.
+5. Before ``min_tokens`` output tokens, end-of-sequence and stop token ids are
+   masked, unless the grammar allows nothing else (a complete grammar ends the
+   sequence whatever ``min_tokens`` asks).
+6. ``temperature == 0`` takes the argmax. Otherwise divide by the temperature,
    keep the ``top_k`` largest, the smallest set whose probability reaches
    ``top_p``, and tokens with probability at least ``min_p`` times the largest,
    then draw from the renormalised distribution with the sequence's own
@@ -19,16 +21,33 @@ OpenAI-compatible servers (vLLM, llama.cpp):
 
 Every operation is ``O(vocab)`` per position and independent of the sequence
 length; the penalty state is updated incrementally by ``observe``.
+
+``sample_scored`` draws the same token as ``sample`` (same generator, same
+probabilities) and also returns log-probabilities of the distribution it drew
+from: the logits of step 5, divided by the temperature (1 when greedy), with the
+tokens that top-k/top-p/min-p removed left out.
 """
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
 from protocol.messages import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """A chosen token with its log-probability and the ``top`` most likely
+    ``(token, logprob)`` of the same distribution, most likely first (tokens with
+    probability 0 are never listed, so there may be fewer than asked)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 class TokenSampler:
@@ -82,12 +101,14 @@ class TokenSampler:
         if self._counts is not None:
             self._counts[token] += 1.0
 
-    def process(self, logits: torch.Tensor) -> torch.Tensor:
-        """Steps 1-4 above on ``logits`` (``[vocab]``, left unchanged); returns float32
-        logits (``logits`` itself when nothing applies)."""
+    def process(self, logits: torch.Tensor, forbidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Steps 1-5 above on ``logits`` (``[vocab]``, left unchanged); ``forbidden``
+        is a grammar's ``[vocab]`` bool mask. Returns float32 logits (``logits``
+        itself when nothing applies)."""
         p = self.params
+        suppress = self._suppressed is not None and self.num_generated < p.min_tokens
         # Copy only when a step below writes in place: `logits` may be a view of the model output.
-        in_place = self._bias_ids is not None or self._suppressed is not None
+        in_place = self._bias_ids is not None or suppress or forbidden is not None
         x = logits.to(dtype=torch.float32, copy=in_place)
         if self._bias_ids is not None and self._bias_values is not None:
             x.index_add_(0, self._bias_ids, self._bias_values)
@@ -96,19 +117,53 @@ class TokenSampler:
             x = torch.where(self._seen, penalised, x)
         if self._counts is not None:
             x -= p.frequency_penalty * self._counts + p.presence_penalty * (self._counts > 0)
-        if self._suppressed is not None and self.num_generated < p.min_tokens and self._suppressed.numel():
+        if forbidden is not None:
+            x.masked_fill_(forbidden, float("-inf"))
+        if suppress and self._suppressed is not None and self._suppressed.numel():
+            kept = x[self._suppressed] if forbidden is not None else None
             x[self._suppressed] = float("-inf")
+            if kept is not None and bool(torch.isneginf(x).all()):
+                x[self._suppressed] = kept  # the grammar allows only an end token: it wins
         return x
 
-    def sample(self, logits: torch.Tensor) -> int:
-        """The next token for one position's raw ``logits`` (``[vocab]``)."""
-        x = self.process(logits)
+    def sample(self, logits: torch.Tensor, forbidden: torch.Tensor | None = None) -> int:
+        """The next token for one position's raw ``logits`` (``[vocab]``), never one
+        ``forbidden`` marks."""
+        x = self.process(logits, forbidden)
         if self.greedy:
             return int(torch.argmax(x))
         probs = filtered_probs(
             x, self.params.temperature, self.params.top_k, self.params.top_p, self.params.min_p
         )
         return int(torch.multinomial(probs, 1, generator=self._generator))
+
+    def sample_scored(self, logits: torch.Tensor, top: int, forbidden: torch.Tensor | None = None) -> Scored:
+        """``sample``, and the log-probabilities of the distribution sampled from:
+        the chosen token's and the ``top`` most likely."""
+        p = self.params
+        x = self.process(logits, forbidden)
+        filtering = 0 < p.top_k < x.shape[-1] or p.top_p < 1.0 or p.min_p > 0.0
+        probs: torch.Tensor | None = None
+        if self.greedy:
+            token = int(torch.argmax(x))
+            scaled = x
+            if filtering:  # the argmax always survives the filters
+                probs = filtered_probs(x, 1.0, p.top_k, p.top_p, p.min_p)
+        else:
+            probs = filtered_probs(x, p.temperature, p.top_k, p.top_p, p.min_p)
+            token = int(torch.multinomial(probs, 1, generator=self._generator))
+            scaled = x / p.temperature
+        if filtering and probs is not None:
+            scaled = scaled.masked_fill(probs == 0.0, float("-inf"))
+        # Log-space normalisation rather than log(probs): exact for unlikely tokens too.
+        logprobs = scaled - torch.logsumexp(scaled, dim=-1)
+        alternatives: list[tuple[int, float]] = []
+        if top > 0:
+            values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]))
+            alternatives = [
+                (i, v) for i, v in zip(ids.tolist(), values.tolist(), strict=True) if v != float("-inf")
+            ]
+        return Scored(token, float(logprobs[token]), alternatives)
 
 
 def filtered_probs(

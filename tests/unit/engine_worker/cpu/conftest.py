@@ -47,7 +47,9 @@ class ScriptedLlama(LlamaForCausalLM):
     """A random Llama whose next token is forced where a bigram script says so.
 
     Records ``(input length, logits_to_keep)`` of every call with logits, so tests
-    can count the drafted positions the engine verified.
+    can count the drafted positions the engine verified, and with ``record`` the
+    input ids and the logits returned (``inputs``, ``outputs``: one row per position
+    kept), so tests can recompute what the engine derived from them.
     """
 
     def setup_script(
@@ -67,6 +69,9 @@ class ScriptedLlama(LlamaForCausalLM):
             self.next_token[src] = dst
         self.poison = poison
         self.calls: list[tuple[int, int]] = []
+        self.record = False
+        self.inputs: list[list[int]] = []
+        self.outputs: list[Any] = []
 
     def forward(self, input_ids: Any = None, logits_to_keep: Any = 0, **kwargs: Any) -> Any:
         if self.poison is not None and bool((input_ids == self.poison).any()):
@@ -77,6 +82,9 @@ class ScriptedLlama(LlamaForCausalLM):
         targets = self.next_token[input_ids[0, -n:]]
         for pos in torch.nonzero(targets >= 0).flatten().tolist():
             out.logits[0, pos, targets[pos]] += self.boost
+        if self.record:
+            self.inputs.append(input_ids[0].tolist())
+            self.outputs.extend(out.logits[0].clone())
         return out
 
     def drafted_positions(self) -> int:

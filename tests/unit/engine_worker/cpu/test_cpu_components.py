@@ -164,6 +164,32 @@ def test_seeded_sampling_reproduces_and_follows_distribution() -> None:
     assert abs(freq[0] - 0.6) < 0.05 and abs(freq[1] - 0.3) < 0.05 and abs(freq[2] - 0.1) < 0.03
 
 
+def test_sample_scored_draws_like_sample_and_scores_the_filtered_distribution() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    params = _params(temperature=0.5, min_p=0.2, seed=1)
+    scored, plain = TokenSampler(params, [], 4, []), TokenSampler(params, [], 4, [])
+    probs = filtered_probs(logits, 0.5, 0, 1.0, 0.2)
+    assert (probs > 0).tolist() == [True, True, False, False]
+    for _ in range(50):
+        s = scored.sample_scored(logits, 3)
+        assert s.token == plain.sample(logits)
+        assert math.isclose(s.logprob, math.log(float(probs[s.token])), abs_tol=1e-6)
+        # Tokens min_p removed are not alternatives: two, not three.
+        assert [t for t, _ in s.top] == [0, 1]
+        assert [v for _, v in s.top] == pytest.approx([math.log(float(probs[0])), math.log(float(probs[1]))])
+
+
+def test_grammar_mask_and_min_tokens() -> None:
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    forbidden = torch.tensor([True, False, True, False])
+    s = TokenSampler(_params(temperature=0.0, min_tokens=2), [], 4, [1])
+    assert s.sample(logits, forbidden) == 3  # 0 and 2 forbidden, 1 an end token before min_tokens
+    # When the grammar allows only end tokens, it wins over min_tokens.
+    only_end = torch.tensor([True, False, True, True])
+    assert s.sample(logits, only_end) == 1
+    assert s.sample_scored(logits, 2, only_end).top == [(1, 0.0)]
+
+
 # ---------------------------------------------------------------- KV cache
 
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
+from llguidance import LLMatcher
 
 from protocol.messages import ChatMessage, FinishReason, SamplingParams, Submit
 
@@ -51,3 +55,80 @@ def test_follow_up_turn_reuses_the_conversation(real_model, make_backend, run_on
     second = run_one(backend, Submit("2", SamplingParams(max_tokens=4, temperature=0.0), messages=turn))
     # The first prompt and the tokens generated after it open the second prompt.
     assert first.started.prompt_tokens < second.started.cached_tokens < second.started.prompt_tokens
+
+
+# ---------------------------------------------------------------- grammars and logprobs
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 130},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 30}, "maxItems": 4},
+        "employed": {"type": "boolean"},
+    },
+    "required": ["name", "age", "hobbies", "employed"],
+    "additionalProperties": False,
+}
+
+
+# Seeds whose answers are short (under 70 tokens): any seed must give valid JSON, these keep the test quick.
+@pytest.mark.parametrize("seed", [0, 1, 3])
+def test_json_schema_output_is_valid_json_at_temperature_1(real_model, make_backend, run_one, seed) -> None:
+    grammar = LLMatcher.grammar_from_json_schema(PERSON)
+    backend = make_backend(real_model)
+    submit = chat(
+        "j",
+        "Describe a fictional person as JSON.",
+        max_tokens=300,
+        temperature=1.0,
+        seed=seed,
+        grammar=grammar,
+        grammar_param="response_format",
+    )
+    r = run_one(backend, submit)
+    assert r.finished.finish_reason is FinishReason.STOP, r.text
+    jsonschema.validate(json.loads(r.text), PERSON)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_json_schema_with_drafting_keeps_the_output(real_model, make_backend, run_one, temperature) -> None:
+    grammar = LLMatcher.grammar_from_json_schema(PERSON)
+    example = '{"name": "Ada Lovelace", "age": 36, "hobbies": ["mathematics", "poetry"], "employed": false}'
+    results = []
+    for drafting in (False, True):
+        backend = make_backend(real_model, draft_mode="ngram" if drafting else "none")
+        submit = chat(
+            "d",
+            f"Repeat this JSON exactly: {example}",
+            max_tokens=120,
+            temperature=temperature,
+            seed=7,
+            grammar=grammar,
+        )
+        results.append(run_one(backend, submit))
+    plain, drafted = results
+    assert (plain.text, plain.finished.completion_tokens) == (
+        drafted.text,
+        drafted.finished.completion_tokens,
+    )
+    assert drafted.finished.draft_accepted > 0
+    jsonschema.validate(json.loads(plain.text), PERSON)
+    if temperature == 0.0:
+        assert json.loads(plain.text)["name"] == "Ada Lovelace"
+
+
+def test_logprobs_line_up_with_the_text(real_model, make_backend, run_one) -> None:
+    backend = make_backend(real_model)
+    r = run_one(
+        backend, chat("l", "Write one sentence about the sea.", max_tokens=40, logprobs=5, stop=("wave",))
+    )
+    assert r.text
+    for delta in r.deltas:
+        assert delta.logprobs is not None
+        assert "".join(e.token for e in delta.logprobs) == delta.text
+        for e in delta.logprobs:
+            assert len(e.top) == 5 and e.logprob <= 0.0
+            assert [t.logprob for t in e.top] == sorted((t.logprob for t in e.top), reverse=True)
+            assert e.top[0].token_bytes == e.token_bytes  # greedy: the most likely token
+            assert e.top[0].logprob == e.logprob
