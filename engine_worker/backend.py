@@ -34,6 +34,9 @@ class ModelInfo:
     - ``grammar``, ``logprobs``: whether the backend honours
       ``SamplingParams.grammar`` and ``SamplingParams.logprobs``; the loop
       refuses requests that ask for what it does not (never silently ignored).
+      Which distribution logprobs come from is the backend's to document: the
+      CPU engine's sampled-from one; ExLlamaV3 1.6.5's raw model distribution at
+      temperature 1 (``engine_worker/exllamav3/logprobs.py``).
     - ``chat_template``: the model's chat template source, sent in ``Ready`` (the
       proxy reads the model's tool-call format from it); ``None`` if unknown.
     - ``template_tools``: the backend passes ``Submit.tools_json`` and the tool

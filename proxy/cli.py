@@ -3,7 +3,6 @@ the sidecar container of a pod. Options come from ``proxy.settings.ProxySettings
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -33,9 +32,10 @@ def main(**values: Any) -> None:
     setup_logging(settings.log_level, settings.log_format)
     from proxy.app import run_proxy
     from proxy.engine_client import ZmqEngineClient
+    from proxy.runner import run
 
     try:
-        asyncio.run(run_proxy(settings, ZmqEngineClient(settings)))
+        run(run_proxy(settings, ZmqEngineClient(settings)))
     except OSError as e:
         exit_on_bind_error(settings, e)
 

@@ -4,6 +4,14 @@
 implements it over ZeroMQ (tests use a scripted fake). ``RequestStream`` is the
 bounded per-request event stream both hand out.
 
+The fast path: a consumer with nothing to await (a stream whose client keeps up)
+attaches a *sink* to its ``RequestStream``; the one reader task then hands each
+engine step's events of that request straight to the sink, once per step and
+after the whole batch is routed, and the consumer's task sleeps until the sink
+hands back (the response is done, an error, a congested client) or one of its
+deadlines comes. An engine step of N streams is then one pass of the reader,
+not N task wake-ups.
+
 Socket contract (the worker's ``engine_worker/sockets.py`` is the other side; default
 addresses in ``protocol.endpoints``): the worker binds a
 PULL socket at ``input_addr`` and a PUSH socket at ``output_addr``; the proxy
@@ -24,10 +32,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import struct
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -50,12 +59,14 @@ from protocol.messages import (
     RequestError,
     Submit,
     TokenDelta,
+    TokenLogprob,
     choice_ids,
 )
 from protocol.version import PROTOCOL_VERSION
 from proxy.errors import (
     NOT_READY_MESSAGE,
     EngineDead,
+    EngineInternalError,
     EngineNotReady,
     EngineUnavailable,
     ProxyError,
@@ -71,25 +82,58 @@ _ORPHAN_MEMORY = 4096
 SEND_HWM = 10_000
 """Messages the proxy's PUSH socket queues before sends fail with EAGAIN (503)."""
 
+_TERMINAL = (Finished, RequestError)  # a tuple: ``A | B`` would build a union per event
+
+_STEPS_PER_PASS = 16
+"""Most worker messages (engine steps) the reader routes before it delivers and
+yields to the event loop (``ZmqEngineClient._read_loop``)."""
+
 
 @dataclass(slots=True)
-class _DeltaRun:
-    """Consecutive ``TokenDelta``s of one request merged for a slow client; parts
-    are joined once, when the consumer takes them."""
+class DeltaRun:
+    """Consecutive ``TokenDelta``s of one request merged into one: text
+    concatenated, ``num_tokens`` summed, logprob entries kept in order. Parts are
+    joined once, by ``freeze``."""
 
     request_id: str
     parts: list[str] = field(default_factory=list)
     num_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+
+    def add(self, ev: TokenDelta) -> None:
+        self.parts.append(ev.text)
+        self.num_tokens += ev.num_tokens
+        if ev.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs += ev.logprobs
 
     def freeze(self) -> TokenDelta:
-        return TokenDelta(self.request_id, "".join(self.parts), self.num_tokens)
+        logprobs = tuple(self.logprobs) if self.logprobs is not None else None
+        return TokenDelta(self.request_id, "".join(self.parts), self.num_tokens, logprobs)
+
+
+Sink = Callable[[list[Event]], bool]
+"""Takes the events one pass of the reader brought a request (one engine step,
+or several when the reader fell behind; ``RequestStream.attach``); returns
+False to hand the stream back to its consumer."""
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class RequestStream:
     """Events of one HTTP request (one engine request per choice), in arrival order.
 
-    The producer calls ``put``/``fail``; the consumer takes everything pending at
-    once with ``get``. At most ``max_pending`` events wait: beyond that a
+    The producer calls ``put``/``fail``. The consumer either takes events
+    (``get``, or ``take`` after ``wait``), or attaches a ``Sink`` for the time it
+    waits (``attach``, ``wait``, ``detach``): then every pending event goes to
+    the sink once per engine step, synchronously, from the reader (``deliver``);
+    ``fail`` and a sink that returns False detach it and wake the consumer.
+
+    At most ``max_pending`` events wait: beyond that a
     ``TokenDelta`` is merged into the pending delta of the same request (text
     concatenated, ``num_tokens`` summed) and a ``PrefillProgress`` replaces the
     pending intermediate progress of the same request (a ``QueueProgress`` the
@@ -97,16 +141,36 @@ class RequestStream:
     slower than the engine writes costs memory proportional to its text, not to
     its event count. ``Started``/``Finished``/``RequestError`` are never merged
     (there are few per request).
+
+    ``ready``: the reader's list of streams to ``deliver`` once the current
+    batch is routed (``ZmqEngineClient``); without one, a stream with a sink
+    delivers from a ``call_soon`` callback.
     """
 
-    def __init__(self, request_ids: Sequence[str], max_pending: int) -> None:
+    __slots__ = (
+        "_error",
+        "_has_runs",
+        "_max",
+        "_pending",
+        "_ready",
+        "_scheduled",
+        "_sink",
+        "_waiter",
+        "request_ids",
+    )
+
+    def __init__(
+        self, request_ids: Sequence[str], max_pending: int, *, ready: list[RequestStream] | None = None
+    ) -> None:
         self.request_ids: tuple[str, ...] = tuple(request_ids)
         self._max = max_pending
-        self._pending: list[Event | _DeltaRun] = []
-        self._tail: dict[str, int] = {}  # request id -> index of its last pending item
+        self._pending: list[Event | DeltaRun] = []
         self._has_runs = False
         self._error: ProxyError | None = None
-        self._wakeup = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None
+        self._sink: Sink | None = None
+        self._scheduled = False  # in the reader's ready list (or a call_soon) already
+        self._ready = ready
 
     @property
     def failed(self) -> bool:
@@ -118,28 +182,38 @@ class RequestStream:
         Ignored after ``fail``."""
         if self._error is not None:
             return
-        rid = ev.request_id
         pending = self._pending
-        if len(pending) >= self._max and rid is not None and self._merge(rid, ev):
+        if len(pending) >= self._max and ev.request_id is not None and self._merge(ev.request_id, ev):
             return
-        if rid is not None:
-            self._tail[rid] = len(pending)
         pending.append(ev)
-        self._wakeup.set()
+        if self._sink is None:
+            self._wake()
+        elif not self._scheduled:
+            self._scheduled = True
+            if self._ready is not None:
+                self._ready.append(self)
+            else:
+                asyncio.get_running_loop().call_soon(self.deliver)
 
     def _merge(self, rid: str, ev: Event) -> bool:
-        i = self._tail.get(rid)
-        if i is None:
+        # The last pending item of this request: a few from the end, as every
+        # step appends about one per choice (a search only while the backlog is
+        # full, rather than bookkeeping on every event).
+        pending = self._pending
+        i = len(pending) - 1
+        while i >= 0 and pending[i].request_id != rid:
+            i -= 1
+        if i < 0:
             return False
-        last = self._pending[i]
+        last = pending[i]
         if isinstance(ev, TokenDelta):
             if isinstance(last, TokenDelta):
-                last = _DeltaRun(rid, [last.text], last.num_tokens)
-                self._pending[i] = last
+                run = DeltaRun(rid)
+                run.add(last)
+                last = pending[i] = run
                 self._has_runs = True
-            if isinstance(last, _DeltaRun):
-                last.parts.append(ev.text)
-                last.num_tokens += ev.num_tokens
+            if isinstance(last, DeltaRun):
+                last.add(ev)
                 return True
         elif (isinstance(ev, QueueProgress) and isinstance(last, QueueProgress)) or (
             isinstance(ev, PrefillProgress)
@@ -147,40 +221,102 @@ class RequestStream:
             # The first progress (processed == cached) marks the start; keep it.
             and last.processed != last.cached
         ):
-            self._pending[i] = ev
+            pending[i] = ev
             return True
         return False
 
     def fail(self, exc: ProxyError) -> None:
-        """End the stream with ``exc``: ``get`` returns what is pending, then raises it."""
+        """End the stream with ``exc``: ``get`` returns what is pending, then raises it.
+        Detaches the sink: the consumer takes what is left itself."""
         if self._error is None:
             self._error = exc
-            self._wakeup.set()
+            self._sink = None
+            self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            _wake(w)
+
+    def _take(self) -> list[Event]:
+        out = self._pending
+        self._pending = []
+        if self._has_runs:
+            self._has_runs = False
+            return [x.freeze() if isinstance(x, DeltaRun) else x for x in out]
+        return out  # type: ignore[return-value]  # no DeltaRun without _has_runs
+
+    def take(self) -> list[Event]:
+        """Every pending event, without waiting (``[]`` when none). Raises the
+        ``ProxyError`` given to ``fail`` once no event is pending."""
+        if self._pending:
+            return self._take()
+        if self._error is not None:
+            raise self._error
+        return []
+
+    async def wait(self, until: float = math.inf) -> None:
+        """Until there is something to ``take`` (without a sink), the sink handed
+        back, ``fail`` was called, or the loop's clock reaches ``until``. One
+        future and one timer per call, no ``asyncio.timeout``: a stream waits
+        once per hand-over, not once per event."""
+        if (self._pending and self._sink is None) or self._error is not None:
+            return
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._waiter = fut
+        timer = loop.call_at(until, _wake, fut) if until != math.inf else None
+        try:
+            await fut
+        finally:
+            if self._waiter is fut:
+                self._waiter = None
+            if timer is not None:
+                timer.cancel()
 
     async def get(self, max_wait_s: float | None = None) -> list[Event]:
         """Every pending event, waiting up to ``max_wait_s`` seconds (``None``: no
         limit) for at least one. Returns ``[]`` on timeout. Raises the
-        ``ProxyError`` given to ``fail`` once no event is pending."""
+        ``ProxyError`` given to ``fail`` once no event is pending. Not while a
+        sink is attached."""
         if not self._pending and self._error is None:
-            self._wakeup.clear()
-            if max_wait_s is None:
-                await self._wakeup.wait()
-            else:
-                try:
-                    async with asyncio.timeout(max_wait_s):
-                        await self._wakeup.wait()
-                except TimeoutError:
-                    return []
-        if self._pending:
-            out = self._pending
-            self._pending = []
-            self._tail.clear()
-            if self._has_runs:
-                self._has_runs = False
-                return [x.freeze() if isinstance(x, _DeltaRun) else x for x in out]
-            return out  # type: ignore[return-value]  # no _DeltaRun without _has_runs
-        assert self._error is not None
-        raise self._error
+            until = math.inf if max_wait_s is None else asyncio.get_running_loop().time() + max_wait_s
+            await self.wait(until)
+        return self.take()
+
+    def attach(self, sink: Sink) -> bool:
+        """Send events to ``sink`` from now on, until ``detach``, ``fail`` or the
+        sink returns False. Returns False (and attaches nothing) when events are
+        pending or the stream failed: ``take`` them first."""
+        if self._pending or self._error is not None:
+            return False
+        self._sink = sink
+        return True
+
+    def detach(self) -> None:
+        """Stop sending events to the sink; they wait for ``take`` again."""
+        self._sink = None
+
+    def deliver(self) -> None:
+        """Hand every pending event to the sink (the reader calls this once per
+        batch for each stream that got events). A sink that returns False, or
+        fails, is detached and the consumer woken."""
+        self._scheduled = False
+        sink = self._sink
+        if sink is None or not self._pending:
+            return
+        events = self._take()
+        try:
+            keep = sink(events)
+        except Exception as e:
+            # A bug in one response must not stop the reader that serves all.
+            log.exception("delivering events to request %s failed", self.request_ids[0])
+            self.fail(EngineInternalError(f"Internal error: {type(e).__name__}"))
+            return
+        if not keep:
+            self._sink = None
+            self._wake()
 
 
 class EngineClient(Protocol):
@@ -249,6 +385,8 @@ class ZmqEngineClient:
         self._heartbeat: Heartbeat | None = None
         self._orphans_aborted: set[str] = set()
         self._routes: dict[str, RequestStream] = {}
+        # Streams with a sink that got events since the last delivery (_deliver).
+        self._ready_streams: list[RequestStream] = []
         self._last_rx = 0.0
         self._last_hello = -float("inf")
         self._mismatch_logged: str | None = None
@@ -350,7 +488,7 @@ class ZmqEngineClient:
             raise EngineUnavailable(
                 "The engine worker cannot take requests now (its input queue is full or it is not connected)"
             )
-        stream = RequestStream(ids, self._settings.request_queue_max)
+        stream = RequestStream(ids, self._settings.request_queue_max, ready=self._ready_streams)
         for rid in ids:
             self._routes[rid] = stream
         return stream
@@ -452,15 +590,26 @@ class ZmqEngineClient:
                 # from before a proxy restart. A request still producing events
                 # is still using the engine: (re)send its Abort, once per id, so
                 # an orphan never runs to max_tokens (a lost Abort included).
-                if not isinstance(ev, Finished | RequestError):
+                if not isinstance(ev, _TERMINAL):
                     orphans.append(rid)
                 continue
             stream.put(ev)
-            if isinstance(ev, Finished | RequestError):
+            if isinstance(ev, _TERMINAL):
                 del self._routes[rid]
 
         if orphans:
             self._abort_orphans(orphans)
+
+    def _deliver(self) -> None:
+        """Hand the streams with a sink what the batches routed since the last
+        call brought them: one delivery (one write to its client) per stream."""
+        ready = self._ready_streams
+        if ready:
+            try:
+                for s in ready:
+                    s.deliver()
+            finally:
+                ready.clear()
 
     def _abort_orphans(self, ids: list[str]) -> None:
         fresh = [rid for rid in dict.fromkeys(ids) if rid not in self._orphans_aborted]
@@ -477,30 +626,46 @@ class ZmqEngineClient:
         assert self._pull is not None
         pull = self._pull
         while True:
-            frames = await pull.recv_multipart()
-            try:
-                msg = decode_worker_message(frames)
-            except VersionMismatch as e:
-                self._refuse_version(e.theirs)
-                continue
-            except ProtocolError as e:
-                log.error("dropping undecodable message from the engine worker: %s", e)
-                continue
-            self._last_rx = time.monotonic()
-            if isinstance(msg, EventBatch):
-                self._route(msg.events)
-            elif isinstance(msg, Ready):
-                self._on_ready(msg)
-            elif isinstance(msg, Heartbeat):
-                if msg.worker_id == self._worker_id():
-                    self._heartbeat = msg
-                elif self._ready:
-                    # Another worker process speaks on our socket: ours restarted and
-                    # its Ready was lost before we reconnected. Our requests died with
-                    # the old process; handshake again with the new one.
-                    self._declare_dead(f"worker {msg.worker_id} replaced {self._worker_id()}")
-                else:
-                    log.debug("heartbeat from worker %s before its Ready", msg.worker_id)
+            self._on_message(await pull.recv_multipart())
+            # Engine steps already queued behind this one mean the proxy fell
+            # behind: route them too, so each stream gets one delivery (one write)
+            # for all of them. A pass then costs per stream, not per step, and
+            # the reader catches up instead of falling further behind.
+            for _ in range(_STEPS_PER_PASS - 1):
+                try:
+                    frames = await pull.recv_multipart(zmq.NOBLOCK)  # a done future: no wait
+                except zmq.Again:
+                    break
+                self._on_message(frames)
+            self._deliver()
+            # recv_multipart returns at once while messages are queued: yield, so
+            # that transports, timers and new connections run between passes.
+            await asyncio.sleep(0)
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        try:
+            msg = decode_worker_message(frames)
+        except VersionMismatch as e:
+            self._refuse_version(e.theirs)
+            return
+        except ProtocolError as e:
+            log.error("dropping undecodable message from the engine worker: %s", e)
+            return
+        self._last_rx = time.monotonic()
+        if isinstance(msg, EventBatch):
+            self._route(msg.events)
+        elif isinstance(msg, Ready):
+            self._on_ready(msg)
+        elif isinstance(msg, Heartbeat):
+            if msg.worker_id == self._worker_id():
+                self._heartbeat = msg
+            elif self._ready:
+                # Another worker process speaks on our socket: ours restarted and
+                # its Ready was lost before we reconnected. Our requests died with
+                # the old process; handshake again with the new one.
+                self._declare_dead(f"worker {msg.worker_id} replaced {self._worker_id()}")
+            else:
+                log.debug("heartbeat from worker %s before its Ready", msg.worker_id)
 
     async def _supervise_loop(self) -> None:
         cfg = self._settings

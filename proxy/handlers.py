@@ -16,17 +16,10 @@ context can hold at ``Ready.longest_token_chars`` per token is refused without
 being sent), and only then takes one of the ``max_in_flight`` slots and goes to
 the worker as one ``Submit``.
 
-Idle limit: a request that gets no worker event for ``request_idle_timeout``
-seconds fails with ``GatewayTimeout`` (504, or an error event after the
-headers) and its choices are aborted. The deadline rides on the waits the
-loops already make (``RequestStream.get``'s timeout), not on a timer per event.
-
-When the SSE headers go out: a stream first waits for every choice's first event
-(``Started``, or a ``RequestError`` such as ``context_length_exceeded``, which
-then becomes a real 400), but at most ``sse_ping_interval_s``; after that the
-headers are sent with a ``: ping`` and later errors can only be error events.
-With ``return_progress`` a ``queue_progress`` chunk also sends them: the worker
-queues a request only after every check that refuses one.
+How the events then reach the client (the SSE stream or the one JSON body,
+the idle limit, when the SSE headers go out, pings, errors after the headers)
+is ``proxy.delivery``'s; a request whose ``request_idle_timeout`` passes is
+aborted here like any other that ends unfinished.
 
 Disconnects: the server runs with ``handler_cancellation=True``, so a client
 that goes away cancels its handler wherever it waits (a silent prefill
@@ -35,9 +28,7 @@ included); every exit path sends ``Abort`` for the choices that did not finish.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import math
 import time
 import uuid
 from collections.abc import Callable
@@ -46,18 +37,13 @@ import msgspec
 from aiohttp import web
 
 from protocol.messages import Ready, Submit, choice_ids
-from proxy import sse
-from proxy.engine_client import RequestStream
+from proxy.delivery import complete_response, stream_response
 from proxy.errors import (
     NOT_READY_MESSAGE,
     ContextLengthExceeded,
-    EngineInternalError,
     EngineNotReady,
-    GatewayTimeout,
     InvalidRequest,
     NotFound,
-    ProxyError,
-    envelope,
 )
 from proxy.intake import check_json_body, max_prompt_chars, read_body
 from proxy.metrics import CONTENT_TYPE
@@ -68,8 +54,9 @@ from proxy.openai_models import (
     parse_completion_request,
     prompt_chars,
     to_submit,
+    tool_plan,
 )
-from proxy.request_log import METRICS, RequestRecord, record_of
+from proxy.request_log import METRICS, record_of
 from proxy.responses import (
     CHAT,
     TEXT,
@@ -79,7 +66,6 @@ from proxy.responses import (
     ModelList,
     ReadyStatus,
     ResponseFormat,
-    StreamChunk,
     encode,
 )
 from proxy.state import STATE, ProxyState
@@ -184,10 +170,19 @@ async def _serve(
     record = record_of(request)
     record.request_id = request_id
     record.stream = req.stream
-    submit = to_submit(req, request_id, worker.max_context_tokens)
+    tools = tool_plan(req, state.tool_format())
+    submit = to_submit(req, request_id, worker.max_context_tokens, tools)
     _check_limits(submit, settings.max_n, worker)
     header = ChunkHeader(fmt, request_id, int(time.time()), state.model_name() or worker.model_id)
-    flags = StreamFlags(req.progress, req.stream and req.include_usage, req.stream and req.continuous_usage)
+    flags = StreamFlags(
+        req.progress,
+        req.stream and req.include_usage,
+        req.stream and req.continuous_usage,
+        logprobs=req.logprobs_k() is not None,
+        timings=req.timings_per_token,
+        echo=(submit.prompt or "") if isinstance(req, CompletionRequest) and req.echo else "",
+        tools=tools if tools is not None and tools.config.active else None,
+    )
     response = ResponseState(header, choice_ids(request_id, submit.n), flags)
     state.admit()
     try:
@@ -195,8 +190,8 @@ async def _serve(
         state.active.add(stream)
         try:
             if req.stream:
-                return await _stream(request, state, stream, response, record)
-            return await _complete(stream, response, settings.request_idle_timeout)
+                return await stream_response(request, settings, stream, response, record)
+            return await complete_response(stream, response, settings.request_idle_timeout)
         finally:
             state.active.discard(stream)
             if response.done:
@@ -225,122 +220,6 @@ def _check_limits(submit: Submit, max_n: int, worker: Ready) -> None:
                 f"{worker.longest_token_chars} characters)",
                 param=param,
             )
-
-
-def _idle_timeout(idle_s: float) -> GatewayTimeout:
-    return GatewayTimeout(
-        f"No progress from the engine worker for {idle_s:g} s (request_idle_timeout); the request was aborted"
-    )
-
-
-async def _complete(stream: RequestStream, response: ResponseState, idle_s: float) -> web.Response:
-    # The stream chunks are not needed, but feeding is what assembles the response.
-    scratch: list[StreamChunk] = []
-    wait_s = idle_s or None
-    while not response.done:
-        events = await stream.get(wait_s)
-        if not events:
-            raise _idle_timeout(idle_s)
-        for ev in events:
-            response.feed(ev, scratch)
-        scratch.clear()
-    return _json(response.response())
-
-
-async def _stream(
-    request: web.Request,
-    state: ProxyState,
-    stream: RequestStream,
-    response: ResponseState,
-    record: RequestRecord,
-) -> web.StreamResponse:
-    ping_s = state.settings.sse_ping_interval
-    idle_s = state.settings.request_idle_timeout
-    idle_after = idle_s or math.inf
-    out: list[StreamChunk] = []
-    # Before the headers: errors are still HTTP statuses (ProxyError propagates).
-    loop = asyncio.get_running_loop()
-    last_event = loop.time()
-    deadline = last_event + ping_s
-    silent = False
-    # A queue_progress chunk (the request waits in the worker's queue, after
-    # every check that could refuse it) is worth sending the headers for.
-    while not (response.started or response.done or out):
-        now = loop.time()
-        if now >= last_event + idle_after:
-            raise _idle_timeout(idle_s)
-        if now >= deadline:
-            silent = True
-            break
-        events = await stream.get(min(deadline, last_event + idle_after) - now)
-        if events:
-            last_event = loop.time()
-        for ev in events:
-            response.feed(ev, out)
-
-    resp = web.StreamResponse(headers=sse.HEADERS)
-    await resp.prepare(request)
-    last_write = loop.time()
-    buf = [sse.event(c) for c in out]
-    if silent:
-        buf.append(sse.PING)
-    try:
-        while True:
-            if response.done:
-                if response.flags.include_usage:
-                    buf.append(sse.event(response.usage_chunk()))
-                buf.append(sse.DONE)
-                await resp.write(b"".join(buf))
-                break
-            if buf:
-                await resp.write(b"".join(buf))
-                buf.clear()
-                last_write = loop.time()
-            # Silence is measured from the last write, not the last event: events
-            # that make no chunk (held-back text, dropped re-prefill progress) can
-            # keep arriving for a long time. The idle limit is measured from the
-            # last event.
-            now = loop.time()
-            wait_s = min(last_write + ping_s, last_event + idle_after) - now
-            events = await stream.get(wait_s) if wait_s > 0 else []
-            if not events:
-                if loop.time() >= last_event + idle_after:
-                    raise _idle_timeout(idle_s)
-                buf.append(sse.PING)
-                continue
-            last_event = loop.time()
-            out.clear()
-            try:
-                for ev in events:
-                    response.feed(ev, out)
-            finally:
-                buf.extend(sse.event(c) for c in out)
-        await resp.write_eof()
-    except ProxyError as e:
-        record.fail(e)
-        await _write_error(resp, buf, e)
-    except ConnectionResetError:
-        log.debug("client of %s went away", response.header.id)
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:
-        log.exception("stream %s failed", response.header.id)
-        err = EngineInternalError(f"Internal error: {type(e).__name__}")
-        record.fail(err)
-        await _write_error(resp, buf, err)
-    return resp
-
-
-async def _write_error(resp: web.StreamResponse, buf: list[bytes], exc: ProxyError) -> None:
-    """After the headers the status is fixed: the chunks still pending, one
-    ``data: {"error": ...}`` event, then ``[DONE]``."""
-    buf.append(sse.event(envelope(exc)))
-    buf.append(sse.DONE)
-    try:
-        await resp.write(b"".join(buf))
-        await resp.write_eof()
-    except ConnectionResetError:
-        pass
 
 
 def add_routes(app: web.Application) -> None:

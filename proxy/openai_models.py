@@ -6,7 +6,7 @@ request is validated once here and converted once (``to_submit``).
 
 Shapes follow the OpenAI API reference for ``POST /v1/chat/completions`` and
 ``POST /v1/completions``, plus extras other local servers accept:
-``return_progress`` (llama.cpp), ``top_k``, ``min_p``, ``repetition_penalty``,
+``return_progress`` and ``timings_per_token`` (llama.cpp), ``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``add_generation_prompt`` and
 ``stream_options.continuous_usage_stats`` (vLLM).
 
@@ -20,12 +20,28 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
 from protocol.messages import ChatMessage, SamplingParams, Submit
+from proxy.constraints import checked, response_grammar
 from proxy.errors import InvalidRequest
+from proxy.tools import (
+    FormatChoice,
+    HistoryMessage,
+    ToolCall,
+    ToolCallFormat,
+    ToolChoiceIn,
+    ToolConfig,
+    ToolIn,
+    ToolSpecError,
+    check_history,
+    render_fallback,
+    resolve_tools,
+    tool_call_grammar,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +64,15 @@ class ContentPart(msgspec.Struct, kw_only=True):
 
 class ChatMessageIn(msgspec.Struct, kw_only=True):
     """One chat turn as clients send it; ``content`` may be a string, a list of
-    text parts, or ``null`` (an assistant turn that only called tools)."""
+    text parts, or ``null`` (an assistant turn that only called tools).
+    ``tool_calls`` (assistant), ``tool_call_id`` (tool) and ``name`` carry the
+    tool side of the conversation (``proxy.tools``)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 _Prob = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
@@ -64,6 +85,25 @@ _Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 GREEDY_BELOW_TEMPERATURE = 1e-5
 """Temperatures below this sample greedily: dividing logits by them overflows."""
 _Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """``response_format.json_schema``: ``schema`` is the JSON schema the output
+    must match; ``strict`` is accepted (the output always matches when the
+    grammar can express the schema; one it cannot is refused with a 400)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, object] | bool | None = None
+    strict: bool | None = None
+
+
+class ResponseFormatIn(msgspec.Struct, kw_only=True):
+    """``response_format``: ``text`` (no constraint), ``json_object`` (any JSON
+    object) or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):
@@ -87,6 +127,12 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_progress: bool = False
+    response_format: ResponseFormatIn | None = None
+    timings_per_token: bool = False  # llama.cpp: its ``timings`` object on every chunk
+
+    def logprobs_k(self) -> int | None:
+        """Alternatives per token the client asked for, ``None`` for no logprobs."""
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -119,6 +165,15 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessageIn]
     max_completion_tokens: _Count | None = None
     add_generation_prompt: bool = True
+    logprobs: bool = False
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    tools: list[ToolIn] | None = None
+    tool_choice: ToolChoiceIn | None = None
+    parallel_tool_calls: bool | None = None
+
+    def logprobs_k(self) -> int | None:
+        """``top_logprobs`` (0 when absent) when ``logprobs`` is true, else ``None``."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def completion_limit(self) -> int | None:
         """``max_completion_tokens``, else ``max_tokens``, else ``None``."""
@@ -127,11 +182,25 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
         return self.max_tokens
 
 
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+"""OpenAI's default ``max_tokens`` for ``/v1/completions`` (chat has none)."""
+
+
 class CompletionRequest(_SamplingFields, kw_only=True):
     """``POST /v1/completions`` body: one text prompt (a string or a list holding
-    one string); token-id prompts and several prompts are refused."""
+    one string); token-id prompts and several prompts are refused. ``logprobs``
+    (0..20) asks for that many alternatives per token; ``echo`` puts the prompt
+    before each choice's text. A missing ``max_tokens`` is 16, as OpenAI's."""
 
     prompt: str | list[str]
+    logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    echo: bool = False
+
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
+
+    def completion_limit(self) -> int | None:
+        return COMPLETIONS_DEFAULT_MAX_TOKENS if self.max_tokens is None else self.max_tokens
 
 
 _R = TypeVar("_R", bound=_SamplingFields)
@@ -162,18 +231,12 @@ def _never(value: object) -> bool:
 # value is a 400 naming the field: a client that asked for a tool call, JSON or
 # logprobs and got plain text with a 200 could not tell it was ignored.
 _NOT_SUPPORTED: dict[str, Callable[[object], bool]] = {
-    "tools": lambda v: v == [],
-    "tool_choice": lambda v: v == "none",
     "functions": lambda v: v == [],
     "function_call": lambda v: v == "none",
-    "response_format": lambda v: v == {"type": "text"},
-    "logprobs": lambda v: v is False or v == 0,
-    "top_logprobs": lambda v: v == 0,
     "prediction": _never,
     "modalities": lambda v: v == ["text"],
     "audio": _never,
     "web_search_options": _never,
-    "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
     "best_of": lambda v: v == 1,
 }
@@ -220,12 +283,20 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
     req = _decode(body, ChatCompletionRequest)
     if not req.messages:
         raise InvalidRequest("'messages' must contain at least one message", param="messages")
+    if req.top_logprobs and not req.logprobs:
+        raise InvalidRequest("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
     return req
 
 
 def parse_completion_request(body: bytes) -> CompletionRequest:
     """Decode and validate a text completions body. Raises ``InvalidRequest``."""
     req = _decode(body, CompletionRequest)
+    if req.echo and req.logprobs is not None:
+        raise InvalidRequest(
+            "'echo' with 'logprobs' would need the prompt tokens' log-probabilities, which this server "
+            "does not compute; ask for one or the other",
+            param="echo",
+        )
     if isinstance(req.prompt, list) and len(req.prompt) != 1:
         raise InvalidRequest(
             f"'prompt' must be a string or a list of exactly one string, got a list of {len(req.prompt)}",
@@ -252,15 +323,120 @@ def _flatten_content(content: str | list[ContentPart] | None, i: int) -> str:
     return "\n".join(texts)
 
 
-def chat_messages(req: ChatCompletionRequest) -> tuple[ChatMessage, ...]:
+def chat_messages(req: ChatCompletionRequest, tools: ToolPlan | None = None) -> tuple[ChatMessage, ...]:
     """The request's turns with ``content`` flattened to text. OpenAI's
-    ``developer`` role becomes ``system``, which chat templates know."""
-    return tuple(
-        ChatMessage(
-            role="system" if m.role == "developer" else m.role, content=_flatten_content(m.content, i)
+    ``developer`` role becomes ``system``, which chat templates know. With
+    tools, or tool turns in the history, the history is checked
+    (``proxy.tools.check_history``) and then either kept structured for a
+    template that renders tools (``ToolPlan.native``) or rendered by
+    ``proxy.tools.render_fallback``: the tool schemas in the system prompt and
+    calls and results as text, in the plan's format."""
+    if tools is None and not any(m.tool_calls or m.role in ("tool", "function") for m in req.messages):
+        return tuple(
+            ChatMessage(
+                role="system" if m.role == "developer" else m.role, content=_flatten_content(m.content, i)
+            )
+            for i, m in enumerate(req.messages)
+        )
+    history = [
+        HistoryMessage(
+            role=m.role,
+            content=None if m.content is None else _flatten_content(m.content, i),
+            tool_calls=tuple(m.tool_calls or ()),
+            tool_call_id=m.tool_call_id,
+            name=m.name,
         )
         for i, m in enumerate(req.messages)
-    )
+    ]
+    try:
+        check_history(history)
+    except ToolSpecError as e:
+        raise InvalidRequest(e.message, param=e.param) from None
+    if tools is not None and tools.native:
+        return _native_messages(req)
+    config = tools.config if tools is not None else None
+    fmt = tools.format if tools is not None else None
+    pairs = render_fallback(config, history) if fmt is None else render_fallback(config, history, fmt)
+    return tuple(ChatMessage(role, content) for role, content in pairs)
+
+
+def _native_messages(req: ChatCompletionRequest) -> tuple[ChatMessage, ...]:
+    """Turns with their tool fields for a template that renders tools: the
+    calls' ``arguments`` decoded to objects (templates index into them)."""
+    out: list[ChatMessage] = []
+    for i, m in enumerate(req.messages):
+        calls_json = None
+        if m.tool_calls:
+            calls = []
+            for j, c in enumerate(m.tool_calls):
+                try:
+                    args = msgspec.json.decode(c.function.arguments)
+                except msgspec.DecodeError:
+                    param = f"messages[{i}].tool_calls[{j}].function.arguments"
+                    raise InvalidRequest(f"'{param}' is not valid JSON", param=param) from None
+                calls.append(
+                    {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}}
+                )
+            calls_json = msgspec.json.encode(calls).decode()
+        role = "system" if m.role == "developer" else m.role
+        content = "" if m.content is None else _flatten_content(m.content, i)
+        out.append(ChatMessage(role, content, calls_json, m.tool_call_id, m.name))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """How one request's tools are served: ``config`` (functions, choice,
+    parallel calls), the call ``format`` the output is parsed in, and whether
+    the model's chat template renders the tools itself (``native``: they go to
+    the worker as ``Submit.tools_json`` with structured tool turns) or the
+    generic tools prompt does (``proxy.tools.render_fallback``)."""
+
+    config: ToolConfig
+    format: ToolCallFormat
+    native: bool = False
+
+    def tools_json(self) -> str:
+        """OpenAI's ``tools`` array for the template: the callable functions."""
+        tools = [
+            {
+                "type": "function",
+                # ``strict`` is for the grammar, not for the template.
+                "function": {
+                    k: v for k, v in msgspec.structs.asdict(t).items() if v is not None and k != "strict"
+                },
+            }
+            for t in self.config.callable_tools()
+        ]
+        return msgspec.json.encode(tools).decode()
+
+
+def tool_plan(req: ChatCompletionRequest | CompletionRequest, choice: FormatChoice) -> ToolPlan | None:
+    """The request's ``ToolPlan`` (``None`` without tools), the format from
+    ``choice`` (``proxy.tools.choose_format``). Raises ``InvalidRequest``
+    naming ``tools``/``tool_choice`` for a bad spec, and ``response_format``
+    or ``logprobs`` asked together with tool calls (neither can be honoured
+    on an answer that may be a call)."""
+    if not isinstance(req, ChatCompletionRequest):
+        return None
+    try:
+        config = resolve_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    except ToolSpecError as e:
+        raise InvalidRequest(e.message, param=e.param) from None
+    if config is None:
+        return None
+    if config.active:
+        if req.response_format is not None and req.response_format.type != "text":
+            raise InvalidRequest(
+                "'response_format' cannot be combined with tool calls ('tool_choice' is not 'none')",
+                param="response_format",
+            )
+        if req.logprobs:
+            raise InvalidRequest(
+                "'logprobs' cannot be combined with tool calls ('tool_choice' is not 'none')",
+                param="logprobs",
+            )
+    return ToolPlan(config, choice.format, choice.native)
 
 
 def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
@@ -288,14 +464,22 @@ def _temperature(t: float | None) -> float:
     return 0.0 if t < GREEDY_BELOW_TEMPERATURE else t
 
 
-def sampling_params(req: _SamplingFields, max_context_tokens: int) -> SamplingParams:
+def sampling_params(
+    req: _SamplingFields, max_context_tokens: int, tools: ToolPlan | None = None
+) -> SamplingParams:
     """Wire sampling parameters. An absent completion limit becomes
-    ``max_context_tokens`` (the worker stops at the end of the context);
+    ``max_context_tokens`` on chat (the worker stops at the end of the context);
     ``top_k == -1`` (vLLM's "disabled") becomes 0; a temperature below
     ``GREEDY_BELOW_TEMPERATURE`` becomes 0 (greedy); empty stop strings are dropped.
     Raises ``InvalidRequest`` for a bad ``logit_bias`` key."""
     limit = req.completion_limit()
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    grammar = response_grammar(req.response_format)
+    grammar_param = "response_format"
+    if tools is not None and tools.config.forced:
+        # Strict: a keyword llguidance cannot enforce is a 400, not ignored.
+        grammar = checked(tool_call_grammar(tools.format, tools.config, lenient=False), "tools")
+        grammar_param = "tool_choice"
     return SamplingParams(
         max_tokens=limit if limit is not None else max_context_tokens,
         temperature=_temperature(req.temperature),
@@ -311,22 +495,32 @@ def sampling_params(req: _SamplingFields, max_context_tokens: int) -> SamplingPa
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
         logit_bias=_logit_bias(req.logit_bias),
+        logprobs=req.logprobs_k(),
+        grammar=grammar,
+        grammar_param=grammar_param if grammar is not None else None,
     )
 
 
 def to_submit(
-    req: ChatCompletionRequest | CompletionRequest, request_id: str, max_context_tokens: int
+    req: ChatCompletionRequest | CompletionRequest,
+    request_id: str,
+    max_context_tokens: int,
+    tools: ToolPlan | None = None,
 ) -> Submit:
     """The one ``Submit`` of a request, ``n`` choices included: the worker runs them
     as the engine requests ``protocol.choice_ids(request_id, n)`` and derives each
-    choice's seed from the request's own (``protocol.choice_seed``).
-    Raises ``InvalidRequest``."""
-    params = sampling_params(req, max_context_tokens)
+    choice's seed from the request's own (``protocol.choice_seed``). ``tools``
+    (``tool_plan``) renders the tools into the messages and, for a forced call,
+    constrains the output to one. Raises ``InvalidRequest``."""
+    params = sampling_params(req, max_context_tokens, tools)
     if isinstance(req, ChatCompletionRequest):
         return Submit(
             request_id,
             params,
-            messages=chat_messages(req),
+            tools_json=tools.tools_json()
+            if tools is not None and tools.native and tools.config.active
+            else None,
+            messages=chat_messages(req, tools),
             add_generation_prompt=req.add_generation_prompt,
             n=req.n,
         )

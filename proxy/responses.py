@@ -77,7 +77,8 @@ from typing import Final, Literal, Protocol
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from protocol.messages import Finished, PrefillProgress, QueueProgress
+from protocol.messages import Finished, PrefillProgress, QueueProgress, TokenLogprob
+from proxy.tools import ToolCall, ToolCallDelta
 
 encode = msgspec.json.Encoder().encode
 """One JSON body (no SSE framing, no line-separator escaping: a complete
@@ -157,14 +158,127 @@ def final_usage(finished: Sequence[Finished]) -> Usage:
     )
 
 
+# ---------------------------------------------------------------- logprobs and timings
+
+Logprobs = Sequence[TokenLogprob] | None
+"""A chunk's or a choice's generated tokens with their log-probabilities, or
+``None`` when the request did not ask for them."""
+
+
+class TopLogprobOut(msgspec.Struct, frozen=True, gc=False):
+    """One alternative of a chat ``logprobs.content`` entry; ``bytes`` is the
+    token's UTF-8 bytes as a list of ints (OpenAI API reference)."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobOut(msgspec.Struct, frozen=True, gc=False):
+    """One generated token of a chat choice's ``logprobs.content``."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprobOut]
+
+    @classmethod
+    def of(cls, lp: TokenLogprob) -> TokenLogprobOut:
+        return cls(
+            lp.token,
+            lp.logprob,
+            list(lp.token_bytes),
+            [TopLogprobOut(t.token, t.logprob, list(t.token_bytes)) for t in lp.top],
+        )
+
+
+class ChatLogprobs(msgspec.Struct, frozen=True, gc=False):
+    """A chat choice's ``logprobs``: ``{"content": [entry, ...], "refusal": null}``."""
+
+    content: list[TokenLogprobOut]
+    refusal: None = None
+
+
+class TextLogprobs(msgspec.Struct, frozen=True, gc=False):
+    """A text completion choice's ``logprobs`` (the legacy shape): parallel lists
+    of ``tokens``, ``token_logprobs``, ``top_logprobs`` (``{token: logprob}`` per
+    position) and ``text_offset`` (characters into the choice's text)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+    @classmethod
+    def of(cls, entries: Sequence[TokenLogprob], offset: int) -> TextLogprobs:
+        offsets: list[int] = []
+        for lp in entries:
+            offsets.append(offset)
+            offset += len(lp.token)
+        return cls(
+            [lp.token for lp in entries],
+            [lp.logprob for lp in entries],
+            [{t.token: t.logprob for t in lp.top} for lp in entries],
+            offsets,
+        )
+
+
+class Timings(msgspec.Struct, frozen=True, gc=False):
+    """llama.cpp's ``timings`` (its server's ``result_timings``): prompt tokens
+    taken from the prefix cache (``cache_n``) and prefilled (``prompt_n``, new
+    tokens only), generated tokens (``predicted_n``), their milliseconds and
+    rates, and with drafting ``draft_n`` (drafted tokens verified) and
+    ``draft_n_accepted``."""
+
+    cache_n: int
+    prompt_n: int
+    prompt_ms: float
+    prompt_per_token_ms: float
+    prompt_per_second: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_token_ms: float
+    predicted_per_second: float
+    draft_n: int | UnsetType = UNSET
+    draft_n_accepted: int | UnsetType = UNSET
+
+    @classmethod
+    def of(
+        cls,
+        cached: int,
+        prompt_n: int,
+        prompt_s: float,
+        predicted_n: int,
+        predicted_s: float,
+        draft: tuple[int, int] | None = None,
+    ) -> Timings:
+        """From counts and seconds; rates are 0 where a count or time is 0."""
+        prompt_ms = round(prompt_s * 1000, 3)
+        predicted_ms = round(predicted_s * 1000, 3)
+        return cls(
+            cached,
+            prompt_n,
+            prompt_ms,
+            round(prompt_ms / prompt_n, 3) if prompt_n else 0.0,
+            round(prompt_n / prompt_s, 3) if prompt_s > 0 else 0.0,
+            predicted_n,
+            predicted_ms,
+            round(predicted_ms / predicted_n, 3) if predicted_n else 0.0,
+            round(predicted_n / predicted_s, 3) if predicted_s > 0 else 0.0,
+            UNSET if draft is None else draft[0] + draft[1],
+            UNSET if draft is None else draft[0],
+        )
+
+
 # ---------------------------------------------------------------- choices
 
 
 class Delta(msgspec.Struct, frozen=True, gc=False):
-    """A chat chunk's ``delta``: ``{"role"?, "content"?}``."""
+    """A chat chunk's ``delta``: ``{"role"?, "content"?, "tool_calls"?}``."""
 
     role: Literal["assistant"] | UnsetType = UNSET
     content: str | UnsetType | None = UNSET
+    tool_calls: list[ToolCallDelta] | UnsetType = UNSET
 
 
 class ChatDeltaChoice(msgspec.Struct, frozen=True, gc=False):
@@ -172,7 +286,7 @@ class ChatDeltaChoice(msgspec.Struct, frozen=True, gc=False):
 
     index: int
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -181,15 +295,17 @@ class TextChoice(msgspec.Struct, frozen=True, gc=False):
 
     index: int
     text: str
-    logprobs: None = None
+    logprobs: TextLogprobs | None = None
     finish_reason: str | None = None
 
 
 class AssistantMessage(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    """A chat response's ``message``."""
+    """A chat response's ``message``: ``content`` is ``null`` when the answer is
+    only ``tool_calls``."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | UnsetType = UNSET
 
 
 class ChatMessageChoice(msgspec.Struct, frozen=True, gc=False):
@@ -197,7 +313,7 @@ class ChatMessageChoice(msgspec.Struct, frozen=True, gc=False):
 
     index: int
     message: AssistantMessage
-    logprobs: None
+    logprobs: ChatLogprobs | None
     finish_reason: str
 
 
@@ -248,6 +364,7 @@ class StreamChunk(msgspec.Struct, gc=False):
     prompt_progress: PromptProgress | UnsetType = UNSET
     usage: Usage | UnsetType | None = UNSET
     queue_progress: QueuePosition | UnsetType = UNSET
+    timings: Timings | UnsetType = UNSET
 
 
 class Completion(msgspec.Struct, gc=False):
@@ -259,6 +376,7 @@ class Completion(msgspec.Struct, gc=False):
     model: str
     choices: list[ResponseChoice]
     usage: Usage
+    timings: Timings | UnsetType = UNSET
 
 
 class ErrorDetail(msgspec.Struct, gc=False):
@@ -332,20 +450,40 @@ class ResponseFormat(Protocol):
         """``object`` of the non-stream response."""
         ...
 
-    def content_choice(self, index: int, text: str, first: bool) -> StreamChoice:
-        """The choice of a chunk carrying generated ``text`` (never empty)."""
+    def content_choice(
+        self, index: int, text: str, first: bool, logprobs: Logprobs = None, offset: int = 0
+    ) -> StreamChoice:
+        """The choice of a chunk carrying generated ``text`` (never empty) and,
+        when asked for, the ``logprobs`` of its tokens; ``offset``: characters of
+        the choice's text before this chunk (text completions' ``text_offset``)."""
         ...
 
     def progress_choice(self) -> StreamChoice:
         """Choice 0 of a ``prompt_progress`` chunk: no text yet."""
         ...
 
-    def finish_choice(self, index: int, finish_reason: str, first: bool) -> StreamChoice:
-        """The choice of a choice's last chunk, with its ``finish_reason``."""
+    def finish_choice(
+        self, index: int, finish_reason: str, first: bool, logprobs: Logprobs = None, offset: int = 0
+    ) -> StreamChoice:
+        """The choice of a choice's last chunk, with its ``finish_reason`` (and
+        the logprobs of its last tokens that added no text, if any)."""
         ...
 
-    def response_choice(self, index: int, text: str, finish_reason: str) -> ResponseChoice:
-        """A choice of the non-stream response: the whole text."""
+    def tool_calls_choice(self, index: int, calls: list[ToolCallDelta], first: bool) -> StreamChoice:
+        """The choice of a chunk carrying ``delta.tool_calls`` (chat only)."""
+        ...
+
+    def tool_response_choice(
+        self, index: int, content: str | None, calls: list[ToolCall], finish_reason: str
+    ) -> ResponseChoice:
+        """A non-stream choice whose answer holds tool calls (chat only)."""
+        ...
+
+    def response_choice(
+        self, index: int, text: str, finish_reason: str, logprobs: Logprobs = None
+    ) -> ResponseChoice:
+        """A choice of the non-stream response: the whole text (and the logprobs
+        of all its tokens when asked for)."""
         ...
 
 
@@ -365,17 +503,37 @@ class ChatFormat:
     chunk_object: Final = "chat.completion.chunk"
     response_object: Final = "chat.completion"
 
-    def content_choice(self, index: int, text: str, first: bool) -> ChatDeltaChoice:
-        return ChatDeltaChoice(index, Delta(role="assistant", content=text) if first else Delta(content=text))
+    def content_choice(
+        self, index: int, text: str, first: bool, logprobs: Logprobs = None, offset: int = 0
+    ) -> ChatDeltaChoice:
+        delta = Delta(role="assistant", content=text) if first else Delta(content=text)
+        return ChatDeltaChoice(index, delta, _chat_logprobs(logprobs))
 
     def progress_choice(self) -> ChatDeltaChoice:
         return _CHAT_PROGRESS
 
-    def finish_choice(self, index: int, finish_reason: str, first: bool) -> ChatDeltaChoice:
-        return ChatDeltaChoice(index, _ROLE_DELTA if first else _EMPTY_DELTA, None, finish_reason)
+    def finish_choice(
+        self, index: int, finish_reason: str, first: bool, logprobs: Logprobs = None, offset: int = 0
+    ) -> ChatDeltaChoice:
+        delta = _ROLE_DELTA if first else _EMPTY_DELTA
+        return ChatDeltaChoice(index, delta, _chat_logprobs(logprobs), finish_reason)
 
-    def response_choice(self, index: int, text: str, finish_reason: str) -> ChatMessageChoice:
-        return ChatMessageChoice(index, AssistantMessage(content=text), None, finish_reason)
+    def tool_calls_choice(self, index: int, calls: list[ToolCallDelta], first: bool) -> ChatDeltaChoice:
+        # OpenAI's first tool-call delta carries the role and a null content.
+        delta = Delta(role="assistant", content=None, tool_calls=calls) if first else Delta(tool_calls=calls)
+        return ChatDeltaChoice(index, delta)
+
+    def tool_response_choice(
+        self, index: int, content: str | None, calls: list[ToolCall], finish_reason: str
+    ) -> ChatMessageChoice:
+        message = AssistantMessage(content=content, tool_calls=calls or UNSET)
+        return ChatMessageChoice(index, message, None, finish_reason)
+
+    def response_choice(
+        self, index: int, text: str, finish_reason: str, logprobs: Logprobs = None
+    ) -> ChatMessageChoice:
+        message = AssistantMessage(content=text)
+        return ChatMessageChoice(index, message, _chat_logprobs(logprobs), finish_reason)
 
 
 class TextFormat:
@@ -386,17 +544,40 @@ class TextFormat:
     chunk_object: Final = "text_completion"
     response_object: Final = "text_completion"
 
-    def content_choice(self, index: int, text: str, first: bool) -> TextChoice:
-        return TextChoice(index, text)
+    def content_choice(
+        self, index: int, text: str, first: bool, logprobs: Logprobs = None, offset: int = 0
+    ) -> TextChoice:
+        return TextChoice(index, text, None if logprobs is None else TextLogprobs.of(logprobs, offset))
 
     def progress_choice(self) -> TextChoice:
         return _TEXT_PROGRESS
 
-    def finish_choice(self, index: int, finish_reason: str, first: bool) -> TextChoice:
-        return TextChoice(index, "", None, finish_reason)
+    def finish_choice(
+        self, index: int, finish_reason: str, first: bool, logprobs: Logprobs = None, offset: int = 0
+    ) -> TextChoice:
+        lp = None if logprobs is None else TextLogprobs.of(logprobs, offset)
+        return TextChoice(index, "", lp, finish_reason)
 
-    def response_choice(self, index: int, text: str, finish_reason: str) -> TextChoice:
-        return TextChoice(index, text, None, finish_reason)
+    def tool_calls_choice(self, index: int, calls: list[ToolCallDelta], first: bool) -> TextChoice:
+        raise TypeError("text completions have no tool calls")
+
+    def tool_response_choice(
+        self, index: int, content: str | None, calls: list[ToolCall], finish_reason: str
+    ) -> TextChoice:
+        raise TypeError("text completions have no tool calls")
+
+    def response_choice(
+        self, index: int, text: str, finish_reason: str, logprobs: Logprobs = None
+    ) -> TextChoice:
+        if logprobs is None:
+            return TextChoice(index, text, None, finish_reason)
+        # The tokens are the end of the text (an echoed prompt comes before them).
+        start = len(text) - sum(len(lp.token) for lp in logprobs)
+        return TextChoice(index, text, TextLogprobs.of(logprobs, start), finish_reason)
+
+
+def _chat_logprobs(entries: Logprobs) -> ChatLogprobs | None:
+    return None if entries is None else ChatLogprobs([TokenLogprobOut.of(lp) for lp in entries])
 
 
 CHAT: Final[ResponseFormat] = ChatFormat()
@@ -415,9 +596,16 @@ class ChunkHeader:
     model: str
 
 
-def response(header: ChunkHeader, texts: Sequence[str], finished: Sequence[Finished]) -> Completion:
+def response(
+    header: ChunkHeader,
+    texts: Sequence[str],
+    finished: Sequence[Finished],
+    logprobs: Sequence[Sequence[TokenLogprob]] | None = None,
+) -> Completion:
     """The non-stream response: one choice per text (choice order), with its
-    ``finish_reason``, and ``usage`` (always present, see ``final_usage``)."""
+    ``finish_reason`` and, when ``logprobs`` is given (one sequence per choice),
+    its tokens' log-probabilities, and ``usage`` (always present, see
+    ``final_usage``)."""
     fmt = header.fmt
     return Completion(
         header.id,
@@ -425,7 +613,7 @@ def response(header: ChunkHeader, texts: Sequence[str], finished: Sequence[Finis
         header.created,
         header.model,
         [
-            fmt.response_choice(i, text, str(f.finish_reason))
+            fmt.response_choice(i, text, str(f.finish_reason), None if logprobs is None else logprobs[i])
             for i, (text, f) in enumerate(zip(texts, finished, strict=True))
         ],
         final_usage(finished),

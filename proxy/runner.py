@@ -1,5 +1,9 @@
-"""The HTTP server under the app: how connections are run, and the JSON
-envelope for requests the HTTP parser refuses.
+"""The HTTP server under the app: the event loop it runs on, how connections
+are run, and the JSON envelope for requests the HTTP parser refuses.
+
+``run(main)`` runs the proxy's event loop: uvloop's when it is installed,
+asyncio's otherwise. ``settle_gc()`` tunes the garbage collector once the
+server is up (see its docstring).
 
 ``make_runner(app)`` builds the ``web.AppRunner`` that ``proxy.app.run_proxy``
 serves (and that tests serve on a real socket):
@@ -17,7 +21,12 @@ serves (and that tests serve on a real socket):
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import importlib
 import logging
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -27,6 +36,40 @@ log = logging.getLogger(__name__)
 
 HANDLER_SHUTDOWN_S = 5.0
 """After the drain, how long aiohttp waits for handlers before cancelling them."""
+
+GC_THRESHOLDS = (50_000, 10, 10)
+"""``gc.set_threshold`` once the server is up (``settle_gc``): the youngest
+generation's threshold far above the default 700, the others as they are."""
+
+_T = TypeVar("_T")
+
+
+def run(main: Coroutine[Any, Any, _T]) -> _T:
+    """Run ``main`` on a new event loop, uvloop's when installed, and close it.
+    (uvloop is not a dependency: ``docs/performance.md`` measured it within the
+    noise of asyncio's loop on the proxy's path.)"""
+    try:
+        uvloop = importlib.import_module("uvloop")  # by name: typed or not, installed or not
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
+
+
+def settle_gc() -> None:
+    """Once start-up is done: move everything allocated so far (modules, the app,
+    the engine client) out of the collector's sight for good (``gc.freeze``), and
+    let it run only every ``GC_THRESHOLDS[0]`` net new container objects.
+
+    Why: the default threshold (700) makes the collector run in the middle of
+    nearly every engine step of hundreds of streams, whose transient objects
+    (decoded events, chunks) it cannot free anyway (reference counting does),
+    and every 100th run scans every live object, those of start-up included. A
+    higher threshold still catches reference cycles, just in bigger batches."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
 
 def _reason(exc: BaseException | None, message: str | None) -> str:
     """aiohttp's words for a parse error, without the client's bytes it quotes

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Literal
 
 from protocol.endpoints import LinkSettings
 from protocol.settings import setting
@@ -24,6 +25,10 @@ BODY_OVERHEAD_BYTES = 1 * MIB
 
 BODY_BYTES_UNKNOWN = 8 * MIB
 """The derived body limit while the worker has not said how long a prompt can be."""
+
+
+ToolCallFormatName = Literal["auto", "hermes", "llama3_json", "mistral"]
+"""``--tool-call-format`` values (``proxy.tools.TOOL_CALL_FORMAT_CHOICES``)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,6 +46,11 @@ class ProxySettings(LinkSettings):
     served_model_name: str | None = setting(
         None, "Model name reported to clients (default: the worker's model id)."
     )
+    tool_call_format: ToolCallFormatName = setting(
+        "auto",
+        "How tool calls are written and parsed: auto (detected from the model's chat template; "
+        "hermes when it has no tool support), hermes, llama3_json or mistral.",
+    )
     sse_ping_interval: float = setting(
         15.0,
         "Seconds of stream silence before a ': ping' SSE comment is sent; also how long a stream "
@@ -49,6 +59,14 @@ class ProxySettings(LinkSettings):
     )
     max_in_flight: int = setting(
         256, "Concurrent completion requests admitted; beyond it, 429 too_many_requests.", ge=1
+    )
+    stream_interval: int = setting(
+        1,
+        "Tokens per streamed content event, like vLLM's --stream-interval: each choice's first "
+        "token is sent at once, later ones once this many have come (and the rest when the choice "
+        "ends). Fewer events cost the proxy and the client less CPU; 1 sends every engine step's "
+        "tokens as they come.",
+        ge=1,
     )
     request_queue_max: int = setting(
         256,

@@ -11,13 +11,19 @@
 
 See ``docs/http-contract.md`` ("Streaming framing") for the clients
 that break when one of these rules is not kept.
+
+``TransportWriter`` writes whole events of a prepared response to its
+connection synchronously (see its docstring for why and what it relies on).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
+from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
 
 HEADERS: dict[str, str] = {
     "Content-Type": "text/event-stream",
@@ -63,3 +69,64 @@ def dumps(obj: Any) -> bytes:
 def event(obj: Any) -> bytes:
     """One complete SSE event ``data: <json>\\n\\n`` carrying ``obj``."""
     return b"data: " + escape_line_separators(_encode(obj)) + b"\n\n"
+
+
+class TransportWriter:
+    """Writes the events of a prepared SSE response straight to its transport,
+    without an ``await``.
+
+    Why: the engine client's reader delivers one engine step to every stream in
+    one pass (``proxy.engine_client.RequestStream.attach``); an ``await
+    resp.write()`` per stream would need a task per stream to wake up for it.
+    ``write`` frames the bytes as aiohttp's ``StreamWriter`` would (one HTTP/1.1
+    chunk, ``<size hex>\\r\\n<data>\\r\\n``, when the response is chunked;
+    as they are otherwise) and hands them to the transport in one call, which
+    sends them at once when its buffer is empty. The response's headers are
+    already out (``StreamResponse.prepare`` sends them) and its end still goes
+    through ``write_eof``, so aiohttp frames the rest as usual. Responses
+    with compression are refused: their bytes must pass aiohttp's compressor.
+
+    Backpressure is the transport's: ``congested`` is true while it holds more
+    than its high-water mark (aiohttp's protocol paused writing); then the
+    caller stops writing here and ``await drain()``s, and what piles up meanwhile
+    is merged upstream (``RequestStream``).
+    """
+
+    __slots__ = ("_chunked", "_protocol", "_transport", "_writer")
+
+    def __init__(
+        self, request: web.BaseRequest, resp: web.StreamResponse, writer: AbstractStreamWriter
+    ) -> None:
+        if resp.compression:
+            raise ValueError("TransportWriter cannot write a compressed response")
+        transport = request.transport
+        if transport is None:
+            raise ConnectionResetError("the client went away")
+        self._transport: asyncio.Transport = transport
+        self._protocol = request.protocol
+        self._writer = writer
+        self._chunked = resp.headers.get("Transfer-Encoding") == "chunked"
+
+    @property
+    def congested(self) -> bool:
+        """The transport holds more than its high-water mark of unsent bytes."""
+        return self._protocol.writing_paused
+
+    def write(self, events: list[bytes]) -> bool:
+        """Send ``events`` (whole SSE events) as one write. False, and nothing
+        written, when the connection is closing."""
+        t = self._transport
+        if t.is_closing():
+            return False
+        if self._chunked:
+            data = b"".join((b"%x\r\n" % sum(map(len, events)), *events, b"\r\n"))
+        else:
+            data = b"".join(events)
+        self._writer.output_size += len(data)
+        t.write(data)
+        return True
+
+    async def drain(self) -> None:
+        """Wait until the transport is below its low-water mark again. Raises
+        ``ConnectionResetError`` when the connection is lost meanwhile."""
+        await self._writer.drain()

@@ -19,6 +19,7 @@ from aiohttp import web
 from proxy.engine_client import EngineClient, RequestStream
 from proxy.errors import NOT_READY_MESSAGE, EngineNotReady, ShuttingDown, TooManyRequests
 from proxy.settings import ProxySettings
+from proxy.tools import FormatChoice, choose_format
 
 
 @dataclass(eq=False)
@@ -42,9 +43,21 @@ class ProxyState:
     in_flight: int = 0
     active: set[RequestStream] = field(default_factory=set)
     _idle: asyncio.Event = field(init=False, default_factory=asyncio.Event)
+    _tool_format: tuple[tuple[str, str | None], FormatChoice] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self._idle.set()
+
+    def tool_format(self) -> FormatChoice:
+        """The tool-call format of the served model: ``--tool-call-format``, or
+        with ``auto`` what the worker's chat template renders (hermes with the
+        generic tools prompt when it renders none)."""
+        worker = self.engine.worker
+        template = worker.chat_template if worker is not None else None
+        key = (self.settings.tool_call_format, template)
+        if self._tool_format is None or self._tool_format[0] != key:
+            self._tool_format = (key, choose_format(*key))
+        return self._tool_format[1]
 
     def model_name(self) -> str | None:
         """``served_model_name``, else the worker's model id, else ``None``."""

@@ -39,18 +39,24 @@ from protocol.messages import (
     RequestError,
     Started,
     TokenDelta,
+    TokenLogprob,
 )
 from proxy import responses
 from proxy.errors import from_request_error
+from proxy.openai_models import ToolPlan
 from proxy.responses import (
     ChunkHeader,
     Completion,
     PromptProgress,
     QueuePosition,
+    ResponseChoice,
     StreamChoice,
     StreamChunk,
+    Timings,
     Usage,
 )
+from proxy.tools import ContentDelta, StreamEvent, ToolCallParser, parse_output
+from proxy.tools import finish_reason as tool_finish_reason
 
 log = logging.getLogger(__name__)
 
@@ -64,16 +70,31 @@ class _Choice:
     completion_tokens: int = 0
     texts: list[str] = field(default_factory=list)
     finished: Finished | None = None
+    chars: int = 0  # characters of text sent so far (text completions' text_offset)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # all of them (non-stream)
+    held_logprobs: list[TokenLogprob] = field(default_factory=list)  # of tokens that added no text yet
+    tools: ToolCallParser | None = None  # splits content from tool calls (requests with tools)
+    finish_reason: str | None = None  # as sent (tool_calls when the answer called tools)
 
 
 @dataclass(frozen=True, slots=True)
 class StreamFlags:
     """What the client asked for: ``progress`` (stream and ``return_progress``),
-    ``include_usage`` and ``continuous_usage`` (``stream_options``)."""
+    ``include_usage`` and ``continuous_usage`` (``stream_options``),
+    ``logprobs`` (the worker sends them; they go on each content chunk and into
+    the response), ``timings`` (llama.cpp's ``timings_per_token``: ``timings``
+    on every chunk and on the response), ``echo`` (text put before every
+    choice's text: the prompt, for ``/v1/completions`` with ``echo``),
+    ``tools`` (the answer may hold tool calls: parsed out of the text in the
+    plan's format and sent as ``tool_calls``)."""
 
     progress: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
+    logprobs: bool = False
+    timings: bool = False
+    echo: str = ""
+    tools: ToolPlan | None = None
 
 
 class ResponseState:
@@ -91,6 +112,10 @@ class ResponseState:
         self._fmt = header.fmt
         self._object = header.fmt.chunk_object
         self._choices = [_Choice(i) for i in range(len(request_ids))]
+        plan = flags.tools
+        if plan is not None:
+            for c in self._choices:
+                c.tools = ToolCallParser(plan.format, plan.config)
         self._by_id = dict(zip(request_ids, self._choices, strict=True))
         self._last_progress: PrefillProgress | None = None
         self._last_position: int | None = None
@@ -98,6 +123,7 @@ class ResponseState:
         self._unfinished = len(request_ids)
         self.first_token_at: float | None = None
         """``time.monotonic()`` when the first token of any choice arrived."""
+        self._final_timings: Timings | None = None
 
     @property
     def done(self) -> bool:
@@ -144,7 +170,10 @@ class ResponseState:
         elif self.flags.include_usage:
             usage = None
         h = self.header
-        return StreamChunk(h.id, self._object, h.created, h.model, [choice], progress, usage)
+        chunk = StreamChunk(h.id, self._object, h.created, h.model, [choice], progress, usage)
+        if self.flags.timings:
+            chunk.timings = self._final_timings or self.running_timings()
+        return chunk
 
     def _on_queue(self, ev: QueueProgress, out: list[StreamChunk]) -> None:
         last = self._last_position
@@ -200,19 +229,99 @@ class ResponseState:
             if choice.index == 0 and self.flags.progress:
                 self._close_progress(out)
         choice.completion_tokens += ev.num_tokens
+        entries: list[TokenLogprob] | None = None
+        if self.flags.logprobs:
+            held = choice.held_logprobs
+            held.extend(ev.logprobs or ())
+            if not ev.text:
+                return
+            entries = list(held)
+            held.clear()
+            choice.logprobs.extend(entries)
         if not ev.text:
             return
+        if choice.tools is not None:
+            choice.texts.append(ev.text)
+            self._tool_events(choice, choice.tools.feed(ev.text), out)
+            return
+        text = ev.text
+        offset = choice.chars
+        if self.flags.echo and not choice.texts:
+            text = self.flags.echo + text
+            offset += len(self.flags.echo)
         choice.texts.append(ev.text)
-        out.append(self._chunk(self._fmt.content_choice(choice.index, ev.text, self._first(choice))))
+        choice.chars += len(text)
+        c = self._fmt.content_choice(choice.index, text, self._first(choice), entries, offset)
+        out.append(self._chunk(c))
 
     def _on_finished(self, choice: _Choice, ev: Finished, out: list[StreamChunk]) -> None:
         if choice.index == 0 and self.flags.progress:
             self._close_progress(out)
+        if self.flags.echo and not choice.texts:
+            # Nothing was generated: the echoed prompt is the whole text.
+            c = self._fmt.content_choice(choice.index, self.flags.echo, self._first(choice))
+            choice.chars += len(self.flags.echo)
+            out.append(self._chunk(c))
+        reason = str(ev.finish_reason)
+        if choice.tools is not None:
+            end = choice.tools.finish()
+            self._tool_events(choice, end.events, out)
+            reason = tool_finish_reason(reason, end.tool_calls_made)
+        choice.finish_reason = reason
         choice.finished = ev
         choice.completion_tokens = ev.completion_tokens
         self._unfinished -= 1
-        c = self._fmt.finish_choice(choice.index, str(ev.finish_reason), self._first(choice))
+        if self._unfinished == 0 and self.flags.timings:
+            self._final_timings = self.final_timings()
+        # Tokens at the very end that added no text (a special token under
+        # ignore_eos): their logprobs go on the finish chunk, not lost.
+        tail = choice.held_logprobs or None
+        if tail is not None:
+            choice.logprobs.extend(tail)
+            choice.held_logprobs = []
+        c = self._fmt.finish_choice(choice.index, reason, self._first(choice), tail, choice.chars)
         out.append(self._chunk(c))
+
+    def _tool_events(self, choice: _Choice, events: list[StreamEvent], out: list[StreamChunk]) -> None:
+        fmt = self._fmt
+        for e in events:
+            if isinstance(e, ContentDelta):
+                c = fmt.content_choice(choice.index, e.text, self._first(choice))
+            else:
+                c = fmt.tool_calls_choice(choice.index, [e], self._first(choice))
+            out.append(self._chunk(c))
+
+    def running_timings(self) -> Timings:
+        """llama.cpp's ``timings`` so far: prompt counts from choice 0's
+        ``Started``, prefill ms from its latest progress, generated tokens over
+        all choices and the seconds since the first one arrived here."""
+        started = self._choices[0].started
+        prompt = started.prompt_tokens if started is not None else 0
+        cached = started.cached_tokens if started is not None else 0
+        last = self._last_progress
+        prompt_s = last.time_ms / 1000 if last is not None else 0.0
+        predicted = sum(c.completion_tokens for c in self._choices)
+        first = self.first_token_at
+        predicted_s = time.monotonic() - first if first is not None else 0.0
+        return Timings.of(cached, prompt - cached, prompt_s, predicted, predicted_s)
+
+    def final_timings(self) -> Timings:
+        """llama.cpp's ``timings`` of the finished response, from the worker's
+        counters and times (``Finished``). Call when ``done``."""
+        finished = self.finished()
+        first = finished[0]
+        drafted = [f for f in finished if f.draft_accepted is not None or f.draft_rejected is not None]
+        draft = None
+        if drafted:
+            draft = (sum(f.draft_accepted or 0 for f in drafted), sum(f.draft_rejected or 0 for f in drafted))
+        return Timings.of(
+            first.cached_tokens,
+            first.prompt_tokens - first.cached_tokens,
+            first.time_prefill,
+            sum(f.completion_tokens for f in finished),
+            max(f.time_decode for f in finished),
+            draft,
+        )
 
     def running_usage(self) -> Usage:
         """Usage so far: prompt from choice 0's ``Started``, completion tokens
@@ -233,7 +342,34 @@ class ResponseState:
 
     def response(self) -> Completion:
         """The non-stream response body. Call when ``done``."""
-        return responses.response(self.header, ["".join(c.texts) for c in self._choices], self.finished())
+        plan = self.flags.tools
+        if plan is not None:
+            return self._tool_response(plan)
+        echo = self.flags.echo
+        body = responses.response(
+            self.header,
+            [echo + "".join(c.texts) for c in self._choices],
+            self.finished(),
+            [c.logprobs for c in self._choices] if self.flags.logprobs else None,
+        )
+        if self.flags.timings:
+            body.timings = self.final_timings()
+        return body
+
+    def _tool_response(self, plan: ToolPlan) -> Completion:
+        finished = self.finished()
+        choices: list[ResponseChoice] = []
+        for c, f in zip(self._choices, finished, strict=True):
+            parsed = parse_output(plan.format, plan.config, "".join(c.texts))
+            reason = tool_finish_reason(str(f.finish_reason), bool(parsed.tool_calls))
+            choices.append(self._fmt.tool_response_choice(c.index, parsed.content, parsed.tool_calls, reason))
+        h = self.header
+        body = Completion(
+            h.id, self._fmt.response_object, h.created, h.model, choices, responses.final_usage(finished)
+        )
+        if self.flags.timings:
+            body.timings = self.final_timings()
+        return body
 
     def finished(self) -> list[Finished]:
         """The ``Finished`` event of every choice, in choice order. Call when ``done``."""

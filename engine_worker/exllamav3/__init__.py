@@ -5,6 +5,8 @@
 - ``backend``: ``ExLlamaV3Backend``, the one place where ``Generator.iterate()``
   results become protocol events.
 - ``sampling``: request parameters -> ``ComboSampler``/``Job`` arguments.
+- ``grammar``: constrained decoding with 1.6.5's ``LLGuidanceFilter``.
+- ``logprobs``: the probabilities 1.6.5 returns, lined up with the streamed text.
 - ``loader``: ``load_engine``/``build_backend``, the only module that imports
   ``torch`` and ``exllamav3`` (lazily, inside functions).
 

@@ -78,12 +78,46 @@ during prefill (``job.py:1424-1436``), so its ``Started``/first progress would
 under-report the reused prefix that its usage reports at the end. The later
 choices are therefore held back until the first has finished its prefill (or
 ended), and then find the whole prompt cached.
+
+Reservations and the engine's queue. ``reservation`` is what 1.6.5 itself
+allocates when it starts the job (``_segment_tokens``: prompt, completion budget,
+draft window, whole pages), and ``max_rq_tokens`` is passed only where it makes
+that smaller, so a job the loop admits finds its pages free and starts in the
+next ``iterate()``. 1.6.5 keeps a job in ``Generator.pending_jobs`` while it
+needs more unreferenced pages than there are or the batch is full, and may
+skip it for smaller ones up to ``max_skips`` times (``generator.py:2182-2205``);
+admitted by the loop, that happens only when a re-queued segment (output
+chunking: the sequence so far plus a new window) needs pages that jobs admitted
+since hold. Its reservation grows at the re-queue, so the loop admits nothing
+new until it fits again. A job waiting there emits nothing: no
+``QueueProgress`` (that is the loop's queue), and no ``Started`` or progress,
+which wait for its first prefill pass.
+
+Requests also carry (sources in ``grammar``, ``logprobs``):
+
+- a grammar (``SamplingParams.grammar``): one 1.6.5 ``LLGuidanceFilter`` per
+  choice, compiled by ``prepare`` on the prepare thread (a grammar that does not
+  compile is a ``RequestRejected`` naming ``grammar_param``), attached to the
+  job with ``filters=[...]``; a completed grammar ends the job with
+  ``"end_filter"`` (``stop``); a matcher error fails that request alone;
+- logprobs (``SamplingParams.logprobs``): ``return_probs``/``return_top_tokens``,
+  whose per-token rows arrive with the tokens' ``token_ids`` (or in ``held`` at a
+  stop token) and become ``TokenDelta.logprobs``, one entry per token whose text
+  the delta carries, joined equal to its text. 1.6.5's probabilities are the
+  model's own distribution at temperature 1 (before bias, penalties, grammar
+  mask, temperature and truncation), not the sampled-from one the contract
+  describes; ``logprobs`` has the details;
+- tools: ``Submit.tools_json`` goes to the chat template as ``tools`` and each
+  turn's ``tool_calls``/``tool_call_id``/``name`` as template fields
+  (``Tokenizer.hf_chat_template`` passes keywords on to
+  ``apply_chat_template``, ``tokenizer/tokenizer.py:830-832``, ``870-876``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import logging
 import threading
 import time
@@ -94,9 +128,11 @@ from typing import Any
 
 from engine_worker.admission import check_prompt_fits
 from engine_worker.backend import EngineFailed, ModelInfo, Prepared, RequestRejected
+from engine_worker.exllamav3 import logprobs as lp
 from engine_worker.exllamav3.config import PAGE_SIZE
 from engine_worker.exllamav3.engine import EngineHandle, GeneratorLike
-from engine_worker.exllamav3.sampling import job_settings
+from engine_worker.exllamav3.grammar import compile_filter, failure_of
+from engine_worker.exllamav3.sampling import MAX_LOGPROBS, job_settings
 from engine_worker.settings import WorkerSettings
 from protocol.messages import (
     ErrorCode,
@@ -109,6 +145,7 @@ from protocol.messages import (
     Started,
     Submit,
     TokenDelta,
+    TokenLogprob,
 )
 
 log = logging.getLogger(__name__)
@@ -120,6 +157,26 @@ class _Phase(enum.Enum):
     DECODE = 3  # closing progress sent, tokens streaming
 
 
+@dataclass(frozen=True, slots=True)
+class _Prompt:
+    """``Prepared.prompt`` of this backend: the ``(1, n)`` token ids, and the grammar
+    filters compiled on the prepare thread, one per choice (taken by ``start``)."""
+
+    ids: Any
+    filters: list[Any] = dataclasses.field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class _Segment:
+    """What the engine reserves for a job's current segment (``ExLlamaV3Backend._segment``):
+    its prompt (the client's, or the sequence so far after a re-queue), the completion
+    tokens it may still produce, the ``max_rq_tokens`` passed (``None``: no re-queue)."""
+
+    prompt: int
+    max_new: int
+    rq: int | None
+
+
 @dataclass(slots=True)
 class _Request:
     request_id: str
@@ -129,11 +186,15 @@ class _Request:
     reservation: int
     new_job: Callable[[], Any]  # the same job again, for a rebuilt generator
     prepared: Prepared
+    segment: _Segment
+    logprobs: int | None = None  # alternatives per token when the request asked for logprobs
+    grammar: Any = None  # the job's grammar filter
     phase: _Phase = _Phase.QUEUED
     cached: int = 0
     processed: int = 0
     started_at: float = 0.0  # monotonic seconds, start of the iterate() that started the job
     uncredited_tokens: int = 0  # tokens of empty-text dicts, credited to the next TokenDelta
+    uncredited_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
 
 def _as_int(x: Any) -> int:
@@ -150,6 +211,44 @@ def _id_list(ids: Any) -> list[int]:
         return []
     rows = ids.tolist()
     return [int(t) for t in (rows[0] if rows and isinstance(rows[0], list) else rows)]
+
+
+def _pages(tokens: int) -> int:
+    """``tokens`` rounded up to whole pages, in tokens."""
+    return -(-tokens // PAGE_SIZE) * PAGE_SIZE
+
+
+def _template_messages(submit: Submit) -> list[dict[str, Any]]:
+    """``Submit.messages`` as the chat template reads them: ``tool_calls`` decoded to
+    objects, ``tool_call_id`` and ``name`` where a turn has them."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(submit.messages):
+        msg: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls_json is not None:
+            try:
+                msg["tool_calls"] = json.loads(m.tool_calls_json)
+            except ValueError as e:
+                raise RequestRejected(
+                    ErrorCode.INVALID_REQUEST, f"messages[{i}].tool_calls: not JSON: {e}", "messages"
+                ) from e
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def _template_tools(submit: Submit) -> list[Any] | None:
+    if submit.tools_json is None:
+        return None
+    try:
+        tools = json.loads(submit.tools_json)
+    except ValueError as e:
+        raise RequestRejected(ErrorCode.INVALID_REQUEST, f"tools: not JSON: {e}", "tools") from e
+    if not isinstance(tools, list):
+        raise RequestRejected(ErrorCode.INVALID_REQUEST, "tools: expected an array", "tools")
+    return tools
 
 
 def resolve_max_context(config: WorkerSettings, handle: EngineHandle) -> int:
@@ -184,7 +283,12 @@ class ExLlamaV3Backend:
             kv_cache_tokens=handle.cache_tokens,
             max_batch_size=handle.max_batch_size,
             longest_token_chars=max((len(p) for p in handle.pieces), default=0),
+            grammar=handle.new_filter is not None,
+            logprobs=True,
+            chat_template=handle.chat_template,
+            template_tools=True,
         )
+        self._token_bytes = lp.TokenBytes(handle.ll_tokenizer, handle.pieces)
         self._requests: dict[str, _Request] = {}
         self._by_serial: dict[int, _Request] = {}
         self._held: list[_Request] = []  # later choices waiting for their first choice's prefill
@@ -216,18 +320,29 @@ class ExLlamaV3Backend:
             return self._h.encode(submit.prompt, self._config.add_bos), "prompt"
         if not submit.messages:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, "messages must not be empty", "messages")
-        messages = [{"role": m.role, "content": m.content} for m in submit.messages]
-        return self._h.encode_chat(messages, submit.add_generation_prompt), "messages"
+        messages = _template_messages(submit)
+        tools = _template_tools(submit)
+        return self._h.encode_chat(messages, submit.add_generation_prompt, tools), "messages"
 
     def prepare(self, submit: Submit) -> Prepared:
-        """Tokenize (chat template for ``messages``) and check the context.
+        """Tokenize (chat template for ``messages``, with ``tools_json`` and the turns'
+        tool fields), check the context, compile the grammar (one filter per choice).
 
         Raises ``RequestRejected``: ``CONTEXT_LENGTH_EXCEEDED`` when the prompt leaves
         no room for a completion token within ``info.max_context_tokens`` or the
-        cache; ``INVALID_REQUEST`` for a chat template that refuses the messages.
+        cache; ``INVALID_REQUEST`` for a chat template that refuses the messages, a
+        ``logprobs`` out of range, or a grammar that does not compile
+        (``param = params.grammar_param``).
         """
         # No _check_thread(): this runs on the loop's prepare thread, and only the
-        # tokenizer and chat template are used, never the generator.
+        # tokenizer, chat template and grammar compiler are used, never the generator.
+        params = submit.params
+        if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
+            raise RequestRejected(
+                ErrorCode.INVALID_REQUEST,
+                f"logprobs must be in [0, {MAX_LOGPROBS}], got {params.logprobs}",
+                "logprobs",
+            )
         param = "prompt" if submit.prompt is not None else "messages"
         try:
             input_ids, param = self._tokenize(submit)
@@ -239,15 +354,71 @@ class ExLlamaV3Backend:
             ) from e
         n = _token_count(input_ids)
         check_prompt_fits(n, self._max_context, param, "settings: max_seq_len, cache_size")
-        return Prepared(submit, input_ids, n, param)
+        filters = []
+        if params.grammar is not None:
+            filters = [self._compile(params) for _ in range(max(1, submit.n))]
+        if params.logprobs is not None:
+            self._token_bytes.load()
+        return Prepared(submit, _Prompt(input_ids, filters), n, param)
+
+    def _compile(self, params: SamplingParams) -> Any:
+        assert params.grammar is not None
+        if self._h.new_filter is None:
+            param = params.grammar_param or "response_format"
+            raise RequestRejected(
+                ErrorCode.INVALID_REQUEST, "constrained decoding is not available on this engine", param
+            )
+        return compile_filter(self._h.new_filter, params.grammar, params.grammar_param)
+
+    def _segment(self, prompt_tokens: int, max_new: int) -> _Segment:
+        """The first segment of a job: ``max_rq_tokens`` (output chunking) only where it
+        makes the engine reserve less than the whole completion does."""
+        rq = self._config.max_rq_tokens if self._config.output_chunking else None
+        if rq is not None and self._segment_tokens(_Segment(prompt_tokens, max_new, rq)) >= (
+            self._segment_tokens(_Segment(prompt_tokens, max_new, None))
+        ):
+            rq = None
+        return _Segment(prompt_tokens, max_new, rq)
+
+    def _segment_tokens(self, seg: _Segment) -> int:
+        """The pages, in tokens, 1.6.5 allocates for a job segment when it starts
+        (``Job.prepare_for_queue``, ``job.py:1288-1324``; ``Sequence.prepare``,
+        ``pagetable.py:240-248``): the prompt plus, with ``max_rq_tokens``, its budget
+        (``_budget``), else the whole completion plus one token; plus the draft window
+        either way. Prompt pages that other running jobs
+        hold count too (1.6.5 shares them), so this is an upper bound."""
+        draft = self._h.max_draft_tokens
+        window = seg.max_new + 1 if seg.rq is None else self._budget(seg)
+        return _pages(seg.prompt + window + draft)
+
+    def _budget(self, seg: _Segment) -> int:
+        """Completion tokens of a segment with ``max_rq_tokens`` before it re-queues: up to
+        the next boundary (a page, or the recurrent checkpoint interval) past
+        ``prompt - 1 + max_rq_tokens``, at most the cache minus the draft window
+        (``job.py:1295-1306``)."""
+        assert seg.rq is not None
+        step, cache = self._h.rq_boundary, self._h.cache_tokens
+        end = min(-(-(seg.prompt - 1 + seg.rq) // step) * step, cache - self._h.max_draft_tokens)
+        return max(1, end - seg.prompt)
+
+    def _requeued(self, seg: _Segment) -> _Segment:
+        """The segment after a re-queue: 1.6.5 re-queues a job once it has sampled one
+        token past its segment's budget (``job.py:815``), with everything so far as the
+        new prompt and the same ``max_rq_tokens`` (``job.py:1240-1261``). A job without
+        ``max_rq_tokens`` never re-queues (its budget is its whole completion plus the draft
+        window, ``job.py:1318-1322``)."""
+        if seg.rq is None:
+            return seg
+        budget = self._budget(seg)
+        return _Segment(seg.prompt + budget + 1, max(1, seg.max_new - budget - 1), seg.rq)
 
     def reservation(self, prepared: Prepared) -> int:
-        """The pages a job takes at most at once: its prompt plus the completion tokens
-        it reserves up front (``max_rq_tokens`` with output chunking), whole pages."""
+        """The KV a job takes when it starts, in whole pages (``_segment_tokens``): what
+        the engine itself will allocate, so that a job the loop admits finds its pages
+        free. A job that re-queues (output chunking) takes its sequence so far plus a new
+        window: its reservation grows then (``kv_reserved``)."""
         max_new = min(prepared.submit.params.max_tokens, self._max_context - prepared.prompt_tokens)
-        if self._config.output_chunking:
-            max_new = min(max_new, self._config.max_rq_tokens)
-        return -(-(prepared.prompt_tokens + max_new) // PAGE_SIZE) * PAGE_SIZE
+        return self._segment_tokens(self._segment(prepared.prompt_tokens, max_new))
 
     def kv_reserved(self) -> int:
         return sum(r.reservation for r in self._requests.values())
@@ -266,7 +437,8 @@ class ExLlamaV3Backend:
         cache, ``INTERNAL`` for anything unexpected.
         """
         self._check_thread()
-        rid, n, input_ids = request_id, prepared.prompt_tokens, prepared.prompt
+        prompt: _Prompt = prepared.prompt
+        rid, n, input_ids = request_id, prepared.prompt_tokens, prompt.ids
         max_new = min(params.max_tokens, self._max_context - n)
         settings = job_settings(
             params,
@@ -275,16 +447,24 @@ class ExLlamaV3Backend:
             vocab_size=self._h.vocab_size,
             stop_strings=self._h.stop_strings,
         )
-        max_rq = self._config.max_rq_tokens if self._config.output_chunking else None
+        segment = self._segment(n, max_new)
+        grammar = None
+        if params.grammar is not None:
+            # One filter per choice, compiled by prepare; more starts than choices (a test
+            # driving start directly) compile here.
+            grammar = prompt.filters.pop() if prompt.filters else self._compile(params)
         h = self._h
 
         def new_job() -> Any:
+            kwargs = dict(settings.job_kwargs)
+            if grammar is not None:
+                kwargs["filters"] = [grammar]
             return h.new_job(
                 input_ids=input_ids,
                 sampler=h.new_sampler(**settings.sampler_kwargs),
                 identifier=rid,
-                max_rq_tokens=max_rq,
-                **settings.job_kwargs,
+                max_rq_tokens=segment.rq,
+                **kwargs,
             )
 
         try:
@@ -294,7 +474,18 @@ class ExLlamaV3Backend:
         except Exception as e:
             log.exception("exllamav3: creating the job of %s failed", rid)
             raise RequestRejected(ErrorCode.INTERNAL, f"enqueue failed: {type(e).__name__}: {e}") from e
-        req = _Request(rid, job, -1, n, self.reservation(prepared), new_job, prepared)
+        req = _Request(
+            rid,
+            job,
+            -1,
+            n,
+            self._segment_tokens(segment),
+            new_job,
+            prepared,
+            segment,
+            logprobs=params.logprobs,
+            grammar=grammar,
+        )
         # Same prompt and budget as the first choice, which enqueue() accepted: a held
         # choice fits the cache too, so holding it back cannot hide a rejection.
         if any(r.prepared is prepared and r.phase is not _Phase.DECODE for r in self._requests.values()):
@@ -351,12 +542,26 @@ class ExLlamaV3Backend:
             self.longest_step_s = max(self.longest_step_s, time.monotonic() - t0)
         now = time.monotonic()
         events: list[Event] = []
+        self._fail_broken_grammars(events)
         for r in results:
             req = self._by_serial.get(r.get("serial", -1))
             if req is not None:
                 self._convert(req, r, t0, now, events)
         self._release_held(events)
         return events
+
+    def _fail_broken_grammars(self, events: list[Event]) -> None:
+        """Fail the requests whose grammar ran into a matcher error in this step, before
+        any of their results is converted: the errored matcher allowed only EOS, so the
+        step's output of those jobs does not follow the grammar (``grammar`` module)."""
+        for req in [r for r in self._requests.values() if failure_of(r.grammar)]:
+            param = req.prepared.submit.params.grammar_param
+            message = f"the grammar failed during generation: {failure_of(req.grammar)}"
+            log.warning("exllamav3: %s: %s", req.request_id, message)
+            self._finish(req)
+            if req.serial >= 0:
+                self._gen.cancel(req.job)
+            events.append(RequestError(req.request_id, ErrorCode.INVALID_REQUEST, message, param))
 
     def _finish(self, req: _Request) -> None:
         self._requests.pop(req.request_id, None)
@@ -487,31 +692,61 @@ class ExLlamaV3Backend:
             self._progress(req, req.prompt_tokens, now, events)
             req.phase = _Phase.DECODE
 
+        if r.get("requeue"):
+            # The job re-queues with its sequence so far as the prompt (job.py:879, 1194-1261):
+            # it will hold more pages than it was admitted with.
+            req.segment = self._requeued(req.segment)
+            req.reservation = self._segment_tokens(req.segment)
         text = r.get("text") or ""
-        tokens = _token_count(r.get("token_ids"))
+        ids = _id_list(r.get("token_ids"))
+        tokens = len(ids)
         eos = bool(r.get("eos"))
+        entries = self._logprobs(req, ids, text, r)
         if eos and r.get("eos_reason") == "stop_token":
-            held_text, held_tokens = self._held_before_stop_token(r)
+            held_text, held_ids, held = self._held_before_stop_token(r)
+            held_entries = self._logprobs(req, held_ids, held_text, held)
             text += held_text
-            tokens += held_tokens
+            tokens += len(held_ids)
+            if entries is not None and held_entries is not None:
+                entries += held_entries
         if text:
             tokens += req.uncredited_tokens
             req.uncredited_tokens = 0
+            if entries is not None:
+                entries = req.uncredited_logprobs + entries
+                req.uncredited_logprobs = []
+            out = tuple(entries) if entries is not None else None
             last = events[-1] if events else None
             if isinstance(last, TokenDelta) and last.request_id == req.request_id:
                 # One speculative pass streams a dict per accepted token: send them as one delta.
-                events[-1] = TokenDelta(req.request_id, last.text + text, last.num_tokens + tokens)
+                merged = None if out is None else (*(last.logprobs or ()), *out)
+                events[-1] = TokenDelta(req.request_id, last.text + text, last.num_tokens + tokens, merged)
             else:
-                events.append(TokenDelta(req.request_id, text, tokens))
+                events.append(TokenDelta(req.request_id, text, tokens, out))
         else:
             req.uncredited_tokens += tokens
+            if entries is not None:
+                req.uncredited_logprobs += entries
         if eos:
             events.append(self._finished(req, r))
             self._finish(req)
 
-    def _held_before_stop_token(self, r: dict[str, Any]) -> tuple[str, int]:
+    def _logprobs(
+        self, req: _Request, ids: list[int], text: str, source: dict[str, Any]
+    ) -> list[TokenLogprob] | None:
+        """The entries of ``ids``, whose result released ``text`` (``logprobs`` module);
+        ``None`` when the request did not ask for logprobs."""
+        if req.logprobs is None:
+            return None
+        shares = lp.split_text(ids, text, self._h.pieces, self._h.decode)
+        return lp.entries(
+            ids, shares, source, top=req.logprobs, pieces=self._h.pieces, token_bytes=self._token_bytes
+        )
+
+    def _held_before_stop_token(self, r: dict[str, Any]) -> tuple[str, list[int], dict[str, Any]]:
         """The text ``Job`` was holding back when a stop token ended it, minus the stop
-        token's own piece, and the number of tokens it came from."""
+        token's own piece, the tokens it came from (the stop token left out), and the
+        ``held`` dict (whose probabilities start with those tokens')."""
         held = r.get("held") or {}
         text: str = held.get("text") or ""
         ids = _id_list(held.get("token_ids"))
@@ -519,7 +754,7 @@ class ExLlamaV3Backend:
         if ids and ids[-1] == stop_id:
             ids = ids[:-1]
         if not text:
-            return "", 0
+            return "", [], held
         if isinstance(stop_id, int) and 0 <= stop_id < len(self._h.pieces):
             piece = self._h.pieces[stop_id]
             if piece and text.endswith(piece):
@@ -529,7 +764,7 @@ class ExLlamaV3Backend:
             # repairs characters split across them, as Job does at other EOS reasons
             # (job.py:887-893).
             text = self._h.decode(ids)
-        return text, len(ids)
+        return text, ids, held
 
     def _finished(self, req: _Request, r: dict[str, Any]) -> Finished:
         reason = FinishReason.LENGTH if r.get("eos_reason") == "max_new_tokens" else FinishReason.STOP

@@ -52,6 +52,15 @@ def load_hf_tokenizer(directory: Path, *, trust_remote_code: bool) -> Any:
         ) from e
 
 
+def source(hf_tokenizer: Any) -> str | None:
+    """The template's Jinja source (``Ready.chat_template``): the default one when the
+    tokenizer has several named templates; ``None`` when there is none."""
+    template = getattr(hf_tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default") or next(iter(template.values()), None)
+    return template if isinstance(template, str) and template else None
+
+
 def renderer(hf_tokenizer: Any) -> Render:
     def render(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         text = hf_tokenizer.apply_chat_template(

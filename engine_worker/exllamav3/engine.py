@@ -12,6 +12,12 @@ here, with the 1.6.5 source it stands for:
   exactly the 1.6.5 parameter list and nothing else.
 - ``EngineHandle.new_sampler``: ``exllamav3.ComboSampler``
   (``generator/sampler/presets.py``, class ``ComboSampler``).
+- ``EngineHandle.new_filter``: ``exllamav3.LLGuidanceFilter``
+  (``generator/filter/llguidance.py:195``), through
+  ``engine_worker.exllamav3.grammar.contained_filter_class``.
+- ``EngineHandle.ll_tokenizer``: ``create_ll_tokenizer``
+  (``generator/filter/llguidance.py:180-192``), the llguidance tokenizer those
+  filters share (cached per ``Tokenizer``).
 - Token id tensors are only used through ``.shape`` and ``.tolist()``, which a
   ``torch.LongTensor`` of shape ``(1, n)`` has.
 """
@@ -54,8 +60,11 @@ class EngineHandle:
     - ``generator``: the one ``Generator`` over the model's cache.
     - ``new_job(**kwargs)`` / ``new_sampler(**kwargs)``: ``Job`` / ``ComboSampler`` constructors.
     - ``encode(text, add_bos)``: raw prompt -> ``(1, n)`` ids, special tokens in the text parsed.
-    - ``encode_chat(messages, add_generation_prompt)``: the model's chat template applied and
-      tokenized; ``messages`` are ``{"role", "content"}`` dicts.
+    - ``encode_chat(messages, add_generation_prompt, tools)``: the model's chat template applied
+      and tokenized (``Tokenizer.hf_chat_template``); ``messages`` are ``{"role", "content"}``
+      dicts, with ``tool_calls`` (a list of call objects), ``tool_call_id`` and ``name`` where a
+      turn has them; ``tools`` (OpenAI's ``tools`` array) goes to the template as its ``tools``
+      variable, ``None`` passes nothing.
     - ``decode(ids)``: token ids -> text, special tokens as their text (``Tokenizer.decode`` with
       ``decode_special_tokens=True``, as jobs decode).
     - ``pieces``: token id -> the text ``Job`` appends for it (``get_id_to_piece_list`` with
@@ -77,13 +86,22 @@ class EngineHandle:
     - ``check_device()``: raises when the GPU can no longer run work (a sticky CUDA error);
       ``None`` where there is nothing to check.
     - ``warmup_s``: seconds the start-up warm-up through the generator took (0 without one).
+    - ``chat_template``: the chat template's source (``Ready.chat_template``), ``None`` if unknown.
+    - ``rq_boundary``: where a re-queued segment's budget ends, tokens: a page, or the
+      generator's ``recurrent_checkpoint_interval`` on recurrent models
+      (``generator/job.py:1295-1306``).
+    - ``new_filter(grammar)``: a grammar filter for one job (``SamplingParams.grammar``, passed as
+      ``llg_grammar``; ending the job once the grammar is complete); raises ``ValueError`` for a
+      grammar that does not compile. ``None`` where the engine has none.
+    - ``ll_tokenizer()``: the ``llguidance.LLTokenizer`` of the model (token bytes for logprobs),
+      built on the first call (about a second for a 150k vocabulary); ``None`` where unavailable.
     """
 
     generator: GeneratorLike
     new_job: Callable[..., Any]
     new_sampler: Callable[..., Any]
     encode: Callable[[str, bool], IdTensor]
-    encode_chat: Callable[[list[dict[str, str]], bool], IdTensor]
+    encode_chat: Callable[[list[dict[str, Any]], bool, list[Any] | None], IdTensor]
     decode: Callable[[list[int]], str]
     pieces: Sequence[str]
     eos_token_ids: tuple[int, ...]
@@ -99,3 +117,7 @@ class EngineHandle:
     rebuild_generator: Callable[[], GeneratorLike] | None = None
     check_device: Callable[[], None] | None = None
     warmup_s: float = 0.0
+    chat_template: str | None = None
+    rq_boundary: int = 256
+    new_filter: Callable[[str], Any] | None = None
+    ll_tokenizer: Callable[[], Any] | None = None

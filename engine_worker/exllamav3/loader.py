@@ -32,7 +32,13 @@ tokenizer first:
    With warm-up on, one short job runs through it (``_warm_generator``).
 
 The handle can rebuild the generator over the same model and cache and probe
-the GPU, which the backend uses to recover from a fault in a step.
+the GPU, which the backend uses to recover from a fault in a step. It also
+carries the chat template's source (``Ready.chat_template``), renders chat with
+``tools`` (``hf_chat_template`` forwards keywords to ``apply_chat_template``,
+``tokenizer/tokenizer.py:830-832``, ``870-876``), builds 1.6.5's
+``LLGuidanceFilter`` per grammar (``engine_worker.exllamav3.grammar``) and
+reaches the llguidance tokenizer those filters share (``create_ll_tokenizer``,
+``generator/filter/llguidance.py:180-192``; built on first use, for token bytes).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from engine_worker.exllamav3 import chat_template
 from engine_worker.exllamav3.backend import ExLlamaV3Backend
 from engine_worker.exllamav3.config import PAGE_SIZE, CacheMode, parse_split
 from engine_worker.exllamav3.engine import EngineHandle
+from engine_worker.exllamav3.grammar import contained_filter_class, filter_factory
 from engine_worker.settings import DraftMode, WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -342,8 +349,20 @@ def load_engine(config: WorkerSettings) -> EngineHandle:
         bos = add_bos and bos_ok and not (bos_text and text.startswith(bos_text))
         return tokenizer.encode(text, add_bos=bos, encode_special_tokens=True)
 
-    def encode_chat(messages: list[dict[str, str]], add_generation_prompt: bool) -> Any:
-        return tokenizer.hf_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    def encode_chat(
+        messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[Any] | None
+    ) -> Any:
+        # hf_chat_template passes extra keywords to apply_chat_template (tokenizer/tokenizer.py:830-832,
+        # 870-876), whose `tools` the template reads.
+        extra = {} if tools is None else {"tools": tools}
+        return tokenizer.hf_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
+
+    def ll_tokenizer() -> Any:
+        # The llguidance tokenizer LLGuidanceFilter builds and caches per Tokenizer
+        # (generator/filter/llguidance.py:180-192): token bytes for logprobs, shared with the filters.
+        from exllamav3.generator.filter.llguidance import create_ll_tokenizer
+
+        return create_ll_tokenizer(tokenizer)
 
     def decode(ids: list[int]) -> str:
         return str(tokenizer.decode(torch.tensor(ids, dtype=torch.long), decode_special_tokens=True))
@@ -397,6 +416,12 @@ def load_engine(config: WorkerSettings) -> EngineHandle:
         rebuild_generator=rebuild_generator,
         check_device=check_device,
         warmup_s=warmup_s,
+        chat_template=chat_template.source(hf_tokenizer),
+        rq_boundary=int(generator.recurrent_checkpoint_interval)
+        if getattr(generator, "recurrent_cache", None) is not None
+        else PAGE_SIZE,
+        new_filter=filter_factory(contained_filter_class(ex.LLGuidanceFilter), tokenizer),
+        ll_tokenizer=ll_tokenizer,
     )
 
 

@@ -28,6 +28,9 @@ Semantics that differ from OpenAI's, documented rather than hidden:
   it, empty for some tokenizers and literal for others (``tokenizer/tokenizer.py:704-725``
   against ``727-736``).
 - ``ignore_eos`` also drops the chat template's turn-end stop conditions.
+- ``logprobs`` (``k``) sets ``Job(return_probs=True, return_top_tokens=k)``
+  (``generator/job.py:64-66``); what 1.6.5 returns is described in
+  ``engine_worker.exllamav3.logprobs``.
 
 A parameter the engine cannot honour is refused with ``RequestRejected`` naming it.
 """
@@ -41,6 +44,9 @@ from typing import Any
 from engine_worker.admission import validate_sampling
 from engine_worker.backend import RequestRejected
 from protocol.messages import ErrorCode, SamplingParams
+
+MAX_LOGPROBS = 20
+"""Most alternatives per token (``SamplingParams.logprobs``), OpenAI's ``top_logprobs`` limit."""
 
 FLOAT32_MAX = 3.4028234663852886e38
 """Largest finite float32: ExLlamaV3's bias vector is float32 (``generator/sampler/custom.py:604-611``)."""
@@ -77,6 +83,8 @@ def job_settings(
     """
     p = params
     validate_sampling(p, vocab_size)
+    if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
+        raise _reject(f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}", "logprobs")
 
     logit_bias: dict[int, float] = {}
     for token_id, bias in (p.logit_bias or {}).items():
@@ -115,4 +123,7 @@ def job_settings(
         "stop_conditions": stop_conditions,
         "decode_special_tokens": True,
     }
+    if p.logprobs is not None:
+        job_kwargs["return_probs"] = True
+        job_kwargs["return_top_tokens"] = p.logprobs
     return JobSettings(sampler_kwargs, job_kwargs)

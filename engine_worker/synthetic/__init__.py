@@ -5,6 +5,13 @@ loop, sockets and admission around it, but no model: its output is a function of
 the request (``expected_text``), so a test knows every stream's exact tokens.
 """
 
-from engine_worker.synthetic.backend import SyntheticBackend, expected_text, prompt_words
+from engine_worker.synthetic.backend import (
+    STAMP,
+    STAMP_WORD,
+    SyntheticBackend,
+    expected_text,
+    prompt_words,
+    strip_stamps,
+)
 
-__all__ = ["SyntheticBackend", "expected_text", "prompt_words"]
+__all__ = ["STAMP", "STAMP_WORD", "SyntheticBackend", "expected_text", "prompt_words", "strip_stamps"]

@@ -13,10 +13,18 @@
   (``cached_tokens`` is 0) and no drafting.
 - Sampling parameters other than ``max_tokens`` do not change the output: this
   engine exists to exercise everything around a model, not sampling.
+- Stamps, for latency measurements: when one of the prompt's words is
+  ``STAMP_WORD``, every output token is written ``word@<us> `` instead of
+  ``word ``, where ``<us>`` is ``time.monotonic()`` in whole microseconds when
+  the step that emitted it began. Every process of the host reads that clock
+  (``CLOCK_MONOTONIC``), so a client can tell each token's latency from the
+  engine step to its own arrival, through any proxy that passes the text on
+  (``benchmarks/proxy_load.py``). ``strip_stamps`` gives back ``expected_text``.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -34,6 +42,18 @@ from protocol.messages import (
     Submit,
     TokenDelta,
 )
+
+STAMP_WORD = "@stamp"
+"""A prompt word that asks for stamped output tokens (module docstring)."""
+
+STAMP = re.compile(r"@([0-9]+) ")
+"""One token's stamp in stamped output; group 1 is the step's microseconds."""
+
+
+def strip_stamps(text: str) -> str:
+    """Stamped output text without its stamps: ``expected_text`` again (for
+    prompts none of whose words ends in ``@`` and digits)."""
+    return STAMP.sub(" ", text)
 
 
 def prompt_words(submit: Submit) -> list[str]:
@@ -65,6 +85,7 @@ class _Sequence:
     t_start: float = 0.0
     t_prefill_end: float = 0.0
     started: bool = False
+    stamped: bool = False
 
 
 class SyntheticBackend:
@@ -106,8 +127,14 @@ class SyntheticBackend:
     def start(self, request_id: str, prepared: Prepared, params: SamplingParams) -> None:
         n = prepared.prompt_tokens
         max_tokens = min(params.max_tokens, self._info.max_context_tokens - n)
+        words = prepared.prompt
         self._seqs[request_id] = _Sequence(
-            request_id, prepared.prompt, max_tokens, self.reservation(prepared), time.monotonic()
+            request_id,
+            words,
+            max_tokens,
+            self.reservation(prepared),
+            time.monotonic(),
+            stamped=STAMP_WORD in words,
         )
 
     def abort(self, request_id: str) -> None:
@@ -122,6 +149,7 @@ class SyntheticBackend:
             time.sleep(self._next_step - now)
             now = time.monotonic()
         self._next_step = now + self._step_s
+        stamp: str | None = None  # made once per step, for the stamped sequences
         events: list[Event] = []
         for seq in list(self._seqs.values()):
             total = len(seq.words)
@@ -138,7 +166,12 @@ class SyntheticBackend:
             else:
                 k = seq.generated
                 n = min(self._tokens_per_step, seq.max_tokens - k)
-                text = "".join(seq.words[(k + i) % total] + " " for i in range(n))
+                end = " "
+                if seq.stamped:
+                    if stamp is None:
+                        stamp = f"@{int(now * 1_000_000)} "
+                    end = stamp
+                text = "".join(seq.words[(k + i) % total] + end for i in range(n))
                 seq.generated += n
                 events.append(TokenDelta(seq.request_id, text, n))
                 if seq.generated >= seq.max_tokens:

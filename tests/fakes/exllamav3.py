@@ -79,18 +79,39 @@ choosing tokens instead of a network:
   sticky CUDA error, which fails every later GPU call.
 - ``Cache.layers`` report ``storage_size``/``overhead_size`` as FP16 and quantized
   cache layers compute them (``cache/fp16.py:92-98``, ``cache/quant.py:137-147``).
+- Filters: ``Filter``, ``LLGuidanceFilter`` and ``create_ll_tokenizer`` are 1.6.5's
+  (``generator/filter/filter.py``, ``llguidance.py``) over the real ``llguidance`` and a
+  real ``tokenizers`` vocabulary with the fake's ids (``Tokenizer.tokenizer``). Filters
+  are attached and reset when the job starts (``Job.activate``, ``job.py:1764-1773``,
+  from ``iterate_start_jobs``, ``generator.py:2204``), not on a re-queue; fed every
+  sampled token first (``job.py:807-811``); a completed filter with
+  ``eos_after_completed`` ends the job as ``"end_filter"`` after the stop-token and
+  ``max_new_tokens`` checks (``job.py:992-1002``). Masks apply to every sampled
+  position, drafted ones included, with the filter advanced by the tokens accepted
+  before it (``generator.py:1958-1983``): a draft token is accepted only if it equals the
+  masked sample. Stop tokens are masked before ``min_new_tokens`` (``job.py:461-462``).
+  Under a mask the fake model's choice falls to the allowed token with the lowest id.
+- Probabilities: the fake model's raw distribution is ``raw_probs(script choice)``;
+  ``return_probs``/``return_top_tokens`` report it whatever the mask, bias or sampler
+  settings did (softmax of the raw logits, ``job.py:764-778``), buffered with the held
+  tokens and sent with their ``token_ids`` (``job.py:902-907``, ``981-985``), in ``held``
+  at a stop token (``job.py:949-961``), carried over a re-queue (``job.py:1217-1219``).
+- ``hf_chat_template`` forwards keywords (``tools``) to ``apply_chat_template``
+  (``tokenizer/tokenizer.py:830-832``, ``870-876``); ``hf_tokenizer(template)`` makes a
+  real ``transformers`` tokenizer with any template (``QWEN_TOOLS_TEMPLATE`` renders tools).
 
 Deliberately stricter than 1.6.5: ``Job``, ``Generator``, ``Cache`` and
 ``ComboSampler`` take exactly the 1.6.5 parameter names and no ``**kwargs``, so a
 misspelt keyword fails here instead of being ignored; features the worker does
-not use (filters, token healing, banned strings, embeddings, top-k output,
-recurrent models) raise ``NotImplementedError``. N-gram drafting uses a plain
+not use (token healing, banned strings, embeddings, ``return_logits``, loop
+detection, recurrent models) raise ``NotImplementedError``. N-gram drafting uses a plain
 longest-suffix search (suffixes up to 64 tokens) instead of a suffix automaton.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -119,6 +140,29 @@ class FakeTensor:
 
     def __repr__(self) -> str:
         return f"FakeTensor({self._ids})"
+
+
+class FakeArray:
+    """A nested list with ``.shape`` and ``.tolist()``: the probability tensors of a result
+    dict (``token_probs`` ``(1, n)``, ``top_k_tokens``/``top_k_probs`` ``(1, n, k)``)."""
+
+    def __init__(self, data: list[Any]) -> None:
+        self._data = data
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape: list[int] = []
+        x: Any = self._data
+        while isinstance(x, list):
+            shape.append(len(x))
+            x = x[0] if x else None
+        return tuple(shape)
+
+    def tolist(self) -> list[Any]:
+        return json.loads(json.dumps(self._data))
+
+    def __repr__(self) -> str:
+        return f"FakeArray({self._data})"
 
 
 def _ids_of(t: Any) -> list[int]:
@@ -158,6 +202,13 @@ class Tokenizer:
     def __init__(self, config: Config | None = None, special_pieces: bool = True) -> None:
         self.config = config
         self.special_pieces = special_pieces
+
+    @property
+    def tokenizer(self) -> Any:
+        """The ``tokenizers.Tokenizer`` of ``tokenizer.json`` (``tokenizer/tokenizer.py:96``): what
+        ``create_ll_tokenizer`` serializes for llguidance (``generator/filter/llguidance.py:192``).
+        Here the byte-level vocabulary of ``write_hf_tokenizer``."""
+        return _hf_tokenizer()
 
     @staticmethod
     def from_config(config: Config) -> Tokenizer:
@@ -249,8 +300,9 @@ class Tokenizer:
         """``tokenizer/tokenizer.py:806-907``: a ``transformers.AutoTokenizer`` of the model
         directory, loaded on first use unless one is set (``866-867``), renders and tokenizes
         (``870-876``). A directory without tokenizer files (the tests' bare model dirs) gets
-        ``ChatMLTemplate`` instead, a stand-in with the same ids."""
-        if embeddings or template_kwargs:
+        ``ChatMLTemplate`` instead, a stand-in with the same ids. ``template_kwargs`` (``tools``)
+        go to ``apply_chat_template`` as they are (``tokenizer.py:830-832``, ``870-876``)."""
+        if embeddings:
             raise NotImplementedError
         if self.hf_tokenizer is None:
             directory = self.config.directory if self.config is not None else None
@@ -261,7 +313,11 @@ class Tokenizer:
             else:
                 self.hf_tokenizer = ChatMLTemplate()
         rendered = self.hf_tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=True
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=True,
+            **template_kwargs,
         )
         ids = rendered.get("input_ids") if hasattr(rendered, "get") else rendered
         if ids and isinstance(ids[0], list):
@@ -273,6 +329,36 @@ CHATML_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+QWEN_TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'user' or (message.role == 'system' and not loop.first)"
+    " or (message.role == 'assistant' and not message.tool_calls) %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
+    "{% elif message.role == 'assistant' %}<|im_start|>assistant"
+    "{% if message.content %}\n{{ message.content }}{% endif %}"
+    "{% for tool_call in message.tool_calls %}"
+    "{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}"
+    "{{ '\\n' }}"
+    '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}'
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}"
+    "\n</tool_response><|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""A Qwen2.5-style template (trimmed): the ``tools`` as JSON in the system turn, earlier calls
+as ``<tool_call>`` blocks, tool results as ``<tool_response>`` user turns."""
 
 
 class ChatMLTemplate:
@@ -321,19 +407,38 @@ def write_hf_tokenizer(directory: str, chat_template: str | None = CHATML_TEMPLA
     with the fake's ids (bytes 0..255, then ``<s>``, ``</s>``, ``<|im_start|>``, ``<|im_end|>``),
     so the worker's start-up path (``AutoTokenizer``, ``apply_chat_template``) runs for real
     over the fake model. ``chat_template=None`` writes none."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers
+    hf_tokenizer(chat_template).save_pretrained(directory)
+
+
+def hf_tokenizer(chat_template: str | None = CHATML_TEMPLATE) -> Any:
+    """A ``transformers`` fast tokenizer over the fake's ids with ``chat_template``: what the
+    worker's loader gets from ``AutoTokenizer`` for a model directory (``write_hf_tokenizer``
+    writes it there), for handles built without one."""
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {sym: b for b, sym in enumerate(_byte_symbols())}
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([SPECIAL_PIECES[i] for i in sorted(SPECIAL_PIECES)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=_hf_tokenizer(), bos_token="<s>", eos_token="</s>")
     if chat_template is not None:
         fast.chat_template = chat_template
-    fast.save_pretrained(directory)
+    return fast
+
+
+_HF_TOKENIZER: list[Any] = []
+
+
+def _hf_tokenizer() -> Any:
+    """``tokenizers.Tokenizer``: bytes 0..255 as byte-level BPE pieces, then the special tokens
+    ``<s>``, ``</s>``, ``<|im_start|>``, ``<|im_end|>`` (ids 256..259)."""
+    if not _HF_TOKENIZER:
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, pre_tokenizers
+
+        vocab = {sym: b for b, sym in enumerate(_byte_symbols())}
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([SPECIAL_PIECES[i] for i in sorted(SPECIAL_PIECES)])
+        _HF_TOKENIZER.append(tok)
+    return _HF_TOKENIZER[0]
 
 
 # ---------------------------------------------------------------- scripted models
@@ -399,6 +504,31 @@ class Config:
 
 
 DEFAULT_SCRIPT = reply("Hello from the fake model.")
+
+RAW_LOGIT_FIRST = 8.0
+RAW_LOGIT_SECOND = 6.0
+
+
+def raw_probs(choice: int) -> list[float]:
+    """The fake model's output distribution over ids ``0 .. VOCAB_SIZE - 1`` when its script
+    chooses ``choice``: logit ``RAW_LOGIT_FIRST`` for ``choice``, ``RAW_LOGIT_SECOND`` for
+    ``(choice + 1) % VOCAB_SIZE``, 0 for every other id; the padded ids past the vocabulary get
+    ``-inf`` (``sampler/custom.py:1206-1207``). Softmax at temperature 1, as
+    ``Job.receive_logits`` computes ``token_probs``/``top_k_probs`` (``job.py:767-776``)."""
+    logits = [0.0] * VOCAB_SIZE
+    logits[choice] = RAW_LOGIT_FIRST
+    logits[(choice + 1) % VOCAB_SIZE] = max(logits[(choice + 1) % VOCAB_SIZE], RAW_LOGIT_SECOND)
+    peak = max(logits)
+    weights = [math.exp(x - peak) for x in logits]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def top_k(probs: Sequence[float], k: int) -> list[tuple[int, float]]:
+    """The ``k`` most likely ``(id, prob)``, most likely first; ties in id order (``torch.sort``
+    leaves their order unspecified)."""
+    return sorted(enumerate(probs), key=lambda t: (-t[1], t[0]))[:k]
+
 
 DOMINANT_BIAS = 1e4
 """A logit bias at least this large makes the fake model choose that token."""
@@ -811,6 +941,194 @@ def _partial_strings_match(text: str, strings: Sequence[str]) -> int:
     return best_full if best_full < none else -1
 
 
+# ---------------------------------------------------------------- filters
+
+# Filter journal entry types (generator/filter/filter.py:10-13).
+FJ_PASS, FJ_TRIGGER, FJ_ACCEPT, FJ_COMPLETE = 0, 1, 2, 3
+
+
+class Filter:
+    """``exllamav3.Filter`` (``generator/filter/filter.py``), its ``feed``/``attach`` as in
+    1.6.5; masks are numpy arrays where 1.6.5 has CPU torch tensors."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        trigger_token: int | None,
+        prefix_str: str | None,
+        eos_after_completed: bool,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.trigger_token = trigger_token
+        self.prefix_str = prefix_str
+        self.eos_after_completed = eos_after_completed
+        self.job: Job | None = None
+        self.generator: Generator | None = None
+        self.vocab_size: int | None = None
+        self.is_active = trigger_token is None
+        self._journal: list[tuple[int, int]] = []
+
+    def feed(self, token: int) -> bool:
+        """``filter.py:52-72``: advance on an emitted token; True when the filter completed on
+        it and ``eos_after_completed`` is set."""
+        if not self.is_active:
+            if token == self.trigger_token:
+                self.is_active = True
+                self.reset()
+                self._journal.append((FJ_TRIGGER, token))
+            else:
+                self._journal.append((FJ_PASS, token))
+            return False
+        self.accept_token(token)
+        if self.is_completed():
+            self.is_active = False
+            self._journal.append((FJ_COMPLETE, token))
+            return self.eos_after_completed
+        self._journal.append((FJ_ACCEPT, token))
+        return False
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def accept_token(self, token: int) -> None:
+        raise NotImplementedError
+
+    def get_next_logit_mask(self) -> Any:
+        raise NotImplementedError
+
+    def is_completed(self) -> bool:
+        raise NotImplementedError
+
+    def use_background_worker(self) -> bool:
+        return True
+
+    def attach(self, job: Job) -> None:
+        """``filter.py:157-164``: runs when the job starts (``Job.activate``)."""
+        self.job = job
+        self.generator = job.generator
+        assert job.generator is not None
+        self.vocab_size = job.generator.padded_vocab_size
+        self._journal.clear()
+
+
+_LL_TOKENIZERS: dict[int, Any] = {}
+
+
+def create_ll_tokenizer(tokenizer: Tokenizer) -> Any:
+    """``generator/filter/llguidance.py:180-192``: an ``LLTokenizer`` from the serialized HF
+    tokenizer, EOS from ``config.eos_token_id_list`` or else ``eos_token_id``; cached per
+    tokenizer object (an ``lru_cache`` there)."""
+    key = id(tokenizer)
+    if key not in _LL_TOKENIZERS:
+        from llguidance import LLTokenizer
+
+        eos: Any = None
+        cfg = tokenizer.config
+        if getattr(cfg, "eos_token_id_list", None):
+            eos = list(cfg.eos_token_id_list)  # type: ignore[union-attr]
+        elif tokenizer.eos_token_id is not None:
+            eos = tokenizer.eos_token_id
+        _LL_TOKENIZERS[key] = LLTokenizer(tokenizer.tokenizer.to_str(), eos_token=eos)
+    return _LL_TOKENIZERS[key]
+
+
+class LLGuidanceFilter(Filter):
+    """``exllamav3.LLGuidanceFilter`` (``generator/filter/llguidance.py:195-326``), line for line
+    over the real ``llguidance``: exactly one grammar source (``248-249``), compiled and
+    validated in the constructor, ``ValueError("Invalid grammar: ...")`` when it does not
+    (``255-258``); every matcher call checked by ``_check_error``, which raises ``RuntimeError``
+    (``273-275``); masks are packed int32 bitmasks, bit set = allowed (``309-316``);
+    ``is_completed`` is the matcher's ``is_stopped`` (``318-319``)."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        trigger_token: int | None = None,
+        prefix_str: str | None = None,
+        eos_after_completed: bool = False,
+        json_schema: dict[str, Any] | str | None = None,
+        regex: str | None = None,
+        lark_grammar: str | None = None,
+        gbnf_grammar: str | None = None,
+        llg_grammar: str | None = None,
+        consume_prefix: bool = False,
+    ) -> None:
+        import numpy as np
+        from llguidance import LLMatcher, grammar_from
+
+        super().__init__(tokenizer, trigger_token, prefix_str, eos_after_completed)
+        sources = [
+            ("json_schema", json_schema),
+            ("regex", regex),
+            ("lark", lark_grammar),
+            ("gbnf", gbnf_grammar),
+            ("llguidance", llg_grammar),
+        ]
+        given = [(f, g) for f, g in sources if g is not None]
+        assert len(given) == 1, (
+            "Specify exactly one of json_schema, regex, lark_grammar, gbnf_grammar, llg_grammar"
+        )
+        g_format, g_text = given[0]
+        if isinstance(g_text, dict):
+            g_text = json.dumps(g_text)
+        self._ll_tokenizer = create_ll_tokenizer(tokenizer)
+        self._grammar = grammar_from(g_format, g_text)  # type: ignore[arg-type]
+        err = LLMatcher.validate_grammar(self._grammar, self._ll_tokenizer)
+        if err:
+            raise ValueError(f"Invalid grammar: {err}")
+        self._matcher = LLMatcher(self._ll_tokenizer, self._grammar)
+        self._consume_prefix = consume_prefix
+        self._consumed = 0
+        self._bitmask = np.empty(((self._ll_tokenizer.vocab_size + 31) // 32,), dtype=np.int32)
+        self._bitmask_torch = self._bitmask.reshape(1, -1)
+        self._start()
+
+    def _start(self) -> None:
+        if self._consume_prefix and self.prefix_str:
+            tokens = self._ll_tokenizer.tokenize_str(self.prefix_str)
+            self._matcher.consume_tokens(tokens)
+        self._check_error()
+
+    def _check_error(self) -> None:
+        if self._matcher.is_error():
+            raise RuntimeError(f"llguidance matcher error: {self._matcher.get_error()}")
+
+    def reset(self) -> None:
+        from llguidance import LLMatcher
+
+        if self._matcher.is_error():
+            self._matcher = LLMatcher(self._ll_tokenizer, self._grammar)
+        else:
+            self._matcher.reset()
+        self._consumed = 0
+        self._start()
+
+    def accept_token(self, token: int) -> None:
+        if self._matcher.is_stopped():
+            return
+        if self._matcher.consume_token(token):
+            self._consumed += 1
+        self._check_error()
+
+    def get_next_logit_mask(self) -> Any:
+        bm = self._bitmask
+        self._matcher.unsafe_compute_mask_ptr(bm.ctypes.data, bm.size * bm.itemsize)
+        self._check_error()
+        return self._bitmask_torch
+
+    def is_completed(self) -> bool:
+        return bool(self._matcher.is_stopped())
+
+
+def _allowed_by(mask: Any, vocab: int) -> set[int]:
+    """Token ids whose bit is set in a packed int32 mask of shape ``(1, words)``; tokens past
+    the mask's width count as masked out (``filter.py:134-142``)."""
+    import numpy as np
+
+    bits = np.unpackbits(np.ascontiguousarray(mask).reshape(-1).view(np.uint8), bitorder="little")
+    return {int(i) for i in np.flatnonzero(bits[:vocab])}
+
+
 # ---------------------------------------------------------------- jobs
 
 
@@ -839,9 +1157,7 @@ class Job:
         stop_on_loop: tuple[int, int] | None = None,
         rq_state: dict[str, Any] | None = None,
     ) -> None:
-        if filters or token_healing or banned_strings or embeddings or stop_on_loop:
-            raise NotImplementedError("feature not modelled by the fake")
-        if return_top_tokens or return_logits or return_probs:
+        if token_healing or banned_strings or embeddings or stop_on_loop or return_logits:
             raise NotImplementedError("feature not modelled by the fake")
         ids = _ids_of(input_ids)
         assert len(ids) > 0, "Input IDs cannot be empty."
@@ -875,6 +1191,11 @@ class Job:
         self.rq_margin = 0
         self.rq_headroom = 0
         self.decode_special_tokens = decode_special_tokens
+        self.return_top_tokens = return_top_tokens
+        self.return_probs = return_probs
+        # job.py:289; a re-queued job keeps the same filter objects and their state (job.py:1250)
+        self.filters: list[Filter] = list(filters) if filters is not None else []
+        self.logit_mask: set[int] | None = None
         self.stop_tokens: set[int] = set(rq.get("stop_tokens", set()))
         self.stop_strings: set[str] = set(rq.get("stop_strings", set()))
         if stop_conditions is not None:
@@ -888,6 +1209,9 @@ class Job:
         self.stop_string_max_length = max([0] + [len(s) for s in self.stop_strings])
         self.held_text: str = rq.get("held_text", "")
         self.held_tokens: list[int] = list(rq.get("held_tokens", []))
+        self.held_probs: list[float] = list(rq.get("held_probs", []))
+        self.held_k_tokens: list[list[int]] = list(rq.get("held_k_tokens", []))
+        self.held_k_probs: list[list[float]] = list(rq.get("held_k_probs", []))
         self.full_completion: str = rq.get("full_completion", "")
         self.time_enqueue: float | None = None
         self.time_first_prefill: float | None = None
@@ -957,6 +1281,7 @@ class Job:
         if not rq:
             self.held_text = ""
             self.held_tokens = []
+            self.held_probs, self.held_k_tokens, self.held_k_probs = [], [], []  # job.py:1351-1355
             self.full_completion = ""
         self.time_enqueue = time.time()
 
@@ -980,6 +1305,35 @@ class Job:
     def pagetable(self) -> _PageTable:
         assert self.generator is not None
         return self.generator.pagetable
+
+    def activate(self) -> None:
+        """``job.py:1764-1773``: filters are attached and reset when the job starts, not when a
+        re-queued segment starts again (their state carries over)."""
+        if not self.is_requeued:
+            for f in self.filters:
+                f.attach(self)
+                f.reset()
+                f.is_active = f.trigger_token is None
+
+    def prepare_logit_mask(self) -> None:
+        """``job.py:411-486`` for the masks the fake models: the active filters' bitmasks ANDed,
+        stop tokens blocked before ``min_new_tokens`` (``job.py:461-462``). ``logit_mask`` is the
+        set of allowed ids, ``None`` when nothing is masked."""
+        gen = self.generator
+        assert gen is not None
+        allowed: set[int] | None = None
+        for f in self.filters:
+            if f.is_active:
+                # 1.6.5 computes the first position's masks on the filter pool before the forward
+                # pass and each later one after a draft token is accepted (generator.py:1703-1712,
+                # 1969-1983): the filter state is the same as here, after the previous token.
+                bits = _allowed_by(f.get_next_logit_mask(), gen.padded_vocab_size)
+                allowed = bits if allowed is None else allowed & bits
+        if self.new_tokens < self.min_new_tokens and self.stop_tokens:
+            if allowed is None:
+                allowed = set(range(gen.padded_vocab_size))
+            allowed -= self.stop_tokens
+        self.logit_mask = allowed
 
     def allocate_pages(self) -> None:
         self.allocated_pages, cached = self.pagetable.allocate(self._reusable_hashes(), self._fresh_pages())
@@ -1119,11 +1473,23 @@ class Job:
                     return seq[end : end + length]
         return []
 
-    def receive_sample(self, token: int, results: list[dict[str, Any]]) -> tuple[bool, bool]:
-        """``job.py:781-1191`` without filters, banned strings, healing or loop detection.
+    def receive_sample(
+        self,
+        token: int,
+        results: list[dict[str, Any]],
+        prob: float | None = None,
+        k_tokens: list[int] | None = None,
+        k_probs: list[float] | None = None,
+    ) -> tuple[bool, bool]:
+        """``job.py:781-1191`` without banned strings, healing or loop detection; ``prob`` and
+        ``k_tokens``/``k_probs`` are what ``receive_logits`` returned (``job.py:764-778``).
         Returns ``(eos, requeue)``."""
         gen = self.generator
         assert gen is not None
+        # Filters are fed first (job.py:807-811).
+        filter_eos_condition = False
+        for f in self.filters:
+            filter_eos_condition |= f.feed(token)
         self.new_tokens += 1
         requeue_now = self.new_tokens > self.max_rq_tokens - self.rq_margin
         # The forward pass wrote the K/V of the token it was fed (the last one of the sequence,
@@ -1177,6 +1543,14 @@ class Job:
                 if self.held_tokens:
                     r["token_ids"] = FakeTensor(self.held_tokens)
                     self.held_tokens = []
+                # job.py:902-907
+                if self.held_probs:
+                    r["token_probs"] = FakeArray([self.held_probs])
+                    self.held_probs = []
+                if self.held_k_tokens:
+                    r["top_k_tokens"] = FakeArray([self.held_k_tokens])
+                    r["top_k_probs"] = FakeArray([self.held_k_probs])
+                    self.held_k_tokens, self.held_k_probs = [], []
             if emit_eos or requeue_now:
                 assert self.time_first_prefill is not None and self.time_enqueue is not None
                 assert self.time_first_token is not None
@@ -1210,6 +1584,11 @@ class Job:
                     rh["text"] = self.held_text
                 if self.held_tokens:
                     rh["token_ids"] = FakeTensor(self.held_tokens)
+                if self.held_probs:
+                    rh["token_probs"] = FakeArray([self.held_probs])
+                if self.held_k_tokens:
+                    rh["top_k_tokens"] = FakeArray([self.held_k_tokens])
+                    rh["top_k_probs"] = FakeArray([self.held_k_probs])
                 if rh:
                     r["held"] = rh
             if self.identifier is not None:
@@ -1219,11 +1598,22 @@ class Job:
 
         self.held_text += gen.tokenizer.get_id_to_piece_list(self.decode_special_tokens)[token]
         self.held_tokens.append(token)
+        # job.py:981-985
+        if self.return_probs:
+            assert prob is not None
+            self.held_probs.append(prob)
+        if self.return_top_tokens > 0:
+            assert k_tokens is not None and k_probs is not None
+            self.held_k_tokens.append(k_tokens)
+            self.held_k_probs.append(k_probs)
         if token in self.stop_tokens:
             return emit(emit_eos=True, eos_reason="stop_token", stop_token=token)
         assert self.max_new_tokens is not None
         if self.new_tokens >= self.max_new_tokens:
             return emit(emit_eos=True, emit_held=True, eos_reason="max_new_tokens")
+        if filter_eos_condition:
+            # job.py:1001-1002
+            return emit(emit_eos=True, emit_held=True, eos_reason="end_filter")
         if "\ufffd" in self.held_text:
             test = gen.tokenizer.decode(
                 FakeTensor(self.held_tokens), decode_special_tokens=self.decode_special_tokens
@@ -1260,6 +1650,9 @@ class Job:
             "stop_tokens": self.stop_tokens,
             "held_text": self.held_text,
             "held_tokens": self.held_tokens,
+            "held_probs": self.held_probs,
+            "held_k_tokens": self.held_k_tokens,
+            "held_k_probs": self.held_k_probs,
             "full_completion": self.full_completion,
             "time_enqueued": self.time_enqueued,
             "time_prefill": self.time_prefill,
@@ -1278,6 +1671,9 @@ class Job:
             min_new_tokens=max(self.min_new_tokens - last_completed, 0),
             sampler=self.sampler,
             decode_special_tokens=self.decode_special_tokens,
+            return_top_tokens=self.return_top_tokens,
+            return_probs=self.return_probs,
+            filters=self.filters,
             identifier=self.identifier,
             max_rq_tokens=self.orig_max_rq_tokens,
             rq_state=rq_state,
@@ -1336,6 +1732,8 @@ class Generator:
         # superseded (generator.py:242-245).
         cache.owner_serial += 1
         self.cache_owner_serial = cache.owner_serial
+        cfg_vocab = model.config.vocab_size if model.config is not None else VOCAB_SIZE
+        self.padded_vocab_size = (cfg_vocab + 31) // 32 * 32  # generator.py:239
         self.pagetable = _PageTable(cache.max_num_tokens // PAGE_SIZE)
         self.max_total_tokens = PAGE_SIZE * self.pagetable.max_pages
         self.draft_model = draft_model
@@ -1428,6 +1826,7 @@ class Generator:
                 j.skips += 1
             self.pending_jobs.remove(job)
             self.active_jobs.append(job)
+            job.activate()
             try:
                 job.allocate_pages()
             except Exception as e:
@@ -1493,23 +1892,35 @@ class Generator:
         self._decode(results)
         return results
 
-    def _target(self, job: Job) -> int:
+    def _sample(self, job: Job) -> tuple[int, int]:
+        """``(sampled token, the model's own choice)``. The script's choice stands for the
+        largest raw logit (``raw_probs``). The logit mask (``Job.prepare_logit_mask``: filters,
+        stop tokens before ``min_new_tokens``) is applied before the sampler stack
+        (``sampler/custom.py:1247-1258``), whose first step is the logit bias
+        (``generator/sampler/presets.py``, ``ComboSampler``): a bias of ``DOMINANT_BIAS`` or more
+        outweighs the script's choice where the mask allows the biased token. A masked choice
+        falls to the model's next preference: a space for a stop token held back by
+        ``min_new_tokens``, else the allowed token with the lowest id."""
         generated = job.sequence_ids[len(job.client_prompt) :]
-        token = self.model.script(job.client_prompt, generated)
-        masked = job.new_tokens < job.min_new_tokens
+        choice = self.model.script(job.client_prompt, generated)
+        job.prepare_logit_mask()
+        allowed = job.logit_mask
+        candidates = []
         bias = job.sampler.settings.get("logit_bias") or {}
         if bias:
-            # The logit bias comes first in the sampler stack (generator/sampler/presets.py,
-            # ComboSampler); the script's choice stands for a logit that a bias of
-            # DOMINANT_BIAS or more outweighs, unless the biased token is a masked stop token.
             top = max(bias, key=lambda t: bias[t])
-            if bias[top] >= DOMINANT_BIAS and not (masked and top in job.stop_tokens):
-                token = top
-        if masked and token in job.stop_tokens:
-            # Stop tokens are masked out of the logits until min_new_tokens (job.py:461-462):
-            # the fake model's next choice is a space.
-            token = 0x20
-        return token
+            if bias[top] >= DOMINANT_BIAS:
+                candidates.append(top)
+        candidates.append(choice)
+        if job.new_tokens < job.min_new_tokens and choice in job.stop_tokens:
+            candidates.append(0x20)
+        for token in candidates:
+            if allowed is None or token in allowed:
+                return token, choice
+        assert allowed is not None
+        in_vocab = sorted(t for t in allowed if t < VOCAB_SIZE)
+        # Everything masked: the sampler's argmax over -inf picks id 0.
+        return (in_vocab[0] if in_vocab else 0), choice
 
     def _drafts(self, batch: list[Job]) -> dict[int, list[int]] | None:
         w = self.num_draft_tokens
@@ -1547,8 +1958,15 @@ class Generator:
                     raise NonFiniteLogits(
                         f"Job {job.identifier!r} (serial {job.serial_number}) produced non-finite logits"
                     )
-                token = self._target(job)
-                eos, rq = job.receive_sample(token, results)
+                token, choice = self._sample(job)
+                prob = k_tokens = k_probs = None
+                if job.return_probs or job.return_top_tokens > 0:
+                    probs = raw_probs(choice)
+                    prob = probs[token]
+                    if job.return_top_tokens > 0:
+                        top = top_k(probs, job.return_top_tokens)
+                        k_tokens, k_probs = [t for t, _ in top], [p for _, p in top]
+                eos, rq = job.receive_sample(token, results, prob, k_tokens, k_probs)
                 if rq:
                     job.rejected_draft_tokens += width - 1 - i
                     requeuing.append(job)
@@ -1594,12 +2012,17 @@ def make_handle(
     eos_token_ids: tuple[int, ...] = (EOS, IM_END),
     stop_strings: tuple[str, ...] = (),
     special_pieces: bool = True,
+    chat_template: str | None = None,
 ) -> Any:
     """An ``EngineHandle`` over a fake generator, as ``loader.load_engine`` would build it.
     The generator is ``handle.generator`` (a ``Generator``); ``rebuild_generator`` makes a
     new one over the same model and cache, as the loader's does, and ``check_device`` raises
-    ``model.device_error`` (``handle.generator.model``) once it is set."""
+    ``model.device_error`` (``handle.generator.model``) once it is set. Chat renders with
+    ``ChatMLTemplate``, or with a real ``transformers`` tokenizer holding ``chat_template``
+    when one is given (``hf_tokenizer``). Grammars use ``LLGuidanceFilter`` as the loader
+    does (``grammar.contained_filter_class``)."""
     from engine_worker.exllamav3.engine import EngineHandle
+    from engine_worker.exllamav3.grammar import contained_filter_class, filter_factory
 
     model = Model(script=script, fail_prefill=fail_prefill)
     cache = Cache(model, cache_tokens)
@@ -1613,6 +2036,8 @@ def make_handle(
     if draft_model is not None:
         draft_model.load()
     tok = Tokenizer(special_pieces=special_pieces)
+    if chat_template is not None:
+        tok.hf_tokenizer = hf_tokenizer(chat_template)
     gen_kwargs: dict[str, Any] = {
         "model": model,
         "cache": cache,
@@ -1630,8 +2055,11 @@ def make_handle(
     def encode(text: str, add_bos: bool) -> FakeTensor:
         return tok.encode(text, add_bos=add_bos and not text.startswith("<s>"), encode_special_tokens=True)
 
-    def encode_chat(messages: list[dict[str, str]], add_generation_prompt: bool) -> FakeTensor:
-        return tok.hf_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    def encode_chat(
+        messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[Any] | None
+    ) -> FakeTensor:
+        extra = {} if tools is None else {"tools": tools}
+        return tok.hf_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
 
     def decode(ids: list[int]) -> str:
         return str(tok.decode(FakeTensor(ids, flat=True), decode_special_tokens=True))
@@ -1665,4 +2093,7 @@ def make_handle(
         stop_strings=stop_strings,
         rebuild_generator=rebuild_generator,
         check_device=check_device,
+        chat_template=chat_template if chat_template is not None else CHATML_TEMPLATE,
+        new_filter=filter_factory(contained_filter_class(LLGuidanceFilter), tok),
+        ll_tokenizer=lambda: create_ll_tokenizer(tok),
     )

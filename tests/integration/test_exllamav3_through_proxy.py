@@ -2,11 +2,16 @@
 sockets, in a thread) runs ``ExLlamaV3Backend``; the real proxy app
 (``create_app`` + ``ZmqEngineClient``) serves HTTP. Asserts what a client reads,
 also when a step faults (the engine recovers) or the GPU is lost (the worker
-exits with status 3 and the proxy turns not ready)."""
+exits with status 3 and the proxy turns not ready), and what reached the engine:
+grammars as 1.6.5 filters, tools in the prompt the chat template rendered. The
+model's template is Qwen-style (``fx.QWEN_TOOLS_TEMPLATE``): it renders tools, so
+the proxy sends them to the worker (``Submit.tools_json``)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -17,15 +22,18 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestClient
 
+import proxy.constraints
 from engine_worker.backend import ENGINE_FAILED_EXIT_STATUS
 from engine_worker.exllamav3.backend import ExLlamaV3Backend
 from engine_worker.loop import EngineLoop
 from engine_worker.settings import WorkerSettings
 from engine_worker.sockets import WorkerSockets
 from proxy.app import create_app
+from proxy.constraints import json_schema_grammar
 from proxy.engine_client import ZmqEngineClient
 from proxy.settings import ProxySettings
 from tests.fakes import exllamav3 as fx
+from tests.fakes.exllamav3_driver import RecordingGenerator, make_backend
 
 CHUNK = 256
 LONG = "The quick brown fox jumps over the lazy dog. " * 30  # 1350 bytes of content
@@ -49,11 +57,31 @@ def _fault_at(n: int, error: Exception, sticky: bool = False) -> fx.Script:
     return script
 
 
+TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+
 SCRIPT = fx.by_prompt(
     fx.reply(REPLY),
     holdback=fx.reply("It ends with EN"),  # "EN" is held for the stop string "END"
     oom_fault=_fault_at(5, RuntimeError("CUDA out of memory. Tried to allocate 8.00 GiB")),
     lost_gpu=_fault_at(5, RuntimeError("CUDA error: an illegal memory access was encountered"), True),
+    json_city=fx.reply('{"city": "Paris"}'),
+    yes_or_no=fx.reply("maybe"),
+    # the tools block of the system turn: the model answers with a call
+    **{"<tools>": fx.reply(TOOL_CALL)},
 )
 
 
@@ -62,8 +90,13 @@ class Worker:
     backend: ExLlamaV3Backend
     sockets: WorkerSockets
     thread: threading.Thread
+    rec: RecordingGenerator
     exits: list[BaseException] = field(default_factory=list)
     sockets_open: bool = True
+
+    def jobs(self) -> list[Any]:
+        """The engine jobs started so far, in order."""
+        return [r["job"] for r in self.rec.results if r["stage"] == "started"]
 
     def close_sockets(self) -> None:
         if self.sockets_open:
@@ -78,14 +111,17 @@ def addrs(tmp_path: Path) -> tuple[str, str]:
 
 @pytest.fixture
 def worker(addrs: tuple[str, str]) -> Iterator[Worker]:
-    handle = fx.make_handle(script=SCRIPT, drafting="ngram", max_chunk_size=CHUNK, cache_tokens=8192)
-    MODEL[:] = [handle.generator.model]
-    backend = ExLlamaV3Backend(
-        handle,
+    backend, rec = make_backend(
         WorkerSettings(
             backend="exllamav3", model_dir=Path("/models/tiny-exl3"), max_seq_len=CONTEXT, max_rq_tokens=256
         ),
+        script=SCRIPT,
+        drafting="ngram",
+        max_chunk_size=CHUNK,
+        cache_tokens=8192,
+        chat_template=fx.QWEN_TOOLS_TEMPLATE,
     )
+    MODEL[:] = [rec.inner.model]
     sockets = WorkerSockets(*addrs)
     stop = threading.Event()
     loop = EngineLoop(backend, sockets, heartbeat_interval=0.2, max_queue=64)
@@ -99,7 +135,7 @@ def worker(addrs: tuple[str, str]) -> Iterator[Worker]:
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    w = Worker(backend, sockets, thread, exits)
+    w = Worker(backend, sockets, thread, rec, exits)
     try:
         yield w
     finally:
@@ -269,3 +305,130 @@ async def test_a_lost_gpu_fails_the_stream_and_the_worker_exits_not_ready(
         await asyncio.sleep(0.05)
     else:
         raise AssertionError("/ready stayed 200 after the worker exited")
+
+
+# ------------------------------------------------------------------ grammars, logprobs, tools
+
+
+def _content(chunks: list[Any]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[:-1] if c.get("choices"))
+
+
+async def test_a_json_schema_request_runs_under_a_grammar_filter(
+    client: TestClient[Any, Any], worker: Worker
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    body = {
+        "messages": [{"role": "user", "content": "json_city please"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+    }
+    resp = await client.post("/v1/chat/completions", json=body)
+    out = await resp.json()
+    assert resp.status == 200, out
+    assert out["choices"][0]["message"]["content"] == '{"city": "Paris"}'
+    assert out["choices"][0]["finish_reason"] == "stop"
+    (job,) = worker.jobs()
+    (flt,) = job.filters
+    assert isinstance(flt, fx.LLGuidanceFilter) and flt.eos_after_completed
+    assert flt._grammar == json_schema_grammar(schema, "response_format")
+    # the grammar completed at "}" and ended the job (generator/job.py:1001-1002)
+    assert [r["eos_reason"] for r in worker.rec.results if r.get("eos")] == ["end_filter"]
+
+
+async def test_the_grammar_overrides_the_model(client: TestClient[Any, Any]) -> None:
+    schema = {"type": "string", "enum": ["yes", "no"]}
+    body = {
+        "messages": [{"role": "user", "content": "yes_or_no?"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        "stream": True,
+    }
+    chunks = await _sse(client, "/v1/chat/completions", body)
+    assert _content(chunks) == '"no"'  # the model said "maybe"; the mask allowed only the enum
+
+
+async def test_a_bad_schema_is_a_400_naming_the_field(
+    client: TestClient[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "response_format": bad}
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status == 400
+    assert (await resp.json())["error"]["param"] == "response_format.json_schema"  # the proxy's check
+    # Without the proxy's check the worker compiles it against the model's tokenizer and refuses it.
+    monkeypatch.setattr(proxy.constraints, "checked", lambda grammar, param: grammar)
+    for stream in (False, True):
+        resp = await client.post("/v1/chat/completions", json={**body, "stream": stream})
+        err = (await resp.json())["error"]
+        assert resp.status == 400, err
+        assert err["param"] == "response_format" and err["message"].startswith("invalid grammar")
+
+
+async def test_logprobs_join_to_the_content_non_stream(client: TestClient[Any, Any]) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "logprobs": True,
+        "top_logprobs": 2,
+        "temperature": 0,
+    }
+    resp = await client.post("/v1/chat/completions", json=body)
+    out = await resp.json()
+    assert resp.status == 200, out
+    choice = out["choices"][0]
+    entries = choice["logprobs"]["content"]
+    assert "".join(e["token"] for e in entries) == choice["message"]["content"] == REPLY
+    for e, ch in zip(entries, REPLY.encode(), strict=True):
+        assert e["bytes"] == [ch]
+        assert e["logprob"] == pytest.approx(math.log(fx.raw_probs(ch)[ch]), rel=1e-6)
+        assert [t["token"] for t in e["top_logprobs"]] == [chr(ch), chr(ch + 1)]
+
+
+async def test_logprobs_join_to_the_content_of_each_chunk(client: TestClient[Any, Any]) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "holdback please"}],
+        "stop": ["END"],
+        "logprobs": True,
+        "stream": True,
+    }
+    chunks = await _sse(client, "/v1/chat/completions", body)
+    joined = ""
+    for c in chunks[:-1]:
+        if not c.get("choices"):
+            continue
+        delta, lp = c["choices"][0]["delta"], c["choices"][0]["logprobs"]
+        if delta.get("content"):
+            tokens = "".join(e["token"] for e in lp["content"])
+            assert tokens == delta["content"]
+            joined += tokens
+    assert joined == _content(chunks) == "It ends with EN"  # "EN" was held for "END" until EOS
+
+
+async def test_tools_are_rendered_into_the_prompt_by_the_chat_template(
+    client: TestClient[Any, Any], worker: Worker
+) -> None:
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS}
+    resp = await client.post("/v1/chat/completions", json=body)
+    out = await resp.json()
+    assert resp.status == 200, out
+    (call,) = out["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert out["choices"][0]["finish_reason"] == "tool_calls"
+    # the second turn: the call and its result go back through the template
+    history = [
+        *body["messages"],
+        {"role": "assistant", "content": None, "tool_calls": [{**call}]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "22 C, sunny"},
+    ]
+    resp = await client.post("/v1/chat/completions", json={**body, "messages": history})
+    assert resp.status == 200, await resp.text()
+    first, second = (fx.Tokenizer._decode(job.client_prompt, True) for job in worker.jobs())
+    parameters = json.dumps(TOOLS[0]["function"]["parameters"])  # type: ignore[index]
+    for prompt in (first, second):
+        assert "<tools>" in prompt and '"name": "get_weather"' in prompt and parameters in prompt
+    assert TOOL_CALL in second  # the earlier call, re-rendered by the template
+    assert "<tool_response>\n22 C, sunny\n</tool_response>" in second

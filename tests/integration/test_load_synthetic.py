@@ -1,6 +1,8 @@
 """Many streams at once through the real proxy and a real synthetic worker process:
 no token lost, duplicated or sent to the wrong stream, every usage exact, and the
-streams whose clients went away freed their engine work."""
+streams whose clients went away freed their engine work. Every stream goes
+through the fast path (the reader writes each step to the clients itself); once
+more with ``stream_interval`` grouping tokens."""
 
 from __future__ import annotations
 
@@ -20,23 +22,28 @@ from engine_worker.synthetic import expected_text, prompt_words
 from protocol import ChatMessage, SamplingParams, Submit
 from tests.integration.synthetic import served_proxy, synthetic_worker
 
-STREAMS = 1000
 MAX_TOKENS = 20
 
 
-@pytest.fixture
-async def base_url(tmp_path: Path) -> AsyncIterator[str]:
+@pytest.fixture(params=[(1000, 1), (500, 3)], ids=["1000-streams", "500-streams-interval-3"])
+async def load(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, int]]:
+    """``(base URL, streams)``; the proxy's ``stream_interval`` is the second parameter."""
+    streams, interval = request.param
     with synthetic_worker(
-        tmp_path, "--synthetic-step-ms", "20", "--max-batch-size", str(2 * STREAMS)
+        tmp_path, "--synthetic-step-ms", "20", "--max-batch-size", str(2 * streams)
     ) as addrs:
-        async with served_proxy(addrs, max_in_flight=2 * STREAMS, heartbeat_timeout=30) as url:
-            yield url
+        async with served_proxy(
+            addrs, max_in_flight=2 * streams, heartbeat_timeout=30, stream_interval=interval
+        ) as url:
+            yield url, streams
 
 
-async def _stream(client: httpx.AsyncClient, url: str, i: int, leave_after: int | None) -> dict[str, Any]:
+async def _stream(
+    client: httpx.AsyncClient, url: str, i: int, streams: int, leave_after: int | None
+) -> dict[str, Any]:
     # Connect over ~2 s rather than all in one instant, which would overflow the
     # test server's listen backlog (a load generator's concern, not the proxy's).
-    await asyncio.sleep(2 * i / STREAMS)
+    await asyncio.sleep(2 * i / streams)
     content = f"stream {i} word{i % 7} tail{i}"
     body = {
         "model": "synthetic",
@@ -76,16 +83,17 @@ async def _stream(client: httpx.AsyncClient, url: str, i: int, leave_after: int 
     return {"content": content, "text": "".join(text), "usage": usage}
 
 
-async def test_a_thousand_streams_with_a_tenth_leaving(base_url: str) -> None:
+async def test_many_streams_with_a_tenth_leaving(load: tuple[str, int]) -> None:
+    base_url, streams = load
     rng = random.Random(7)
-    leavers = set(rng.sample(range(STREAMS), STREAMS // 10))
+    leavers = set(rng.sample(range(streams), streams // 10))
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     async with httpx.AsyncClient(limits=limits, timeout=120) as client:
         results = await asyncio.gather(
-            *(_stream(client, base_url, i, 3 if i in leavers else None) for i in range(STREAMS))
+            *(_stream(client, base_url, i, streams, 3 if i in leavers else None) for i in range(streams))
         )
         finished = [r for r in results if "left" not in r]
-        assert len(finished) == STREAMS - len(leavers)
+        assert len(finished) == streams - len(leavers)
         for r in finished:
             words = prompt_words(
                 Submit("x", SamplingParams(1), messages=(ChatMessage("user", r["content"]),))

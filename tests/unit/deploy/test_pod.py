@@ -42,11 +42,9 @@ from tests.unit.deploy.support import (
 
 Objs = list[Obj]
 
-THIRD_PARTY_ENV = {
-    # exllamav3 1.6.5 builds its CUDA extension into torch.utils.cpp_extension's
-    # directory (docs/exllamav3.md); the pod's non-root user needs a writable one.
-    "TORCH_EXTENSIONS_DIR": "worker",
-}
+# None today: the worker image carries ExLlamaV3's extension precompiled, so it no
+# longer needs TORCH_EXTENSIONS_DIR (a library variable) pointed at a writable place.
+THIRD_PARTY_ENV: dict[str, str] = {}
 """Variables read by a library rather than by our options, and the container allowed to set them."""
 
 WORKER_STOP_S = 5

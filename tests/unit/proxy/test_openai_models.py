@@ -245,13 +245,8 @@ _CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("tool_choice", "required"),
         ("functions", [{"name": "f"}]),
         ("function_call", "auto"),
-        ("response_format", {"type": "json_object"}),
-        ("logprobs", True),
-        ("top_logprobs", 3),
         ("prediction", {"type": "content", "content": "x"}),
         ("modalities", ["text", "audio"]),
         ("audio", {"voice": "alloy"}),
@@ -264,7 +259,7 @@ def test_openai_fields_not_implemented_are_refused_by_name(field: str, value: An
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("echo", True), ("suffix", "end"), ("best_of", 3), ("logprobs", 2)]
+    ("field", "value"), [("suffix", "end"), ("best_of", 3)]
 )
 def test_completion_fields_not_implemented_are_refused_by_name(field: str, value: Any) -> None:
     with pytest.raises(InvalidRequest) as exc:
@@ -288,3 +283,60 @@ def test_logit_bias_keys_are_plain_digits(key: str) -> None:
     with pytest.raises(InvalidRequest) as exc:
         to_submit(parse_chat_request(orjson.dumps({**_CHAT, "logit_bias": {key: 1}})), "r", 100)
     assert exc.value.param == "logit_bias"
+
+
+def test_logprobs_fields_become_the_wire_count() -> None:
+    assert to_submit(parse_chat_request(chat()), "c", 100).params.logprobs is None
+    req = parse_chat_request(orjson.dumps({**_CHAT, "logprobs": True}))
+    assert to_submit(req, "c", 100).params.logprobs == 0
+    req = parse_chat_request(orjson.dumps({**_CHAT, "logprobs": True, "top_logprobs": 20}))
+    assert to_submit(req, "c", 100).params.logprobs == 20
+    req2 = parse_completion_request(orjson.dumps({"prompt": "hi", "logprobs": 3}))
+    assert to_submit(req2, "c", 100).params.logprobs == 3
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({**_CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({**_CHAT, "top_logprobs": 2}, "top_logprobs"),
+        ({**_CHAT, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        (
+            {**_CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}},
+            "response_format.json_schema",
+        ),
+        ({**_CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
+    ],
+)
+def test_bad_logprobs_and_response_formats_are_400_naming_the_field(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        to_submit(parse_chat_request(orjson.dumps(body)), "c", 100)
+    assert exc.value.param == param
+
+
+def test_response_format_becomes_a_grammar_llguidance_accepts() -> None:
+    from llguidance import LLMatcher
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    params = to_submit(parse_chat_request(orjson.dumps({**_CHAT, "response_format": rf})), "c", 100).params
+    assert params.grammar is not None and params.grammar_param == "response_format"
+    assert LLMatcher.validate_grammar(params.grammar) == ""
+    assert orjson.loads(params.grammar)["grammars"][0]["json_schema"] == schema
+    obj = parse_chat_request(orjson.dumps({**_CHAT, "response_format": {"type": "json_object"}}))
+    assert to_submit(obj, "c", 100).params.grammar is not None
+    text = parse_chat_request(orjson.dumps({**_CHAT, "response_format": {"type": "text"}}))
+    assert to_submit(text, "c", 100).params.grammar is None
+
+
+def test_completions_default_to_16_tokens_as_openai() -> None:
+    req = parse_completion_request(orjson.dumps({"prompt": "hi"}))
+    assert to_submit(req, "c", 4096).params.max_tokens == 16
+    chat_req = parse_chat_request(orjson.dumps(_CHAT))
+    assert to_submit(chat_req, "c", 4096).params.max_tokens == 4096
+
+
+def test_echo_with_logprobs_is_refused() -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        parse_completion_request(orjson.dumps({"prompt": "hi", "echo": True, "logprobs": 1}))
+    assert exc.value.param == "echo"

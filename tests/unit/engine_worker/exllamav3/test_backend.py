@@ -84,33 +84,15 @@ def test_repeated_prompt_reports_the_reused_prefix() -> None:
     assert type(fin.cached_tokens) is int and fin.cached_tokens == n - 1
 
 
-def test_prefix_survives_jobs_that_reserve_the_whole_cache() -> None:
-    # With output chunking (max_rq_tokens 2048) every job below reserves all 8 pages of a
-    # 2048-token cache but writes only its prompt's pages and a few generated tokens; 1.6.5
-    # gives the unwritten reservations back with their old content (pagetable.py:164-174).
+@pytest.mark.parametrize("output_chunking", [True, False])
+def test_prefix_survives_a_job_that_reserved_the_whole_cache(output_chunking: bool) -> None:
+    # b1 (large max_tokens) reserves all 8 pages of a 2048-token cache but writes only its
+    # prompt's page and a few tokens; 1.6.5 gives the unwritten reservations back with their
+    # old content (pagetable.py:164-174). a2 reserves only the pages it can write (three, also
+    # with output chunking: max_rq_tokens is passed only where it reserves less), and takes an
+    # empty one for its third, so a1's partial page is matchable.
     n_a, n_b = 600, 11
-    backend, rec = make_backend(script=fx.reply("Hi"), cache_tokens=2048, max_chunk_size=256)
-    backend.add(raw("a1", _letters(n_a), max_tokens=4))
-    run(backend)
-    backend.add(raw("b1", "z" * (n_b - 1), max_tokens=4))
-    backend.step()
-    (job,) = rec.inner.active_jobs
-    assert len(job.allocated_pages) == 2048 // PAGE_SIZE
-    run(backend)
-    backend.add(raw("a2", _letters(n_a), max_tokens=4))
-    events = run(backend)
-    # The two whole pages come back by hash. The partial third page does not: a2's own
-    # reservation takes it as a fresh page, which zeroes its position (pagetable.py:162),
-    # and the token-level match reads only up to a page's position (job.py:1472).
-    assert of(events, "a2")[0] == Started("a2", n_a, 2 * PAGE_SIZE)
-    assert finished(events, "a2").cached_tokens == 2 * PAGE_SIZE
-
-
-def test_partial_prompt_page_survives_a_job_that_reserved_it() -> None:
-    # Without output chunking only b1 (large max_tokens) reserves the whole cache; a2 needs
-    # three pages and takes an empty one for its third, so a1's partial page is matchable.
-    n_a, n_b = 600, 11
-    cfg = dataclasses.replace(CFG, output_chunking=False)
+    cfg = dataclasses.replace(CFG, output_chunking=output_chunking)
     backend, rec = make_backend(cfg, script=fx.reply("Hi"), cache_tokens=2048, max_chunk_size=256)
     backend.add(raw("a1", _letters(n_a), max_tokens=4))
     run(backend)
@@ -120,11 +102,31 @@ def test_partial_prompt_page_survives_a_job_that_reserved_it() -> None:
     assert len(job.allocated_pages) == 2048 // PAGE_SIZE
     run(backend)
     backend.add(raw("a2", _letters(n_a), max_tokens=4))
-    events = run(backend)
+    events = backend.step()
+    (job,) = rec.inner.active_jobs
+    assert len(job.allocated_pages) == 3
+    events += run(backend)
     # whole pages by hash plus the token-level match inside the partial page: all but the
     # last prompt token, which decode feeds
     assert of(events, "a2")[0] == Started("a2", n_a, n_a - 1)
     assert finished(events, "a2").cached_tokens == n_a - 1
+
+
+def test_a_long_request_with_output_chunking_reserves_one_window_at_a_time() -> None:
+    # max_rq_tokens 2048: the job reserves its prompt and the pages up to the boundary past
+    # the next 2048 tokens (job.py:1300-1316), not its whole max_tokens, and its reservation
+    # in the worker is the same.
+    n_a = 600
+    backend, rec = make_backend(script=fx.reply("Hi"), cache_tokens=8192, max_chunk_size=256)
+    backend.add(raw("a1", _letters(n_a), max_tokens=4))
+    run(backend)
+    backend.add(raw("a2", _letters(n_a), max_tokens=6000))
+    events = backend.step()
+    (job,) = rec.inner.active_jobs
+    assert len(job.allocated_pages) * PAGE_SIZE == -(-(n_a - 1 + 2048) // PAGE_SIZE) * PAGE_SIZE
+    assert backend.kv_reserved() == len(job.allocated_pages) * PAGE_SIZE
+    events += run(backend)
+    assert of(events, "a2")[0] == Started("a2", n_a, n_a - 1)
 
 
 def test_fully_cached_prompt_without_engine_prefill_still_gets_progress() -> None:
@@ -533,11 +535,11 @@ def test_abort_frees_the_pages_and_silences_the_request() -> None:
     backend, rec = make_backend(script=fx.reply("x" * 50), max_chunk_size=256)
     backend.add(raw("a", _letters(1000)))
     backend.add(raw("b", "other"))
-    backend.step()
+    events = backend.step()
     backend.abort("a")
     backend.abort("never-seen")
     assert len(backend.active_ids()) == 1
-    events = run(backend)
+    events = [e for e in events if e.request_id != "a"] + run(backend)
     assert not of(events, "a")
     check_lifecycle(events, "b")
     pt = rec.inner.pagetable
@@ -596,8 +598,7 @@ def test_a_fault_fails_the_started_jobs_and_carries_the_queued_ones_to_a_new_gen
     backend.add(raw("decoding", "x", max_tokens=50))
     backend.add(raw("prefilling", _letters(1000)))
     events = _step_until(backend, lambda ev: any(isinstance(e, TokenDelta) for e in ev))
-    # 24 pages of cache: the two running jobs take 9 and 12 (output chunking reserves 2048
-    # completion tokens), so "waiting" (9) stays in the engine's queue
+    # enqueued right before the step that faults: still in the engine's queue then
     backend.add(raw("waiting", "y", max_tokens=5))
     assert [j.identifier for j in first.pending_jobs] == ["waiting"]
     first.fail_next_iterate = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -790,16 +791,64 @@ def test_progress_events_carry_milliseconds_since_start() -> None:
     assert all(isinstance(p.time_ms, int) and p.time_ms >= 0 for p in prog)
 
 
+def _pages(tokens: int) -> int:
+    return -(-tokens // PAGE_SIZE) * PAGE_SIZE
+
+
 def test_reservation_is_what_a_job_takes_in_whole_pages() -> None:
-    backend, _ = make_backend(dataclasses.replace(CFG, max_rq_tokens=300), cache_tokens=8192)
+    backend, rec = make_backend(dataclasses.replace(CFG, max_rq_tokens=300), cache_tokens=8192)
     prepared = backend.prepare(chat("r", "hello", max_tokens=5000))
     n = prepared.prompt_tokens
-    # Output chunking: the prompt plus max_rq_tokens of completion at a time.
-    assert backend.reservation(prepared) == -(-(n + 300) // PAGE_SIZE) * PAGE_SIZE
+    # Output chunking: the prompt plus completion up to the page boundary past
+    # n - 1 + max_rq_tokens (job.py:1295-1306).
+    assert backend.reservation(prepared) == _pages(n - 1 + 300)
+    # A completion shorter than max_rq_tokens is reserved whole, plus one token (job.py:1318-1322):
+    # passing max_rq_tokens would make 1.6.5 reserve the whole window anyway.
+    short = backend.prepare(chat("s", "hello", max_tokens=10))
+    assert backend.reservation(short) == _pages(n + 10 + 1)
     unchunked, _ = make_backend(dataclasses.replace(CFG, output_chunking=False), cache_tokens=8192)
     p2 = unchunked.prepare(chat("r", "hello", max_tokens=10))
-    assert unchunked.reservation(p2) == -(-(n + 10) // PAGE_SIZE) * PAGE_SIZE
+    assert unchunked.reservation(p2) == _pages(n + 10 + 1)
     assert backend.info.kv_cache_tokens == 8192 and backend.info.max_batch_size == 8
+    # what the engine allocates is what the worker reserved
+    backend.start("r", prepared, prepared.submit.params)
+    backend.start("s", short, short.submit.params)
+    backend.step()
+    pages = {j.identifier: len(j.allocated_pages) * PAGE_SIZE for j in rec.inner.active_jobs}
+    assert pages == {"r": backend.reservation(prepared), "s": backend.reservation(short)}
+
+
+@pytest.mark.parametrize(
+    ("drafting", "output_chunking", "max_tokens"),
+    [
+        ("ngram", True, 1000),
+        ("ngram", False, 600),
+        ("ngram", True, 600),  # max_rq_tokens would reserve as much as the whole completion: not passed
+        ("draft_model", True, 40),
+        ("mtp", True, 1000),
+        (None, True, 255),
+    ],
+)
+def test_the_engine_allocates_what_the_worker_reserves(
+    drafting: str | None, output_chunking: bool, max_tokens: int
+) -> None:
+    # The draft window is reserved past the budget (job.py:1313-1322); a re-queued segment
+    # takes the sequence so far plus a new window, and the reservation follows it.
+    cfg = dataclasses.replace(CFG, max_rq_tokens=256, output_chunking=output_chunking)
+    backend, rec = make_backend(cfg, script=fx.reply("ab" * 600), drafting=drafting, cache_tokens=8192)
+    backend.add(raw("a", _letters(300), max_tokens=max_tokens))
+    seen = 0
+    for _ in range(2000):
+        if not backend.active_ids():
+            break
+        backend.step()
+        for job in rec.inner.active_jobs:
+            seen += 1
+            assert len(job.allocated_pages) * PAGE_SIZE == backend.kv_reserved(), job
+    assert seen and not backend.active_ids()
+    requeues = sum(1 for r in rec.results if r.get("requeue"))
+    # 300 + 1000 tokens: segments end at the page boundaries past 299 + 256, 768 + 256, 1024 + 256
+    assert requeues == (3 if output_chunking and max_tokens == 1000 else 0)
 
 
 def test_choices_start_from_one_tokenization() -> None:
@@ -813,3 +862,34 @@ def test_choices_start_from_one_tokenization() -> None:
     finished = [e for e in events if isinstance(e, Finished)]
     assert sorted(f.request_id for f in finished) == ["r-0", "r-1", "r-2"]
     assert backend.kv_reserved() == 0
+
+
+def test_a_requeued_segment_that_finds_no_pages_waits_in_the_engine_and_is_counted() -> None:
+    # Output chunking over-commits the cache: each re-queued segment holds the sequence so far
+    # plus a new window (job.py:1194-1261, 1295-1306). In 8 pages two long completions outgrow
+    # it; the re-queued one waits in pending_jobs (generator.py:2182-2205) until the other ends,
+    # silent meanwhile, and its reservation already counts the pages it waits for.
+    cfg = dataclasses.replace(CFG, max_rq_tokens=256)
+    reply = "q" * 1500
+    backend, rec = make_backend(cfg, script=fx.reply(reply), cache_tokens=2048, max_chunk_size=256)
+    backend.add(raw("a", _letters(200), max_tokens=1500))
+    backend.add(raw("b", _letters(199) + "!", max_tokens=1500))
+    events: list[Any] = []
+    waited: list[str] = []
+    requeued: set[str] = set()  # re-queued in the last step; started by the next iterate() if it fits
+    for _ in range(5000):
+        if not backend.active_ids():
+            break
+        over = backend.kv_reserved() > backend.info.kv_cache_tokens
+        step = backend.step()
+        events += step
+        pending = {str(j.identifier) for j in rec.inner.pending_jobs}
+        for rid in pending & requeued:  # an iterate() passed without starting it
+            waited.append(rid)
+            assert over  # the loop saw the cache over-committed: it admitted nothing meanwhile
+            assert not of(step, rid)
+        requeued = pending
+    assert waited, "no re-queued segment had to wait"
+    for rid, n in (("a", 1500), ("b", 1500)):
+        check_lifecycle(events, rid)
+        assert text_of(events, rid) == reply[:n]

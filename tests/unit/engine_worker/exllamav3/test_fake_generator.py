@@ -320,3 +320,62 @@ def test_hf_chat_template_loads_the_directorys_tokenizer_on_first_use(tmp_path: 
     ids = tok.hf_chat_template(msgs)
     assert type(tok.hf_tokenizer).__name__ != "ChatMLTemplate"
     assert ids.tolist() == fx.Tokenizer().hf_chat_template(msgs).tolist()
+
+
+# ------------------------------------------------------------------ filters and probabilities
+
+
+def _filter(grammar: str, **kw: Any) -> fx.LLGuidanceFilter:
+    return fx.LLGuidanceFilter(fx.Tokenizer(), llg_grammar=grammar, **kw)
+
+
+def test_a_filter_is_attached_when_the_job_starts_not_when_it_is_enqueued() -> None:
+    g = _gen(script=fx.reply("no"), max_batch_size=1)
+    g.enqueue(_job(_prompt(4), max_new_tokens=3))
+    flt = _filter('start: "yes" | "no"', eos_after_completed=True)
+    g.enqueue(_job(_prompt(5), filters=[flt]))
+    g.iterate()
+    assert flt.job is None  # job.py:1764-1773: Job.activate, from iterate_start_jobs
+    out = _drain(g)
+    assert flt.job is not None and flt.vocab_size == 288  # padded to 32 (generator.py:239)
+    assert [r["eos_reason"] for r in out if r.get("eos")][-1] == "end_filter"
+
+
+def test_a_filter_without_eos_after_completed_lets_the_model_end() -> None:
+    g = _gen(script=fx.reply("no"))
+    flt = _filter('start: "yes" | "no"')
+    g.enqueue(_job(_prompt(5), filters=[flt]))
+    out = _drain(g)
+    (eos,) = [r for r in out if r.get("eos")]
+    # complete, the filter goes inactive (filter.py:66-70) and the model's <|im_end|> ends the job
+    assert not flt.is_active and eos["eos_reason"] == "stop_token"
+
+
+def test_an_invalid_grammar_raises_in_the_constructor() -> None:
+    with pytest.raises(ValueError, match="Invalid grammar"):
+        _filter("start: (")
+
+
+def test_probabilities_ride_with_their_tokens_and_stay_held_at_a_stop_token() -> None:
+    g = _gen(script=fx.reply("ab"))
+    g.enqueue(_job(_prompt(3), return_probs=True, return_top_tokens=2, stop_conditions=[fx.IM_END, "b"]))
+    out = _drain(g)
+    streamed = [r for r in out if r["stage"] == "streaming" and "token_ids" in r]
+    for r in streamed:
+        n = r["token_ids"].shape[-1]
+        assert r["token_probs"].shape == (1, n) and r["top_k_tokens"].shape == (1, n, 2)
+        assert r["top_k_probs"].shape == (1, n, 2)
+    first = streamed[0]
+    assert first["token_probs"].tolist()[0][0] == pytest.approx(fx.raw_probs(ord("a"))[ord("a")])
+    assert first["top_k_tokens"].tolist()[0][0] == [ord("a"), ord("b")]
+
+
+def test_probabilities_held_at_a_stop_token_are_in_held() -> None:
+    g = _gen(script=fx.reply(b"a\xc3"))  # an incomplete character, held when <|im_end|> comes
+    g.enqueue(_job(_prompt(3), return_probs=True, stop_conditions=[fx.IM_END]))
+    out = _drain(g)
+    (eos,) = [r for r in out if r.get("eos")]
+    assert eos["eos_reason"] == "stop_token"
+    held = eos["held"]
+    assert held["token_ids"].tolist() == [[0xC3, fx.IM_END]]
+    assert held["token_probs"].shape == (1, 2)  # job.py:949-961

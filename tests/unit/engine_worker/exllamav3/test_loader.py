@@ -11,12 +11,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 
-from engine_worker.backend import ModelInfo
+from engine_worker.backend import ModelInfo, RequestRejected
 from engine_worker.exllamav3 import loader
 from engine_worker.settings import DraftMode, WorkerSettings
-from protocol.messages import Finished, TokenDelta
+from protocol.messages import ChatMessage, Finished, SamplingParams, Submit, TokenDelta
 from tests.fakes import exllamav3 as fx
 from tests.fakes.exllamav3_driver import chat, raw, run, text_of
 
@@ -42,6 +43,13 @@ def fake_exl3(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Installs the fake as ``exllamav3``, pretends CUDA exists with ``FREE_VRAM`` free, and
     records the order of model loads as ``"<dir name>/<component>"``."""
     monkeypatch.setitem(sys.modules, "exllamav3", fx)
+    # create_ll_tokenizer lives in exllamav3.generator.filter.llguidance (loader.ll_tokenizer)
+    for name in (
+        "exllamav3.generator",
+        "exllamav3.generator.filter",
+        "exllamav3.generator.filter.llguidance",
+    ):
+        monkeypatch.setitem(sys.modules, name, fx)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(loader, "_free_vram_bytes", lambda split: FREE_VRAM)
     order: list[str] = []
@@ -92,6 +100,10 @@ def test_ngram_load(tmp_path: Path, fake_exl3: list[str], capsys: pytest.Capture
         kv_cache_tokens=g.cache.max_num_tokens,
         max_batch_size=32,
         longest_token_chars=max(len(p) for p in fx.Tokenizer().get_id_to_piece_list(False)),
+        grammar=True,
+        logprobs=True,
+        chat_template=fx.CHATML_TEMPLATE,
+        template_tools=True,
     )
     err = capsys.readouterr().err
     assert "Loading tiny-exl3" in err and "5/5" in err
@@ -289,7 +301,7 @@ def test_chat_template_is_loaded_before_the_weights_and_used_as_loaded(
         WorkerSettings(backend="exllamav3", model_dir=d, trust_remote_code=True, warmup=False)
     )
     assert calls == [{"path": str(d), "loaded": [], "trust_remote_code": True}]
-    ids = handle.encode_chat([{"role": "user", "content": "hi"}], True)
+    ids = handle.encode_chat([{"role": "user", "content": "hi"}], True, None)
     assert len(calls) == 1  # rendering used the tokenizer loaded at start-up
     assert ids.tolist()[0] == fx.ChatMLTemplate().apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=True
@@ -297,6 +309,66 @@ def test_chat_template_is_loaded_before_the_weights_and_used_as_loaded(
     # the template ends an assistant turn with <|im_end|>: a stop token and a stop string
     assert handle.stop_strings == ("<|im_end|>",)
     assert handle.eos_token_ids == (fx.EOS, fx.IM_END)
+
+
+def test_tools_and_tool_turns_reach_a_template_that_renders_them(
+    tmp_path: Path, fake_exl3: list[str]
+) -> None:
+    d = _model_dir(tmp_path, "qwen-like", chat_template=fx.QWEN_TOOLS_TEMPLATE)
+    backend = loader.build_backend(WorkerSettings(backend="exllamav3", model_dir=d, warmup=False))
+    info = backend.info
+    assert info.chat_template == fx.QWEN_TOOLS_TEMPLATE and info.template_tools
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather now",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+    }
+    submit = Submit(
+        "t",
+        SamplingParams(max_tokens=8),
+        messages=(
+            ChatMessage("user", "Weather in Paris?"),
+            ChatMessage("assistant", "", tool_calls_json=json.dumps([call])),
+            ChatMessage("tool", "22 C, sunny", tool_call_id="call_1", name="get_weather"),
+        ),
+        tools_json=json.dumps(tools),
+    )
+    prepared = backend.prepare(submit)
+    prompt = fx.Tokenizer._decode(prepared.prompt.ids.tolist()[0], True)
+    assert json.dumps(tools[0]) in prompt  # the schema, as the template's tojson writes it
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert "<tool_response>\n22 C, sunny\n</tool_response>" in prompt
+    assert prompt.endswith("<|im_start|>assistant\n")
+    # without tools the same template renders no tools block
+    plain = backend.prepare(msgspec.structs.replace(submit, tools_json=None, messages=submit.messages[:1]))
+    assert "<tools>" not in fx.Tokenizer._decode(plain.prompt.ids.tolist()[0], True)
+
+
+def test_a_grammar_compiles_against_the_models_tokenizer(tmp_path: Path, fake_exl3: list[str]) -> None:
+    d = _model_dir(tmp_path, "m")
+    backend = loader.build_backend(WorkerSettings(backend="exllamav3", model_dir=d, warmup=False))
+    assert backend.info.grammar and backend.info.logprobs
+    submit = chat(
+        "g", "yes or no?", grammar='start: "yes" | "no"', grammar_param="response_format", logprobs=2
+    )
+    prepared = backend.prepare(submit)
+    (flt,) = prepared.prompt.filters
+    assert isinstance(flt, fx.LLGuidanceFilter)
+    # config.json's EOS list, as create_ll_tokenizer reads it (generator/filter/llguidance.py:186-191)
+    assert fx.create_ll_tokenizer(backend._h.generator.tokenizer).eos_tokens == [257, 259]
+    with pytest.raises(RequestRejected) as e:
+        backend.prepare(chat("b", "x", grammar="start: (", grammar_param="response_format"))
+    assert e.value.param == "response_format" and "invalid grammar" in e.value.message
 
 
 def test_a_model_without_a_chat_template_fails_at_start_before_loading(

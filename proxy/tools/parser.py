@@ -1,0 +1,261 @@
+"""Tool calls out of generated text, incrementally (``ToolCallParser``) and for a
+whole output (``parse_output``); both give the same result for the same text
+however it was split.
+
+Events, in output order::
+
+    ContentDelta(text)         content; never any part of a start marker
+    ToolCallDelta              the entries of a chunk's ``delta.tool_calls``:
+      {"index": i, "id": "call_...", "type": "function",
+       "function": {"name": str, "arguments": ""}}        first, once per call
+      {"index": i, "function": {"arguments": str}}         then the arguments
+
+Arguments streaming: **whole arguments per call**. A call's deltas are emitted
+when its JSON is complete and checked (valid JSON, a function among the
+callable tools, arguments an object), as two deltas: the header above, then the
+whole arguments string (compact JSON, see ``proxy.tools.jsontext``). Calls
+stream one by one as each completes; text around them streams as it arrives.
+Emitting only checked calls is what keeps the promise below: a delta once sent
+cannot be taken back.
+
+Malformed output is never an error: a block that is not a valid call (bad JSON,
+an unknown function, arguments that are not an object, a block still open when
+the output ends) is content, its start marker and text verbatim. Whitespace next
+to a valid call (before its marker, after its end, ``;`` between Llama calls) is
+dropped; a partial marker, and whitespace that may turn out to precede a call,
+are held back until known. An output with no valid call comes out as its exact
+text.
+
+``parallel_tool_calls: false``: calls after the first are dropped (their text too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import msgspec
+from msgspec import UNSET, UnsetType
+
+from proxy.tools.formats import CallBlock, ToolCallFormat
+from proxy.tools.jsontext import WHITESPACE
+from proxy.tools.spec import FunctionCall, ToolCall, ToolConfig
+
+
+class FunctionDelta(msgspec.Struct, frozen=True, gc=False):
+    """``delta.tool_calls[].function``: ``{"name"?, "arguments"?}``."""
+
+    name: str | UnsetType = UNSET
+    arguments: str | UnsetType = UNSET
+
+
+class ToolCallDelta(msgspec.Struct, frozen=True, gc=False, kw_only=True):
+    """One entry of a stream chunk's ``delta.tool_calls``, OpenAI's shape:
+    ``{"index": int, "id"?: str, "type"?: "function", "function": FunctionDelta}``
+    (``id``/``type``/``name`` only on a call's first delta)."""
+
+    index: int
+    id: str | UnsetType = UNSET
+    type: Literal["function"] | UnsetType = UNSET
+    function: FunctionDelta
+
+
+class ContentDelta(msgspec.Struct, frozen=True, gc=False):
+    """Text for ``delta.content``; never empty."""
+
+    text: str
+
+
+StreamEvent = ContentDelta | ToolCallDelta
+
+
+class ParseEnd(msgspec.Struct, frozen=True):
+    """What ``ToolCallParser.finish`` returns: the last events (held-back text,
+    an unfinished block as content) and whether any tool call was emitted (the
+    choice's ``finish_reason`` becomes ``tool_calls``, see ``finish_reason``)."""
+
+    events: list[StreamEvent]
+    tool_calls_made: bool
+
+
+class ParsedOutput(msgspec.Struct, frozen=True):
+    """A whole output: ``content`` (``None`` when calls were made and there is no
+    text; ``""`` for an empty output without calls) and the calls in order."""
+
+    content: str | None
+    tool_calls: list[ToolCall]
+
+
+class ToolCallParser:
+    """Splits one choice's output into content and tool calls as it streams.
+
+    ``feed`` each text delta as it arrives and send the events it returns;
+    ``finish`` once the choice has finished. ``new_id`` makes call ids (default:
+    the format's, ``call_`` + 24 random characters for most); inject a
+    deterministic one in tests. ``config`` gives the callable functions and
+    ``parallel_tool_calls``; with ``tool_choice: required`` or a named function
+    the same parser reads the constrained output.
+    """
+
+    def __init__(
+        self, fmt: ToolCallFormat, config: ToolConfig, *, new_id: Callable[[], str] | None = None
+    ) -> None:
+        self._fmt = fmt
+        self._names = config.callable_names()
+        self._parallel = config.parallel
+        self._new_id = new_id or fmt.new_call_id
+        self._buf = ""  # text received and not yet decided on
+        self._ws = ""  # trailing whitespace of emitted content, held until text follows
+        self._call_ws = ""  # that whitespace while a call block is open (dropped if it is a call)
+        self._block: CallBlock | None = None
+        self._marker = ""
+        self._after_call = False  # drop whitespace and separators until the next text
+        self._bare_ok = fmt.bare_json  # a "{" here opens a call (nothing but whitespace so far)
+        self._calls: list[ToolCall] = []
+        self._finished = False
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        """The calls emitted so far, with their ids, in index order."""
+        return list(self._calls)
+
+    def feed(self, text: str) -> list[StreamEvent]:
+        """Events for the output so far; text that may still be a marker or
+        belongs to an unfinished call is held back."""
+        if self._finished:
+            raise RuntimeError("feed() after finish()")
+        out: list[StreamEvent] = []
+        if text:
+            self._buf += text
+            self._run(out, final=False)
+        return out
+
+    def finish(self) -> ParseEnd:
+        """The remaining events at the end of the output, and whether any call
+        was made. Idempotent."""
+        out: list[StreamEvent] = []
+        if not self._finished:
+            self._finished = True
+            self._run(out, final=True)
+            if self._ws:
+                out.append(ContentDelta(self._ws))
+                self._ws = ""
+        return ParseEnd(out, bool(self._calls))
+
+    # ---------------------------------------------------------------- internals
+
+    def _run(self, out: list[StreamEvent], final: bool) -> None:
+        while self._call_step(out, final) if self._block is not None else self._text_step(out, final):
+            pass
+
+    def _emit_text(self, text: str, out: list[StreamEvent]) -> None:
+        if not text:
+            return
+        text = self._ws + text
+        body = text.rstrip(WHITESPACE)
+        self._ws = text[len(body) :]
+        if body:
+            out.append(ContentDelta(body))
+            self._bare_ok = False
+
+    def _find_start(self, buf: str) -> tuple[int, str] | None:
+        best: tuple[int, str] | None = None
+        for m in self._fmt.markers:
+            p = buf.find(m)
+            if p >= 0 and (best is None or p < best[0]):
+                best = (p, m)
+        if self._bare_ok:
+            p = len(buf) - len(buf.lstrip(WHITESPACE))
+            if p < len(buf) and buf[p] == "{" and (best is None or p < best[0]):
+                best = (p, "")
+        return best
+
+    def _held_from(self, buf: str) -> int:
+        """Where a suffix of ``buf`` that could begin a marker starts."""
+        n = len(buf)
+        held = n
+        for m in self._fmt.markers:
+            for k in range(min(len(m) - 1, n), 0, -1):
+                if buf.endswith(m[:k]):
+                    held = min(held, n - k)
+                    break
+        return held
+
+    def _text_step(self, out: list[StreamEvent], final: bool) -> bool:
+        buf = self._buf
+        if self._after_call:
+            skip = WHITESPACE + self._fmt.separators
+            i = 0
+            while i < len(buf) and buf[i] in skip:
+                i += 1
+            buf = self._buf = buf[i:]
+            if not buf:
+                return False
+            self._after_call = False
+        if not buf:
+            return False
+        start = self._find_start(buf)
+        if start is not None:
+            pos, marker = start
+            self._emit_text(buf[:pos], out)
+            self._call_ws, self._ws = self._ws, ""
+            self._marker = marker
+            self._block = self._fmt.open_block(marker, self._names)
+            self._buf = buf[pos + len(marker) :]
+            return True
+        held = len(buf) if final else self._held_from(buf)
+        self._emit_text(buf[:held], out)
+        self._buf = buf[held:]
+        return False
+
+    def _call_step(self, out: list[StreamEvent], final: bool) -> bool:
+        assert self._block is not None
+        outcome = self._block.advance(self._buf, final)
+        if outcome is None:
+            return False
+        body, self._buf = self._buf[: outcome.end], self._buf[outcome.end :]
+        self._block = None
+        if outcome.calls:
+            for call in outcome.calls:
+                self._emit_call(call, out)
+            self._call_ws = ""
+            self._after_call = True
+            self._bare_ok = self._fmt.bare_json
+        else:
+            # Not a call: the marker and its text are content, with the
+            # whitespace before them that was held back.
+            self._ws, self._call_ws = self._call_ws, ""
+            self._bare_ok = False
+            self._emit_text(self._marker + body, out)
+        return True
+
+    def _emit_call(self, call: FunctionCall, out: list[StreamEvent]) -> None:
+        if self._calls and not self._parallel:
+            return
+        index = len(self._calls)
+        call_id = self._new_id()
+        out.append(
+            ToolCallDelta(index=index, id=call_id, type="function", function=FunctionDelta(call.name, ""))
+        )
+        out.append(ToolCallDelta(index=index, function=FunctionDelta(arguments=call.arguments)))
+        self._calls.append(ToolCall(id=call_id, function=call))
+
+
+def parse_output(
+    fmt: ToolCallFormat, config: ToolConfig, text: str, *, new_id: Callable[[], str] | None = None
+) -> ParsedOutput:
+    """A whole (non-stream) output as content and tool calls: the same result a
+    ``ToolCallParser`` gives for that text in any split."""
+    parser = ToolCallParser(fmt, config, new_id=new_id)
+    events = parser.feed(text)
+    events += parser.finish().events
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    calls = parser.tool_calls
+    return ParsedOutput(content if content or not calls else None, calls)
+
+
+def finish_reason(engine_reason: str, tool_calls_made: bool) -> str:
+    """The choice's ``finish_reason``: ``tool_calls`` when calls were made and the
+    model stopped by itself; ``length`` stays ``length`` (OpenAI reports a
+    truncated answer as such, calls or not)."""
+    return "tool_calls" if tool_calls_made and engine_reason == "stop" else engine_reason
