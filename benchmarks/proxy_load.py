@@ -3,7 +3,7 @@ floor, at 1 to 1,000 streams and up to saturation, beside LiteLLM's proxy.
 
 Run it (from the repository root; it installs what it needs first)::
 
-    benchmarks/proxy_load.sh            # every section, ~4 minutes
+    benchmarks/proxy_load.sh            # every section, about 10 minutes on 2 cores
     benchmarks/proxy_load.sh --help     # options: levels, sections, --compare TREE
 
 and it prints Markdown tables. Every process runs on this host: two synthetic

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The proxy overhead benchmark (benchmarks/proxy_load.py) from a fresh clone:
 # installs what it needs, then prints Markdown tables. Options go to proxy_load.py
-# (--help). Linux only (it reads /proc). About 4 minutes on 2 cores, plus the
+# (--help). Linux only (it reads /proc). About 10 minutes on 2 cores, plus the
 # one-time installs.
 #
 #   .venv/                     this project, uvloop, py-spy (for --profile)

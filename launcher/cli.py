@@ -76,8 +76,10 @@ def serve(worker_args: tuple[str, ...], **values: Any) -> None:
             str(os.getpid()),
             *worker_args,
         ]
+        from proxy.runner import run
+
         try:
-            asyncio.run(_serve(settings, WorkerSupervisor(argv)))
+            run(_serve(settings, WorkerSupervisor(argv)))
         except OSError as e:
             exit_on_bind_error(settings, e)
 

@@ -3,8 +3,7 @@
 ``create_app`` wires routes, the middlewares (request record/log/metrics, then
 errors, then API keys), the ``Metrics`` and the engine client's start/close
 (``cleanup_ctx``); tests build the app from it.
-``run_proxy`` serves it (with ``proxy.runner.make_runner``; once listening it
-settles the garbage collector, ``proxy.runner.settle_gc``) until
+``run_proxy`` serves it (with ``proxy.runner.make_runner``) until
 SIGINT/SIGTERM, then runs the shutdown state machine of ``proxy.state``: stop
 admitting, drain, abort the rest, close.
 """
@@ -24,7 +23,7 @@ from proxy.handlers import add_routes
 from proxy.intake import check_api_key, key_digest
 from proxy.metrics import Metrics
 from proxy.request_log import METRICS, observe_middleware, record_of
-from proxy.runner import make_runner, settle_gc
+from proxy.runner import make_runner
 from proxy.settings import ProxySettings
 from proxy.state import STATE, ProxyState
 
@@ -134,7 +133,6 @@ async def run_proxy(
         )
         for sig in signals:
             loop.add_signal_handler(sig, stop.set)
-        settle_gc()
         await stop.wait()
         log.info("shutting down: draining for up to %g s (shutdown_drain)", settings.shutdown_drain)
         aborted = await app[STATE].drain(settings.shutdown_drain)

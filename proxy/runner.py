@@ -1,9 +1,10 @@
 """The HTTP server under the app: the event loop it runs on, how connections
 are run, and the JSON envelope for requests the HTTP parser refuses.
 
-``run(main)`` runs the proxy's event loop: uvloop's when it is installed,
-asyncio's otherwise. ``settle_gc()`` tunes the garbage collector once the
-server is up (see its docstring).
+``run(main)`` runs a proxy process (``exl3-sidecar proxy``, ``serve``): its
+garbage collector settled (``settle_gc``) and its event loop, uvloop's when it
+is installed, asyncio's otherwise. Both are the process's, so they are set
+there, not in ``proxy.app.run_proxy``, which tests also run in-process.
 
 ``make_runner(app)`` builds the ``web.AppRunner`` that ``proxy.app.run_proxy``
 serves (and that tests serve on a real socket):
@@ -45,9 +46,11 @@ _T = TypeVar("_T")
 
 
 def run(main: Coroutine[Any, Any, _T]) -> _T:
-    """Run ``main`` on a new event loop, uvloop's when installed, and close it.
-    (uvloop is not a dependency: ``docs/performance.md`` measured it within the
-    noise of asyncio's loop on the proxy's path.)"""
+    """Settle the garbage collector, then run ``main`` on a new event loop,
+    uvloop's when installed, and close it. (uvloop is not a dependency:
+    ``docs/performance.md`` measured it within the noise of asyncio's loop on
+    the proxy's path.) Call it once the process has imported what it serves."""
+    settle_gc()
     try:
         uvloop = importlib.import_module("uvloop")  # by name: typed or not, installed or not
     except ImportError:
@@ -57,9 +60,10 @@ def run(main: Coroutine[Any, Any, _T]) -> _T:
 
 
 def settle_gc() -> None:
-    """Once start-up is done: move everything allocated so far (modules, the app,
-    the engine client) out of the collector's sight for good (``gc.freeze``), and
-    let it run only every ``GC_THRESHOLDS[0]`` net new container objects.
+    """Once start-up is done: move everything allocated so far (modules, classes,
+    functions: most of a process's objects) out of the collector's sight for
+    good (``gc.freeze``), and let it run only every ``GC_THRESHOLDS[0]`` net new
+    container objects.
 
     Why: the default threshold (700) makes the collector run in the middle of
     nearly every engine step of hundreds of streams, whose transient objects

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
+import sys
 from typing import Any
 
 import httpx
@@ -319,3 +321,19 @@ async def test_many_streams_at_once_on_the_fake(make_client: MakeClient, fake: F
         assert chunks[-1] == "[DONE]"
         text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[:-1] if c["choices"])
         assert text == "".join(f"t{i} " for i in range(20))
+
+
+# ------------------------------------------------------------------ the process's loop and collector
+
+
+def test_run_settles_the_collector_and_runs_the_coroutine() -> None:
+    # In a child process: the collector's settings are the whole process's.
+    code = (
+        "import asyncio, gc\n"
+        "from proxy.runner import GC_THRESHOLDS, run\n"
+        "assert run(asyncio.sleep(0, 'done')) == 'done'\n"
+        "assert gc.get_threshold() == GC_THRESHOLDS, gc.get_threshold()\n"
+        "assert gc.get_freeze_count() > 1000, gc.get_freeze_count()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
