@@ -354,12 +354,13 @@ class EngineClient(Protocol):
         """Stop background work; pending streams fail with ``ShuttingDown``."""
         ...
 
-    def submit(self, submit: Submit) -> RequestStream:
-        """Send the one ``Submit`` of an HTTP request and return the stream the
-        events of its choices (``choice_ids(submit.request_id, submit.n)``)
-        arrive on. Raises ``EngineNotReady`` when not ready and
-        ``EngineUnavailable`` when the worker cannot take it now; then nothing
-        was submitted."""
+    def submit(self, *submits: Submit) -> RequestStream:
+        """Send the ``Submit``s of an HTTP request (one, or one per prompt of a
+        ``/v1/completions`` prompt list) and return the one stream the events of
+        all their choices (``choice_ids(s.request_id, s.n)``, in order) arrive
+        on. Raises ``EngineNotReady`` when not ready and ``EngineUnavailable``
+        when the worker cannot take them now; then nothing was submitted (those
+        already sent are aborted)."""
         ...
 
     def abort(self, request_ids: Sequence[str]) -> None:
@@ -480,14 +481,19 @@ class ZmqEngineClient:
 
     # ------------------------------------------------------------- requests
 
-    def submit(self, submit: Submit) -> RequestStream:
+    def submit(self, *submits: Submit) -> RequestStream:
         if not self._ready:
             raise EngineNotReady(NOT_READY_MESSAGE)
-        ids = choice_ids(submit.request_id, submit.n)
-        if not self._send(submit):
-            raise EngineUnavailable(
-                "The engine worker cannot take requests now (its input queue is full or it is not connected)"
-            )
+        ids: list[str] = []
+        for submit in submits:
+            if not self._send(submit):
+                if ids:
+                    self.abort(ids)
+                raise EngineUnavailable(
+                    "The engine worker cannot take requests now "
+                    "(its input queue is full or it is not connected)"
+                )
+            ids += choice_ids(submit.request_id, submit.n)
         stream = RequestStream(ids, self._settings.request_queue_max, ready=self._ready_streams)
         for rid in ids:
             self._routes[rid] = stream

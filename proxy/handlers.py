@@ -53,7 +53,7 @@ from proxy.openai_models import (
     parse_chat_request,
     parse_completion_request,
     prompt_chars,
-    to_submit,
+    to_submits,
     tool_plan,
 )
 from proxy.request_log import METRICS, record_of
@@ -171,8 +171,10 @@ async def _serve(
     record.request_id = request_id
     record.stream = req.stream
     tools = tool_plan(req, state.tool_format())
-    submit = to_submit(req, request_id, worker.max_context_tokens, tools)
-    _check_limits(submit, settings.max_n, worker)
+    submits = to_submits(req, request_id, worker.max_context_tokens, tools)
+    _check_limits(submits, settings.max_n, worker)
+    several = len(submits) > 1
+    echo = isinstance(req, CompletionRequest) and req.echo
     header = ChunkHeader(fmt, request_id, int(time.time()), state.model_name() or worker.model_id)
     flags = StreamFlags(
         req.progress,
@@ -180,13 +182,15 @@ async def _serve(
         req.stream and req.continuous_usage,
         logprobs=req.logprobs_k() is not None,
         timings=req.timings_per_token,
-        echo=(submit.prompt or "") if isinstance(req, CompletionRequest) and req.echo else "",
+        echo=tuple(s.prompt or "" for s in submits) if echo else (),
         tools=tools if tools is not None and tools.config.active else None,
+        per_prompt=req.n if several else 0,
     )
-    response = ResponseState(header, choice_ids(request_id, submit.n), flags)
+    ids = [rid for s in submits for rid in choice_ids(s.request_id, s.n)]
+    response = ResponseState(header, ids, flags)
     state.admit()
     try:
-        stream = state.engine.submit(submit)
+        stream = state.engine.submit(*submits)
         state.active.add(stream)
         try:
             if req.stream:
@@ -203,16 +207,24 @@ async def _serve(
         state.release()
 
 
-def _check_limits(submit: Submit, max_n: int, worker: Ready) -> None:
-    """This server's limits on a valid request: ``max_n`` choices, and a prompt
-    text no longer than the context can hold (refused without being sent)."""
-    if submit.n > max_n:
+def _check_limits(submits: list[Submit], max_n: int, worker: Ready) -> None:
+    """This server's limits on a valid request: ``max_n`` choices (over all
+    prompts of a prompt list), and prompt texts no longer than the context can
+    hold (refused without being sent)."""
+    choices = sum(s.n for s in submits)
+    if choices > max_n:
+        what = f"'n' is {submits[0].n}" + (f" for each of {len(submits)} prompts" if len(submits) > 1 else "")
         raise InvalidRequest(
-            f"'n' is {submit.n}; this server runs at most max_n={max_n} choices per request", param="n"
+            f"{what}; this server runs at most max_n={max_n} choices per request",
+            param="n" if len(submits) == 1 else "prompt",
         )
     most = max_prompt_chars(worker)
-    if most is not None:
+    for i, submit in enumerate(submits):
+        if most is None:
+            break
         chars, param = prompt_chars(submit)
+        if len(submits) > 1:
+            param = f"prompt[{i}]"
         if chars > most:
             raise ContextLengthExceeded(
                 f"The prompt has {chars} characters; no text over {most} characters fits this "

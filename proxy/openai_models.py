@@ -187,8 +187,8 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
-    """``POST /v1/completions`` body: one text prompt (a string or a list holding
-    one string); token-id prompts and several prompts are refused. ``logprobs``
+    """``POST /v1/completions`` body: a text prompt, or a list of them (each gets
+    ``n`` choices, indexed across prompts); token-id prompts are refused. ``logprobs``
     (0..20) asks for that many alternatives per token; ``echo`` puts the prompt
     before each choice's text. A missing ``max_tokens`` is 16, as OpenAI's."""
 
@@ -297,11 +297,8 @@ def parse_completion_request(body: bytes) -> CompletionRequest:
             "does not compute; ask for one or the other",
             param="echo",
         )
-    if isinstance(req.prompt, list) and len(req.prompt) != 1:
-        raise InvalidRequest(
-            f"'prompt' must be a string or a list of exactly one string, got a list of {len(req.prompt)}",
-            param="prompt",
-        )
+    if isinstance(req.prompt, list) and not req.prompt:
+        raise InvalidRequest("'prompt' must be a string or a non-empty list of strings", param="prompt")
     return req
 
 
@@ -524,8 +521,31 @@ def to_submit(
             add_generation_prompt=req.add_generation_prompt,
             n=req.n,
         )
-    prompt = req.prompt if isinstance(req.prompt, str) else req.prompt[0]
-    return Submit(request_id, params, prompt=prompt, n=req.n)
+    return Submit(request_id, params, prompt=prompts(req)[0], n=req.n)
+
+
+def prompts(req: CompletionRequest) -> list[str]:
+    """The request's prompts: one for a string, each entry of a list."""
+    return [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+
+
+def to_submits(
+    req: ChatCompletionRequest | CompletionRequest,
+    request_id: str,
+    max_context_tokens: int,
+    tools: ToolPlan | None = None,
+) -> list[Submit]:
+    """The ``Submit``s of a request: one (``to_submit``), or for a
+    ``/v1/completions`` prompt list one per prompt, with ids
+    ``f"{request_id}-p{i}"``; choice ``j`` of prompt ``i`` is the response's
+    choice ``i * n + j`` (OpenAI's order). Raises ``InvalidRequest``."""
+    first = to_submit(req, request_id, max_context_tokens, tools)
+    if not isinstance(req, CompletionRequest) or isinstance(req.prompt, str) or len(req.prompt) == 1:
+        return [first]
+    return [
+        msgspec.structs.replace(first, request_id=f"{request_id}-p{i}", prompt=text)
+        for i, text in enumerate(req.prompt)
+    ]
 
 
 def prompt_chars(submit: Submit) -> tuple[int, str]:

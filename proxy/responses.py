@@ -127,18 +127,21 @@ def _seconds(x: float) -> float:
     return round(x, 6)
 
 
-def final_usage(finished: Sequence[Finished]) -> Usage:
+def final_usage(finished: Sequence[Finished], per_prompt: int = 0) -> Usage:
     """Usage of a whole response from the ``Finished`` event of every choice, in
     choice order.
 
-    The prompt is shared by all choices: ``prompt_tokens`` and ``cached_tokens``
-    and ``prompt_time`` come from choice 0. Completion tokens and draft counters
-    are summed; ``completion_tokens_details`` is present only when at least one
+    Choices come in groups of ``per_prompt`` that share one prompt (0: all of
+    them, the usual single prompt): ``prompt_tokens`` and ``cached_tokens`` are
+    those of each group's first choice, summed over prompts, and so is
+    ``prompt_time``. Completion tokens and draft counters are summed over
+    choices; ``completion_tokens_details`` is present only when at least one
     choice drafted (non-``None`` counters). ``completion_time`` and
     ``total_time`` are the longest over choices (they ran concurrently);
     ``total_time`` includes queueing.
     """
-    first = finished[0]
+    firsts = finished[:: per_prompt or len(finished)]
+    prompt = sum(f.prompt_tokens for f in firsts)
     completion = sum(f.completion_tokens for f in finished)
     drafted = [f for f in finished if f.draft_accepted is not None or f.draft_rejected is not None]
     details: CompletionTokensDetails | UnsetType = UNSET
@@ -147,12 +150,12 @@ def final_usage(finished: Sequence[Finished]) -> Usage:
             sum(f.draft_accepted or 0 for f in drafted), sum(f.draft_rejected or 0 for f in drafted)
         )
     return Usage(
-        first.prompt_tokens,
+        prompt,
         completion,
-        first.prompt_tokens + completion,
-        PromptTokensDetails(first.cached_tokens),
+        prompt + completion,
+        PromptTokensDetails(sum(f.cached_tokens for f in firsts)),
         details,
-        prompt_time=_seconds(first.time_prefill),
+        prompt_time=_seconds(sum(f.time_prefill for f in firsts)),
         completion_time=_seconds(max(f.time_decode for f in finished)),
         total_time=_seconds(max(f.time_queued + f.time_prefill + f.time_decode for f in finished)),
     )
@@ -601,6 +604,7 @@ def response(
     texts: Sequence[str],
     finished: Sequence[Finished],
     logprobs: Sequence[Sequence[TokenLogprob]] | None = None,
+    per_prompt: int = 0,
 ) -> Completion:
     """The non-stream response: one choice per text (choice order), with its
     ``finish_reason`` and, when ``logprobs`` is given (one sequence per choice),
@@ -616,5 +620,5 @@ def response(
             fmt.response_choice(i, text, str(f.finish_reason), None if logprobs is None else logprobs[i])
             for i, (text, f) in enumerate(zip(texts, finished, strict=True))
         ],
-        final_usage(finished),
+        final_usage(finished, per_prompt),
     )

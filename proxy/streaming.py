@@ -74,6 +74,7 @@ class _Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # all of them (non-stream)
     held_logprobs: list[TokenLogprob] = field(default_factory=list)  # of tokens that added no text yet
     tools: ToolCallParser | None = None  # splits content from tool calls (requests with tools)
+    prefix: str = ""  # echo: its prompt, before its text
     finish_reason: str | None = None  # as sent (tool_calls when the answer called tools)
 
 
@@ -83,8 +84,11 @@ class StreamFlags:
     ``include_usage`` and ``continuous_usage`` (``stream_options``),
     ``logprobs`` (the worker sends them; they go on each content chunk and into
     the response), ``timings`` (llama.cpp's ``timings_per_token``: ``timings``
-    on every chunk and on the response), ``echo`` (text put before every
-    choice's text: the prompt, for ``/v1/completions`` with ``echo``),
+    on every chunk and on the response), ``echo`` (per prompt, the text put
+    before each of its choices' text: the prompt, for ``/v1/completions`` with
+    ``echo``), ``per_prompt`` (choices per prompt when a ``/v1/completions``
+    request has several prompts: choice ``i`` belongs to prompt
+    ``i // per_prompt``; 0: one prompt),
     ``tools`` (the answer may hold tool calls: parsed out of the text in the
     plan's format and sent as ``tool_calls``)."""
 
@@ -93,8 +97,9 @@ class StreamFlags:
     continuous_usage: bool = False
     logprobs: bool = False
     timings: bool = False
-    echo: str = ""
+    echo: tuple[str, ...] = ()
     tools: ToolPlan | None = None
+    per_prompt: int = 0
 
 
 class ResponseState:
@@ -112,6 +117,10 @@ class ResponseState:
         self._fmt = header.fmt
         self._object = header.fmt.chunk_object
         self._choices = [_Choice(i) for i in range(len(request_ids))]
+        if flags.echo:
+            group = flags.per_prompt or len(request_ids)
+            for c in self._choices:
+                c.prefix = flags.echo[c.index // group]
         plan = flags.tools
         if plan is not None:
             for c in self._choices:
@@ -246,9 +255,9 @@ class ResponseState:
             return
         text = ev.text
         offset = choice.chars
-        if self.flags.echo and not choice.texts:
-            text = self.flags.echo + text
-            offset += len(self.flags.echo)
+        if choice.prefix and not choice.texts:
+            text = choice.prefix + text
+            offset += len(choice.prefix)
         choice.texts.append(ev.text)
         choice.chars += len(text)
         c = self._fmt.content_choice(choice.index, text, self._first(choice), entries, offset)
@@ -257,10 +266,10 @@ class ResponseState:
     def _on_finished(self, choice: _Choice, ev: Finished, out: list[StreamChunk]) -> None:
         if choice.index == 0 and self.flags.progress:
             self._close_progress(out)
-        if self.flags.echo and not choice.texts:
+        if choice.prefix and not choice.texts:
             # Nothing was generated: the echoed prompt is the whole text.
-            c = self._fmt.content_choice(choice.index, self.flags.echo, self._first(choice))
-            choice.chars += len(self.flags.echo)
+            c = self._fmt.content_choice(choice.index, choice.prefix, self._first(choice))
+            choice.chars += len(choice.prefix)
             out.append(self._chunk(c))
         reason = str(ev.finish_reason)
         if choice.tools is not None:
@@ -333,7 +342,7 @@ class ResponseState:
 
     def final_usage(self) -> Usage:
         """Usage of the finished response (``responses.final_usage``). Call when ``done``."""
-        return responses.final_usage(self.finished())
+        return responses.final_usage(self.finished(), self.flags.per_prompt)
 
     def usage_chunk(self) -> StreamChunk:
         """The last chunk of a stream with ``include_usage``: ``choices: []`` + usage."""
@@ -345,12 +354,12 @@ class ResponseState:
         plan = self.flags.tools
         if plan is not None:
             return self._tool_response(plan)
-        echo = self.flags.echo
         body = responses.response(
             self.header,
-            [echo + "".join(c.texts) for c in self._choices],
+            [c.prefix + "".join(c.texts) for c in self._choices],
             self.finished(),
             [c.logprobs for c in self._choices] if self.flags.logprobs else None,
+            self.flags.per_prompt,
         )
         if self.flags.timings:
             body.timings = self.final_timings()

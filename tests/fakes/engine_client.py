@@ -173,13 +173,13 @@ class FakeEngineClient:
             t.cancel()
         self.kill(ShuttingDown("closed"))
 
-    def submit(self, submit: Submit) -> RequestStream:
+    def submit(self, *submits: Submit) -> RequestStream:
         if not self.is_ready:
             raise EngineNotReady("fake not ready")
-        choices = choice_submits(submit)
+        choices = [c for submit in submits for c in choice_submits(submit)]
         stream = RequestStream([c.request_id for c in choices], self.queue_max)
         self._streams.append(stream)
-        self.submits.append(submit)
+        self.submits.extend(submits)
         for c in choices:
             self.choices.append(c)
             self._tasks[c.request_id] = asyncio.create_task(self._play(c, stream))

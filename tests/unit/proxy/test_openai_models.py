@@ -11,7 +11,13 @@ import pytest
 
 from protocol import ChatMessage
 from proxy.errors import InvalidRequest
-from proxy.openai_models import parse_chat_request, parse_completion_request, prompt_chars, to_submit
+from proxy.openai_models import (
+    parse_chat_request,
+    parse_completion_request,
+    prompt_chars,
+    to_submit,
+    to_submits,
+)
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -62,10 +68,13 @@ def test_bad_chat_bodies_name_the_param(body: bytes, param: str | None, fragment
         assert param.split("[")[0].split(".")[0] in err.message
 
 
-def test_completion_prompt_must_be_one_string() -> None:
+def test_completion_prompt_is_text_or_a_list_of_texts() -> None:
     with pytest.raises(InvalidRequest) as info:
-        parse_completion_request(b'{"prompt": ["a", "b"]}')
+        parse_completion_request(b'{"prompt": []}')
     assert info.value.param == "prompt"
+    req = parse_completion_request(b'{"prompt": ["a", "b"], "n": 2}')
+    submits = to_submits(req, "cmpl-x", 100)
+    assert [(s.request_id, s.prompt, s.n) for s in submits] == [("cmpl-x-p0", "a", 2), ("cmpl-x-p1", "b", 2)]
     with pytest.raises(InvalidRequest) as info:
         parse_completion_request(b'{"prompt": [1, 2]}')
     assert info.value.param == "prompt[0]"
