@@ -17,12 +17,13 @@ import argparse
 import statistics
 import time
 
+from cpu_engine import run  # this directory: both are run as scripts
 from llguidance import LLMatcher
 
 from engine_worker.cpu import CpuBackend
 from engine_worker.cpu.model_store import load_embedded
 from engine_worker.settings import DraftMode, WorkerSettings
-from protocol.messages import ChatMessage, Finished, SamplingParams, Submit, TokenDelta
+from protocol.messages import ChatMessage, Finished, SamplingParams, Submit
 
 SCHEMA = {
     "type": "array",
@@ -36,20 +37,6 @@ SCHEMA = {
 }
 PROMPT = "List forty people as a JSON array of objects with their name, age and city."
 TOKENS = 128
-
-
-def run(backend: CpuBackend, submit: Submit) -> tuple[str, Finished]:
-    backend.add(submit)
-    text: list[str] = []
-    finished: Finished | None = None
-    while backend.active_ids():
-        for event in backend.step():
-            if isinstance(event, TokenDelta):
-                text.append(event.text)
-            elif isinstance(event, Finished):
-                finished = event
-    assert finished is not None, "request did not finish"
-    return "".join(text), finished
 
 
 def once(backend: CpuBackend, params: SamplingParams, request_id: str) -> tuple[float, str, Finished]:

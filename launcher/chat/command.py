@@ -85,8 +85,9 @@ def chat(
     """
     code = 0
     try:
+        text = _read_prompt(prompt, prompt_file)
         code = _chat(
-            prompt, prompt_file, system, model, max_tokens, temperature, api_key, base_url, timeout, plain
+            text, system, model, max_tokens, temperature, api_key or _env_api_key(), base_url, timeout, plain
         )
     except BrokenPipeError:
         # The reader of stdout went away (| head): stop quietly; the stream was closed on the way out.
@@ -99,8 +100,7 @@ def chat(
 
 
 def _chat(
-    prompt: str | None,
-    prompt_file: Path | None,
+    text: str,
     system: str | None,
     model: str | None,
     max_tokens: int | None,
@@ -115,7 +115,6 @@ def _chat(
     from launcher.chat.client import ChatError, ChatRequest, first_model_id, open_client
     from launcher.chat.session import View, run_turn
 
-    text = _read_prompt(prompt, prompt_file)
     messages: tuple[dict[str, str], ...] = ({"role": "system", "content": system},) if system else ()
     messages += ({"role": "user", "content": text},)
     view: View
@@ -130,7 +129,7 @@ def _chat(
 
         view = TerminalView(Console(), Console(stderr=True))
     try:
-        with open_client(base_url, api_key or _env_api_key(), timeout) as client:
+        with open_client(base_url, api_key, timeout) as client:
             request = ChatRequest(model or first_model_id(client), messages, max_tokens, temperature)
             run_turn(client, request, view)
     except ChatError as e:
