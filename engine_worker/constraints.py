@@ -152,5 +152,18 @@ class TokenConstraint:
     def _check(self) -> None:
         if self._matcher.is_error():
             raise GrammarFailed(
-                ErrorCode.INVALID_REQUEST, f"grammar failed: {self._matcher.get_error()}", param=self._param
+                ErrorCode.INVALID_REQUEST, grammar_failure(self._matcher.get_error()), param=self._param
             )
+
+
+def grammar_failure(error: str) -> str:
+    """The client's message for a grammar that failed while decoding: llguidance's
+    reason (its first line), without the parser state, tokens and grammar it
+    dumps after it (internals, and the client's own schema echoed back)."""
+    reason = error.strip().splitlines()[0] if error.strip() else "unknown error"
+    hint = (
+        " (the grammar allows nothing more: e.g. a schema whose $ref loops has no finite value)"
+        if "NoExtension" in reason
+        else ""
+    )
+    return f"grammar failed while decoding: {reason[:200]}{hint}"

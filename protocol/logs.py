@@ -12,6 +12,7 @@ one call site serves both formats.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -72,7 +73,14 @@ class JsonFormatter(logging.Formatter):
 
 def setup_logging(level: str, fmt: LogFormat = "text") -> None:
     """Send log records at ``level`` and above to stderr in ``fmt``; replaces any
-    handler the root logger had (the CLI calls it once, before anything logs)."""
+    handler the root logger had (the CLI calls it once, before anything logs).
+    With ``json`` it also turns tqdm progress bars off (``TQDM_DISABLE``), so
+    every stderr line of the process is JSON."""
+    if fmt == "json":
+        # Progress bars (tqdm: transformers' weight loading, hub downloads) write
+        # raw text lines into the same stderr a log collector reads as JSON.
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()

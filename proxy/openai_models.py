@@ -411,9 +411,11 @@ class ToolPlan:
 def tool_plan(req: ChatCompletionRequest | CompletionRequest, choice: FormatChoice) -> ToolPlan | None:
     """The request's ``ToolPlan`` (``None`` without tools), the format from
     ``choice`` (``proxy.tools.choose_format``). Raises ``InvalidRequest``
-    naming ``tools``/``tool_choice`` for a bad spec, and ``response_format``
+    naming ``tools``/``tool_choice`` for a bad spec, ``response_format``
     or ``logprobs`` asked together with tool calls (neither can be honoured
-    on an answer that may be a call)."""
+    on an answer that may be a call), and ``stop`` with a forced call. A forced
+    call is one call, several only for ``required`` with
+    ``parallel_tool_calls: true``."""
     if not isinstance(req, ChatCompletionRequest):
         return None
     try:
@@ -422,6 +424,20 @@ def tool_plan(req: ChatCompletionRequest | CompletionRequest, choice: FormatChoi
         raise InvalidRequest(e.message, param=e.param) from None
     if config is None:
         return None
+    if config.forced:
+        # A forced answer is one call unless the client asked for several:
+        # always for a named function (as OpenAI's), and for "required" unless
+        # parallel_tool_calls is true. Otherwise a grammar that allows "another
+        # call" lets a small model repeat calls until max_tokens.
+        if config.mode == "function" or req.parallel_tool_calls is None:
+            config = msgspec.structs.replace(config, parallel=False)
+        if req.stop:
+            # A stop string can match inside the call's markup (Hermes' "\n")
+            # and cut the call short: refused rather than silently breaking it.
+            raise InvalidRequest(
+                "'stop' cannot be combined with a forced tool call ('tool_choice' required or a function)",
+                param="stop",
+            )
     if config.active:
         if req.response_format is not None and req.response_format.type != "text":
             raise InvalidRequest(

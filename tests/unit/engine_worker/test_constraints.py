@@ -20,6 +20,7 @@ from engine_worker.constraints import (  # noqa: E402
     TokenConstraint,
     Vocabulary,
     compile_grammar,
+    grammar_failure,
 )
 from engine_worker.cpu.model_store import load_tokenizer_embedded  # noqa: E402
 from protocol.messages import ErrorCode  # noqa: E402
@@ -140,7 +141,7 @@ def test_consuming_a_forbidden_token_fails_with_the_field(vocabulary, hf_tokeniz
     with pytest.raises(RequestRejected) as exc:
         c.consume(ids(hf_tokenizer, "no")[0])
     assert exc.value.code is ErrorCode.INVALID_REQUEST and exc.value.param == "response_format"
-    assert exc.value.message.startswith("grammar failed: ")
+    assert exc.value.message.startswith("grammar failed while decoding: ")
 
 
 def test_compiled_matcher_copies_are_independent(vocabulary, hf_tokenizer) -> None:
@@ -151,3 +152,12 @@ def test_compiled_matcher_copies_are_independent(vocabulary, hf_tokenizer) -> No
     a.consume(a_token)
     assert a.stopped and not b.stopped
     assert not bool(b.forbidden()[a_token])
+
+
+def test_a_grammar_failure_tells_the_reason_not_the_parser_state() -> None:
+    dump = "NoExtensionBias\n<state>\nTokens: [tool_call]\n<grammar>\nstart: %json {...}\n"
+    message = grammar_failure(dump)
+    assert message.startswith("grammar failed while decoding: NoExtensionBias")
+    assert "<state>" not in message and "<grammar>" not in message and "Tokens" not in message
+    assert "$ref" in message  # the likely cause, for a grammar that allows nothing more
+    assert grammar_failure("") == "grammar failed while decoding: unknown error"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -135,3 +136,20 @@ def test_the_worker_link_stays_on_the_machine(addr: str, ok: bool) -> None:
     else:
         with pytest.raises(ValueError, match=r"input_addr=.*must stay"):
             LinkSettings(input_addr=addr)
+
+
+def test_json_logs_turn_progress_bars_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    from protocol.logs import JsonFormatter, setup_logging
+
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    try:
+        setup_logging("info", "json")
+        assert os.environ["TQDM_DISABLE"] == "1"
+        assert isinstance(root.handlers[0].formatter, JsonFormatter)
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])

@@ -156,3 +156,42 @@ async def test_a_template_that_renders_tools_gets_them_structured(
     assert (submit.messages[2].tool_call_id, submit.messages[2].content) == ("c1", "rain")
     body = await resp.json()
     assert body["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    ("extra", "repeats"),
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, False),
+        (
+            {
+                "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                "parallel_tool_calls": True,
+            },
+            False,
+        ),
+        ({"tool_choice": "required"}, False),
+        ({"tool_choice": "required", "parallel_tool_calls": True}, True),
+    ],
+)
+async def test_a_forced_answer_is_one_call_unless_several_were_asked_for(
+    make_client: MakeClient, fake: FakeEngineClient, extra: dict[str, Any], repeats: bool
+) -> None:
+    fake.script = script
+    client = await make_client()
+    resp = await client.post(
+        "/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "tools": [WEATHER], **extra}
+    )
+    assert resp.status == 200
+    grammar = fake.submits[0].params.grammar
+    assert grammar is not None
+    # The grammar's start rule repeats "call" only when several calls may come.
+    start = next(line for line in grammar.splitlines() if line.startswith("start:"))
+    assert ("call)*" in start) is repeats
+
+
+async def test_stop_strings_are_refused_with_a_forced_call(make_client: MakeClient) -> None:
+    client = await make_client()
+    body = {"model": "m", "messages": MESSAGES, "tools": [WEATHER], "tool_choice": "required", "stop": ["\n"]}
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status == 400
+    assert orjson.loads(await resp.read())["error"]["param"] == "stop"
