@@ -18,12 +18,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from protocol.version import PROTOCOL_VERSION
 from proxy.engine_client import EngineClient
+
+# No "<name>_created" timestamp series next to every counter and histogram
+# (process-wide in prometheus-client): they double the exposition and no
+# dashboard of ours reads them; vLLM turns them off the same way.
+disable_created_metrics()  # type: ignore[no-untyped-call]  # untyped in prometheus-client
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """Prometheus text exposition format 0.0.4."""
