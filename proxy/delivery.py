@@ -226,7 +226,14 @@ async def stream_response(
                 raise o.error
 
     resp = web.StreamResponse(headers=sse.HEADERS)
-    writer = await resp.prepare(request)
+    try:
+        writer = await resp.prepare(request)
+    except ConnectionResetError:
+        # Gone between the last event and the headers: nothing was sent, nothing
+        # failed here (aiohttp finishes an unsent response quietly).
+        log.debug("client of %s went away before the headers", response.header.id)
+        record.client_gone = True
+        return resp
     assert writer is not None
     o.last_write = loop.time()  # the headers count: the first ping is due ping_s after them
     if silent:
@@ -265,6 +272,7 @@ async def stream_response(
         await _write_error(resp, o.buf, e)
     except ConnectionResetError:
         log.debug("client of %s went away", response.header.id)
+        record.client_gone = True
     except asyncio.CancelledError:
         raise
     except Exception as e:

@@ -408,11 +408,17 @@ class ZmqEngineClient:
 
     @property
     def worker_active_requests(self) -> int | None:
-        return self._heartbeat.active_requests if self._heartbeat is not None else None
+        hb = self.heartbeat
+        return hb.active_requests if hb is not None else None
 
     @property
     def heartbeat(self) -> Heartbeat | None:
-        return self._heartbeat
+        # Only the current worker's: after a restart the dead one's last load
+        # (running requests, KV use) would mislead a router until the new one beats.
+        hb, worker = self._heartbeat, self._worker
+        if hb is None or worker is None or hb.worker_id != worker.worker_id:
+            return None
+        return hb
 
     @property
     def in_flight(self) -> int:

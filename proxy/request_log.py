@@ -60,6 +60,7 @@ class RequestRecord:
     finished: tuple[Finished, ...] = ()
     first_token_at: float | None = None
     ended: float | None = None
+    client_gone: bool = False  # the client's connection broke before the response ended
 
     def fail(self, exc: ProxyError) -> None:
         """An error was sent to the client (as a status or an error event)."""
@@ -168,7 +169,7 @@ async def observe_middleware(request: web.Request, handler: _Handler) -> web.Str
     status = CLIENT_GONE
     try:
         response = await handler(request)
-        status = response.status
+        status = CLIENT_GONE if rec.client_gone else response.status
         return response
     except web.HTTPException as e:  # redirects; errors became envelopes further in
         status = e.status
