@@ -99,11 +99,9 @@ def compile_grammar(
         if not matcher.is_error():
             matcher.compute_bitmask()  # builds the lexer here rather than at the first decode step
     except Exception as exc:  # llguidance raises only on API misuse; still never a worker crash
-        raise RequestRejected(ErrorCode.INVALID_REQUEST, f"invalid grammar: {exc}", param=param) from exc
+        raise RequestRejected(ErrorCode.INVALID_REQUEST, invalid_grammar(str(exc)), param=param) from exc
     if matcher.is_error():
-        raise RequestRejected(
-            ErrorCode.INVALID_REQUEST, f"invalid grammar: {matcher.get_error()}", param=param
-        )
+        raise RequestRejected(ErrorCode.INVALID_REQUEST, invalid_grammar(matcher.get_error()), param=param)
     return matcher
 
 
@@ -156,14 +154,31 @@ class TokenConstraint:
             )
 
 
+_MAX_REASON_CHARS = 400
+
+
+def llguidance_reason(error: str) -> str:
+    """llguidance's reason from one of its error texts: the first line, capped,
+    without the parser state, tokens and grammar it dumps after it (internals,
+    and the client's own schema echoed back). Both engines word their grammar
+    errors through this and the two functions below."""
+    text = error.strip()
+    line = text.splitlines()[0] if text else "unknown error"
+    line = line.removeprefix("invalid grammar: ")
+    return line if len(line) <= _MAX_REASON_CHARS else line[:_MAX_REASON_CHARS] + "..."
+
+
+def invalid_grammar(error: str) -> str:
+    """The client's message for a grammar that does not compile."""
+    return f"invalid grammar: {llguidance_reason(error)}"
+
+
 def grammar_failure(error: str) -> str:
-    """The client's message for a grammar that failed while decoding: llguidance's
-    reason (its first line), without the parser state, tokens and grammar it
-    dumps after it (internals, and the client's own schema echoed back)."""
-    reason = error.strip().splitlines()[0] if error.strip() else "unknown error"
+    """The client's message for a grammar that failed while decoding."""
+    reason = llguidance_reason(error)
     hint = (
         " (the grammar allows nothing more: e.g. a schema whose $ref loops has no finite value)"
         if "NoExtension" in reason
         else ""
     )
-    return f"grammar failed while decoding: {reason[:200]}{hint}"
+    return f"grammar failed while decoding: {reason}{hint}"

@@ -128,6 +128,7 @@ from typing import Any
 
 from engine_worker.admission import check_prompt_fits
 from engine_worker.backend import EngineFailed, ModelInfo, Prepared, RequestRejected
+from engine_worker.constraints import grammar_failure
 from engine_worker.exllamav3 import logprobs as lp
 from engine_worker.exllamav3.config import PAGE_SIZE
 from engine_worker.exllamav3.engine import EngineHandle, GeneratorLike
@@ -556,7 +557,7 @@ class ExLlamaV3Backend:
         step's output of those jobs does not follow the grammar (``grammar`` module)."""
         for req in [r for r in self._requests.values() if failure_of(r.grammar)]:
             param = req.prepared.submit.params.grammar_param
-            message = f"the grammar failed during generation: {failure_of(req.grammar)}"
+            message = grammar_failure(failure_of(req.grammar) or "")
             log.warning("exllamav3: %s: %s", req.request_id, message)
             self._finish(req)
             if req.serial >= 0:

@@ -43,9 +43,8 @@ from __future__ import annotations
 from typing import Any
 
 from engine_worker.backend import RequestRejected
+from engine_worker.constraints import invalid_grammar, llguidance_reason
 from protocol.messages import ErrorCode
-
-_MAX_MESSAGE_CHARS = 400
 
 
 def contained_filter_class(base: type) -> type:
@@ -58,7 +57,7 @@ def contained_filter_class(base: type) -> type:
         def _check_error(self) -> None:
             matcher = self._matcher
             if matcher.is_error() and self.failure is None:
-                self.failure = first_line(str(matcher.get_error()))
+                self.failure = llguidance_reason(str(matcher.get_error()))
 
     ContainedLLGuidanceFilter.__qualname__ = f"Contained{base.__name__}"
     return ContainedLLGuidanceFilter
@@ -74,25 +73,16 @@ def filter_factory(filter_class: type, tokenizer: Any) -> Any:
     return new_filter
 
 
-def first_line(text: str) -> str:
-    """llguidance's errors carry a dump of the parser state after the first line."""
-    line = text.strip().splitlines()[0] if text.strip() else text
-    return line if len(line) <= _MAX_MESSAGE_CHARS else line[:_MAX_MESSAGE_CHARS] + "..."
-
-
 def compile_filter(new_filter: Any, grammar: str, param: str | None) -> Any:
     """A filter for ``grammar`` in its start state. Raises ``RequestRejected``
     (``INVALID_REQUEST``, ``param``) when the grammar does not compile."""
     try:
         flt = new_filter(grammar)
     except Exception as e:  # ValueError from the validation, anything llguidance raises on misuse
-        text = first_line(str(e))
-        if text.lower().startswith("invalid grammar: "):
-            text = text[len("invalid grammar: ") :]
-        raise RequestRejected(ErrorCode.INVALID_REQUEST, f"invalid grammar: {text}", param=param) from e
+        raise RequestRejected(ErrorCode.INVALID_REQUEST, invalid_grammar(str(e)), param=param) from e
     failure = getattr(flt, "failure", None)
     if failure:
-        raise RequestRejected(ErrorCode.INVALID_REQUEST, f"invalid grammar: {failure}", param=param)
+        raise RequestRejected(ErrorCode.INVALID_REQUEST, invalid_grammar(failure), param=param)
     return flt
 
 
