@@ -75,7 +75,6 @@ class _Choice:
     held_logprobs: list[TokenLogprob] = field(default_factory=list)  # of tokens that added no text yet
     tools: ToolCallParser | None = None  # splits content from tool calls (requests with tools)
     prefix: str = ""  # echo: its prompt, before its text
-    finish_reason: str | None = None  # as sent (tool_calls when the answer called tools)
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,7 +275,6 @@ class ResponseState:
             end = choice.tools.finish()
             self._tool_events(choice, end.events, out)
             reason = tool_finish_reason(reason, end.tool_calls_made)
-        choice.finish_reason = reason
         choice.finished = ev
         choice.completion_tokens = ev.completion_tokens
         self._unfinished -= 1
@@ -362,7 +360,7 @@ class ResponseState:
             self.flags.per_prompt,
         )
         if self.flags.timings:
-            body.timings = self.final_timings()
+            body.timings = self._final_timings or self.final_timings()
         return body
 
     def _tool_response(self, plan: ToolPlan) -> Completion:
@@ -377,7 +375,7 @@ class ResponseState:
             h.id, self._fmt.response_object, h.created, h.model, choices, responses.final_usage(finished)
         )
         if self.flags.timings:
-            body.timings = self.final_timings()
+            body.timings = self._final_timings or self.final_timings()
         return body
 
     def finished(self) -> list[Finished]:
