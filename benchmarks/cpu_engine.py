@@ -1,24 +1,48 @@
-"""Prefill and decode speed of the CPU engine on the embedded SmolLM2-135M-Instruct.
+"""Prefill, decode and batched-decode speed of the CPU engine on the embedded
+SmolLM2-135M-Instruct, side by side with llama.cpp on the same GGUF and threads.
 
-Prints prefill tok/s for a ~1000-token prompt (prefix cache off) and greedy decode
-tok/s for 128 tokens, without and with n-gram drafting, on a repetitive prompt
-(text the model copies, where drafts hit) and on an open-ended one (where they
-mostly miss). Decode tok/s counts the tokens after the first (which prefill
-produces) over ``Finished.time_decode``.
+Sections (each a median of ``--repeats``; the prefix cache is off throughout):
 
-Usage: python benchmarks/cpu_engine.py [--dtype float32|bfloat16] [--threads N] [--repeats N]
+- prefill: tok/s for a 1,012-token prompt (``Finished.time_prefill``);
+- decode: greedy tok/s for 128 tokens (the tokens after the first over
+  ``Finished.time_decode``), without and with n-gram drafting, on a repetitive
+  prompt (text the model copies, where drafts hit) and an open-ended one, and
+  whether drafting left the text unchanged;
+- concurrency: 1, 2, 4 and 8 requests at once (8 different open-ended prompts,
+  cycled), greedy, 128 tokens each; aggregate tok/s = every output token over
+  the wall time from the first step to the last token (prefill included), its
+  ratio to 1 request, and whether every request's text equals its text alone.
+
+``--llama-cpp`` adds llama.cpp's row: ``benchmarks/llama_cpp_side.py`` in a
+virtual environment of its own (``.cache/bench/llama-venv``, created on first
+use with ``llama-cpp-python==0.3.36``, a C++ build of about 7 minutes on 2
+cores), fed the same token ids.
+
+Usage: python benchmarks/cpu_engine.py [--quantization int4|int8|none] [--dtype float32|bfloat16]
+       [--threads N] [--repeats N] [--llama-cpp]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import time
+import venv
+from pathlib import Path
 
 from engine_worker.cpu import CpuBackend
-from engine_worker.cpu.model_store import LoadedModel, load_embedded
+from engine_worker.cpu.model_store import LoadedModel, find_embedded_gguf, load_embedded
 from engine_worker.settings import DraftMode, WorkerSettings
 from protocol.messages import ChatMessage, Finished, SamplingParams, Submit, TokenDelta
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA_VENV = ROOT / ".cache" / "bench" / "llama-venv"
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+MAX_TOKENS = 128
+CONCURRENCY = (1, 2, 4, 8)
 
 PASSAGE = (
     "The committee met on Tuesday to review the quarterly budget. Revenue rose by four percent, "
@@ -41,6 +65,16 @@ TOPICS = (
     "bridges",
     "honeybees",
 )
+STORIES = (
+    "a lighthouse keeper who finds a message in a bottle",
+    "a baker who wakes up speaking only in rhymes",
+    "two rival chess clubs stranded in a snowstorm",
+    "a robot learning to tend a vegetable garden",
+    "a train that arrives one day early",
+    "a beekeeper and a stubborn queen bee",
+    "a cartographer mapping a city that keeps moving",
+    "a jazz trumpet found in an attic",
+)
 
 
 def long_prompt() -> str:
@@ -54,91 +88,205 @@ def long_prompt() -> str:
     return " ".join(sentences)
 
 
+def story(i: int) -> str:
+    return f"Write a short story about {STORIES[i % len(STORIES)]}."
+
+
 def run(backend: CpuBackend, submit: Submit) -> tuple[str, Finished]:
-    backend.add(submit)
-    text: list[str] = []
-    finished: Finished | None = None
+    """Admit one request and step until it finishes; its text and ``Finished``."""
+    texts, finished = run_many(backend, [submit])
+    return texts[0], finished[0]
+
+
+def run_many(backend: CpuBackend, submits: list[Submit]) -> tuple[list[str], list[Finished]]:
+    """Admit ``submits`` together and step until all finish."""
+    for submit in submits:
+        backend.add(submit)
+    text: dict[str, list[str]] = {s.request_id: [] for s in submits}
+    finished: dict[str, Finished] = {}
     while backend.active_ids():
         for event in backend.step():
             if isinstance(event, TokenDelta):
-                text.append(event.text)
+                text[event.request_id].append(event.text)
             elif isinstance(event, Finished):
-                finished = event
-    assert finished is not None, "request did not finish"
-    return "".join(text), finished
+                finished[event.request_id] = event
+    assert len(finished) == len(submits), "a request did not finish"
+    return ["".join(text[s.request_id]) for s in submits], [finished[s.request_id] for s in submits]
 
 
-def bench_prefill(loaded: LoadedModel, repeats: int) -> tuple[int, float]:
-    backend = CpuBackend.from_loaded(loaded, WorkerSettings(prefix_cache_mb=0))
+def chat(request_id: str, prompt: str) -> Submit:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return Submit(request_id, params, messages=(ChatMessage("user", prompt),))
+
+
+def bench_prefill(backend: CpuBackend, repeats: int) -> tuple[int, float]:
     rates, tokens = [], 0
     for i in range(repeats):
-        _, fin = run(
-            backend, Submit(f"p{i}", SamplingParams(max_tokens=1, temperature=0.0), prompt=long_prompt())
-        )
+        params = SamplingParams(max_tokens=1, temperature=0.0)
+        _, fin = run(backend, Submit(f"p{i}", params, prompt=long_prompt()))
         tokens = fin.prompt_tokens
         rates.append(fin.prompt_tokens / fin.time_prefill)
     return tokens, statistics.median(rates)
 
 
-def bench_decode(
-    loaded: LoadedModel, prompt: str, config: WorkerSettings, repeats: int
-) -> tuple[float, Finished, str]:
-    backend = CpuBackend.from_loaded(loaded, config)
-    params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+def bench_decode(backend: CpuBackend, prompt: str, repeats: int) -> tuple[float, Finished, str]:
     rates: list[float] = []
     text, fin = "", None
     for i in range(repeats):
-        text, fin = run(backend, Submit(f"d{i}", params, messages=(ChatMessage("user", prompt),)))
+        text, fin = run(backend, chat(f"d{i}", prompt))
         rates.append((fin.completion_tokens - 1) / fin.time_decode)
     assert fin is not None
     return statistics.median(rates), fin, text
 
 
+def bench_concurrency(backend: CpuBackend, n: int, repeats: int, alone: list[str]) -> tuple[float, bool]:
+    """Aggregate tok/s of ``n`` requests at once, and whether each text equals its text alone."""
+    rates, same = [], True
+    for r in range(repeats):
+        submits = [chat(f"c{r}-{i}", story(i)) for i in range(n)]
+        t0 = time.perf_counter()
+        texts, finished = run_many(backend, submits)
+        rates.append(sum(f.completion_tokens for f in finished) / (time.perf_counter() - t0))
+        same = same and texts == [alone[i % len(alone)] for i in range(n)]
+    return statistics.median(rates), same
+
+
+def llama_cpp(job: dict[str, object]) -> dict[str, object]:
+    """Run ``llama_cpp_side.py`` in its own environment (created on first use)."""
+    python = LLAMA_VENV / "bin" / "python"
+    if (
+        not python.exists()
+        or subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode
+    ):
+        print(f"creating {LLAMA_VENV} with {LLAMA_CPP_PYTHON} (a C++ build, ~7 min on 2 cores)", flush=True)
+        venv.create(LLAMA_VENV, with_pip=True)
+        subprocess.run([python, "-m", "pip", "install", "-q", LLAMA_CPP_PYTHON, "numpy"], check=True)
+    out = subprocess.run(
+        [python, str(Path(__file__).with_name("llama_cpp_side.py"))],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "LLAMA_LOG_LEVEL": "error"},
+    )
+    result: dict[str, object] = json.loads(out.stdout)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quantization", default="int4", choices=["int4", "int8", "none"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for both engines")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp's row (own venv)")
     defaults = WorkerSettings()
     parser.add_argument("--num-draft-tokens", type=int, default=defaults.num_draft_tokens)
-    parser.add_argument("--ngram-min", type=int, default=defaults.ngram_match_min)
-    parser.add_argument("--ngram-max", type=int, default=defaults.ngram_match_max)
     args = parser.parse_args()
 
-    if args.threads:
-        import torch
+    import torch
 
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    loaded = load_embedded(dtype=args.dtype)
-    print(f"model {loaded.model_id} ({args.dtype}) loaded in {time.perf_counter() - t0:.1f} s")
-
-    tokens, rate = bench_prefill(loaded, args.repeats)
-    print(f"prefill: {tokens} tokens, {rate:.0f} tok/s (chunk 256, median of {args.repeats})")
-
-    prompts = {
-        "repetitive": "Repeat the following text exactly:\n\n" + PASSAGE,
-        "open-ended": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
-    }
-    print(
-        f"{'decode (128 tokens, greedy)':30} {'plain tok/s':>12} {'ngram tok/s':>12} {'speedup':>8} "
-        f"{'accepted':>9} {'rejected':>9} {'same text':>10}"
+    loaded: LoadedModel = load_embedded(dtype=args.dtype if args.quantization == "none" else "float32")
+    common = dict(prefix_cache_mb=0, quantization=args.quantization, dtype=args.dtype, threads=args.threads)
+    plain = CpuBackend.from_loaded(loaded, WorkerSettings(**common))  # type: ignore[arg-type]
+    ngram = CpuBackend.from_loaded(
+        loaded,
+        WorkerSettings(**common, draft_mode=DraftMode.NGRAM, num_draft_tokens=args.num_draft_tokens),  # type: ignore[arg-type]
     )
+    weights_mb = plain.runner.weight_bytes() / 2**20
+    print(
+        f"model {loaded.model_id}, quantization {args.quantization}, {weights_mb:.0f} MiB of weights per "
+        f"token, {args.threads} threads, ready in {time.perf_counter() - t0:.1f} s"
+    )
+
+    tokens, prefill = bench_prefill(plain, args.repeats)
+    prompts = {"repetitive": "Repeat the following text exactly:\n\n" + PASSAGE, "open-ended": story(0)}
+    decode: dict[str, tuple[float, float, Finished, bool]] = {}
     for name, prompt in prompts.items():
-        plain = WorkerSettings(prefix_cache_mb=0)
-        ngram = WorkerSettings(
-            prefix_cache_mb=0,
-            draft_mode=DraftMode.NGRAM,
-            num_draft_tokens=args.num_draft_tokens,
-            ngram_match_min=args.ngram_min,
-            ngram_match_max=args.ngram_max,
+        plain_rate, _, plain_text = bench_decode(plain, prompt, args.repeats)
+        draft_rate, fin, draft_text = bench_decode(ngram, prompt, args.repeats)
+        decode[name] = (plain_rate, draft_rate, fin, plain_text == draft_text)
+    alone = [run(plain, chat(f"a{i}", story(i)))[0] for i in range(max(CONCURRENCY))]
+    concurrency = {n: bench_concurrency(plain, n, args.repeats, alone) for n in CONCURRENCY}
+
+    theirs: dict[str, object] | None = None
+    if args.llama_cpp:
+        tokenizer = loaded.tokenizer
+        # the token ids this engine feeds (chat template applied)
+        chat_ids = [
+            list(plain.prepare(chat("ids", p)).prompt.ids)
+            for p in [prompts["repetitive"], prompts["open-ended"], *(story(i) for i in range(8))]
+        ]
+        theirs = llama_cpp(
+            {
+                "gguf": str(find_embedded_gguf()),
+                "threads": args.threads,
+                "prefill_ids": list(tokenizer(long_prompt())["input_ids"]),
+                "decode_ids": chat_ids[:2],
+                "max_tokens": MAX_TOKENS,
+                "concurrency": [],
+                "repeats": args.repeats,
+            }
         )
-        plain_rate, _, plain_text = bench_decode(loaded, prompt, plain, args.repeats)
-        draft_rate, fin, draft_text = bench_decode(loaded, prompt, ngram, args.repeats)
+        theirs_c = llama_cpp(
+            {
+                "gguf": str(find_embedded_gguf()),
+                "threads": args.threads,
+                "prefill_ids": chat_ids[2],
+                "decode_ids": chat_ids[2:],
+                "max_tokens": MAX_TOKENS,
+                "concurrency": list(CONCURRENCY),
+                "repeats": args.repeats,
+            }
+        )
+        theirs["concurrency"] = theirs_c["concurrency"]
+
+    print()
+    print(
+        f"| | prefill, {tokens} tokens | decode, greedy, {MAX_TOKENS} tokens (repetitive / open-ended) "
+        "| with n-gram drafts (repetitive / open-ended) | "
+        + " | ".join(f"{n} at once" for n in CONCURRENCY)
+        + " |"
+    )
+    print("|---|---|---|---|" + "---|" * len(CONCURRENCY))
+    rep, opn = decode["repetitive"], decode["open-ended"]
+    base = concurrency[1][0]
+    print(
+        f"| this engine, {args.quantization} | {prefill:.0f} tok/s | {rep[0]:.1f} / {opn[0]:.1f} tok/s "
+        f"| {rep[1]:.1f} / {opn[1]:.1f} tok/s ({rep[2].draft_accepted}/{rep[2].draft_rejected} and "
+        f"{opn[2].draft_accepted}/{opn[2].draft_rejected} accepted/rejected) | "
+        + " | ".join(f"{concurrency[n][0]:.0f} tok/s ({concurrency[n][0] / base:.2f}x)" for n in CONCURRENCY)
+        + " |"
+    )
+    if theirs is not None:
+        their_decode = theirs["decode_tok_s"]
+        their_c = theirs["concurrency"]
+        their_prefill = theirs["prefill_tok_s"]
+        assert (
+            isinstance(their_decode, list) and isinstance(their_c, dict) and isinstance(their_prefill, float)
+        )
+        their_base = float(their_c["1"])
         print(
-            f"{name:30} {plain_rate:12.1f} {draft_rate:12.1f} {draft_rate / plain_rate:7.2f}x "
-            f"{fin.draft_accepted:9d} {fin.draft_rejected:9d} {plain_text == draft_text!s:>10}"
+            f"| llama.cpp (llama-cpp-python {theirs['version']}) | {their_prefill:.0f} tok/s "
+            f"| {their_decode[0]:.1f} / {their_decode[1]:.1f} tok/s | — | "
+            + " | ".join(
+                f"{float(their_c[str(n)]):.0f} tok/s ({float(their_c[str(n)]) / their_base:.2f}x)"
+                for n in CONCURRENCY
+            )
+            + " |"
         )
+        print(
+            f"\nthis engine / llama.cpp: prefill {prefill / their_prefill:.2f}x, "
+            f"decode {rep[0] / their_decode[0]:.2f}x / {opn[0] / their_decode[1]:.2f}x, "
+            f"8 at once {concurrency[8][0] / float(their_c['8']):.2f}x"
+        )
+    print(
+        "\nsame greedy text with and without drafting: "
+        f"repetitive {rep[3]}, open-ended {opn[3]}; batched as alone: "
+        + ", ".join(f"{n} at once {concurrency[n][1]}" for n in CONCURRENCY)
+    )
 
 
 if __name__ == "__main__":

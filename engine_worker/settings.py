@@ -27,6 +27,7 @@ from protocol.settings import setting
 
 BackendName = Literal["cpu", "exllamav3", "synthetic"]
 Dtype = Literal["float32", "bfloat16", "float16"]
+QuantizationName = Literal["int4", "int8", "none"]
 
 
 class DraftMode(enum.StrEnum):
@@ -115,7 +116,12 @@ class WorkerSettings(LinkSettings):
         default_factory=default_cache_dir,
         help="[cpu] Where the embedded model is converted once (default: $XDG_CACHE_HOME/exl3-sidecar).",
     )
-    dtype: Dtype = setting("float32", "[cpu] Weights and KV cache dtype.")
+    quantization: QuantizationName = setting(
+        "int4",
+        "[cpu] Weight-only quantization of the linear layers: int4 (groups of 32, the levels of the "
+        "embedded Q4_1 GGUF), int8 (per channel), none (--dtype weights). The KV cache is float32.",
+    )
+    dtype: Dtype = setting("float32", "[cpu] Weights dtype with --quantization none.")
     kv_cache_mb: int = setting(
         4096,
         "[cpu] Memory for the KV cache of running sequences, MiB; each reserves its prompt plus "
@@ -128,12 +134,6 @@ class WorkerSettings(LinkSettings):
     threads: int | None = setting(None, "[cpu] torch intra-op threads (default: torch's choice).", ge=1)
     ngram_match_max: int | None = setting(
         None, "[cpu] Longest n-gram (tokens) looked up for drafting (default: max(4, ngram_match_min)).", ge=1
-    )
-    step_budget: float = setting(
-        1.0,
-        "[cpu] Seconds after which a step stops advancing further requests (round-robin), so "
-        "heartbeats and aborts never wait long; 0 advances one request per step.",
-        ge=0,
     )
     # exllamav3
     cache_size: int | None = setting(

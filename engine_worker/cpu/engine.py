@@ -1,12 +1,15 @@
-"""``CpuBackend``: the ``engine_worker.backend.Backend`` on CPU with torch + transformers.
+"""``CpuBackend``: the ``engine_worker.backend.Backend`` on CPU with torch
+(``engine_worker.cpu.llama``: quantized weights, batched passes).
 
-Each request owns a ``SequenceKV`` (batch size 1). One ``step`` advances every
-active request by one forward pass, in admission order:
+Each request owns a ``SequenceKV``. One ``step`` is one forward pass over every
+running sequence (batched decode; each sequence attends over its own KV length):
 
-- prefill: ``prefill_chunk_size`` prompt tokens per pass, after seeding the KV
-  cache with the longest matching prefix from the ``PrefixCache`` (at most
+- prefill: chunks of the prompt, at most ``chunk_size`` prompt tokens per pass
+  shared by the sequences in prefill (oldest first), after seeding the KV cache
+  with the longest matching prefix from the ``PrefixCache`` (at most
   ``prompt_tokens - 1`` positions: the last prompt token is always fed, to get the
-  logits of the first completion token);
+  logits of the first completion token). Decoding sequences ride in the same
+  pass, so a long prompt holds them up by one chunk's compute per token;
 - decode: the last token, plus, with n-gram drafting, up to ``num_draft_tokens``
   drafted tokens verified in the same pass. Each position's logits go through
   the request's ``TokenSampler`` in order and a draft token is accepted while it
@@ -38,8 +41,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import sys
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +55,7 @@ from engine_worker.backend import Backend, ModelInfo, Prepared, RequestRejected
 from engine_worker.constraints import GrammarUnsupported, TokenConstraint, Vocabulary, compile_grammar
 from engine_worker.cpu.detokenize import IncrementalDetokenizer, StopStringMatcher
 from engine_worker.cpu.kv_cache import SequenceKV
+from engine_worker.cpu.llama import LlamaRunner, Quantization, Segment
 from engine_worker.cpu.logprobs import LogprobTrail
 from engine_worker.cpu.model_store import LoadedModel, load_embedded, load_model
 from engine_worker.cpu.ngram import NgramDrafter
@@ -130,16 +135,33 @@ class _Request:
         return len(self.tokens) - len(self.prompt_ids)
 
 
+@dataclass(frozen=True, slots=True)
+class _Work:
+    """One sequence's part of a step's pass: a prompt chunk (``drafts`` is
+    ``None``) or its last token followed by ``drafts``."""
+
+    req: _Request
+    segment: Segment
+    drafts: list[int] | None
+
+
 class CpuBackend:
-    """Runs a transformers causal LM on CPU; the embedded SmolLM2-135M-Instruct by default.
+    """Runs a Llama-family causal LM on CPU; the embedded SmolLM2-135M-Instruct by default.
 
     ``CpuBackend(config)`` loads the model named by ``config`` (converting the
     embedded GGUF on first use, see ``model_store``); ``loaded`` (or
     ``from_loaded``) uses an already loaded model and tokenizer instead.
-    Raises ``model_store.ModelNotFound`` when the model is missing.
+    Raises ``model_store.ModelNotFound`` when the model is missing and
+    ``llama.UnsupportedModel`` for an architecture the runner lacks.
     """
 
-    def __init__(self, config: WorkerSettings, *, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self,
+        config: WorkerSettings,
+        *,
+        loaded: LoadedModel | None = None,
+        runner_class: type[LlamaRunner] = LlamaRunner,
+    ) -> None:
         # Resolved per backend when the settings were built (BACKEND_DEFAULTS).
         assert config.max_seq_len and config.chunk_size and config.num_draft_tokens and config.ngram_match_max
         self._max_seq_len: int = config.max_seq_len
@@ -149,43 +171,38 @@ class CpuBackend:
         self._ngram = config.draft_mode is DraftMode.NGRAM
         if config.threads is not None:
             torch.set_num_threads(config.threads)
+        quantization = Quantization(config.quantization)
+        # Quantized weights are made from float32 ones; --dtype applies without quantization.
+        dtype = config.dtype if quantization is Quantization.NONE else "float32"
         if loaded is None:
             if config.model_dir is not None:
-                loaded = load_model(config.model_dir, dtype=config.dtype)
+                loaded = load_model(config.model_dir, dtype=dtype)
             else:
-                loaded = load_embedded(config.cache_dir, dtype=config.dtype)
+                loaded = load_embedded(config.cache_dir, dtype=dtype)
         self._config = config
         self._model: Any = loaded.model
-        self._decoder: Any = loaded.model.get_decoder()  # type: ignore[no-untyped-call]
         self._tokenizer: Any = loaded.tokenizer
         # prepare() runs on the loop's prepare thread while step() decodes with
         # self._tokenizer; transformers may reconfigure a fast tokenizer's backend
         # (truncation, padding) on encode, so the two threads never share one.
         self._prompt_tokenizer: Any = copy.deepcopy(loaded.tokenizer)
         text_config = loaded.model.config.get_text_config(decoder=True)
-        self._num_layers = int(text_config.num_hidden_layers)
         self._vocab_size = int(text_config.vocab_size)
         max_positions = getattr(text_config, "max_position_embeddings", None) or self._max_seq_len
         self._max_context = min(self._max_seq_len, int(max_positions))
+        self._runner = runner_class(loaded.model, quantization, self._max_context)
         self._end_ids = self._find_end_ids()
         # Grammars and logprobs' token bytes; built on the first request that needs them.
         self._vocabulary = Vocabulary(self._vocab_size, self._end_ids)
         self._token_info_cache: dict[int, tuple[str, bytes]] = {}
         self._prefix_cache = PrefixCache(config.prefix_cache_mb * 2**20)
         self._requests: dict[str, _Request] = {}
-        self._next_turn = 0  # round-robin position for steps cut by step_budget
-        head_dim = getattr(text_config, "head_dim", None) or (
-            int(text_config.hidden_size) // int(text_config.num_attention_heads)
-        )
-        kv_heads = int(getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads)
-        dtype_bytes = next(self._model.parameters()).element_size()
-        kv_bytes_per_token = 2 * self._num_layers * kv_heads * int(head_dim) * dtype_bytes
         vocab = self._tokenizer.get_vocab()
         self._info = ModelInfo(
             model_id=loaded.model_id,
             max_context_tokens=self._max_context,
             drafting=config.drafting,
-            kv_cache_tokens=config.kv_cache_mb * 2**20 // kv_bytes_per_token,
+            kv_cache_tokens=config.kv_cache_mb * 2**20 // self._runner.kv_bytes_per_token(),
             max_batch_size=config.max_batch_size or 1,
             # Byte-level BPE pieces spell each byte as one character, so a piece is
             # never shorter than the text it decodes to: a safe upper bound.
@@ -199,9 +216,20 @@ class CpuBackend:
         self._warm_up()
 
     @classmethod
-    def from_loaded(cls, loaded: LoadedModel, config: WorkerSettings | None = None) -> CpuBackend:
-        """A backend over an already loaded model (tests, benchmarks)."""
-        return cls(config or WorkerSettings(), loaded=loaded)
+    def from_loaded(
+        cls,
+        loaded: LoadedModel,
+        config: WorkerSettings | None = None,
+        runner_class: type[LlamaRunner] = LlamaRunner,
+    ) -> CpuBackend:
+        """A backend over an already loaded model (tests, benchmarks);
+        ``runner_class`` replaces the forward pass (tests script its logits)."""
+        return cls(config or WorkerSettings(), loaded=loaded, runner_class=runner_class)
+
+    @property
+    def runner(self) -> LlamaRunner:
+        """The forward pass (read-only use: shapes, weight bytes)."""
+        return self._runner
 
     # ------------------------------------------------------------------ Backend
 
@@ -314,18 +342,19 @@ class CpuBackend:
             self._release(req, keep_kv=True)
 
     def step(self) -> list[Event]:
-        """One forward pass per active request, within a time budget; the events
-        produced, in order.
+        """One forward pass over every running sequence; the events produced, in order.
 
         A step that admits new requests (prefix-cache lookup, ``Started`` and the
         first ``PrefillProgress``) runs no forward pass, so those events reach the
-        client at once instead of after a prefill chunk of every request.
+        client at once instead of after a pass.
 
-        Otherwise requests are advanced round-robin until ``step_budget`` has
-        passed: with many requests in flight a step still ends within about one
-        forward pass of the budget, so the worker loop keeps sending heartbeats
-        and handling aborts, and the next step resumes with the request after the
-        last one advanced."""
+        Otherwise one pass (``LlamaRunner.forward``) carries every decoding
+        sequence's last token and drafts, plus at most ``chunk_size`` prompt
+        tokens of the sequences still in prefill, oldest first: a long prompt
+        delays the others' next token by one chunk's compute at most. When the
+        batched pass raises, each of its sequences is run alone, so only the one
+        that fails gets an error.
+        """
         if not self._requests:
             return []
         events: list[Event] = []
@@ -333,55 +362,94 @@ class CpuBackend:
             waiting = [r for r in self._requests.values() if r.kv is None]
             if waiting:
                 for req in waiting:
-                    self._guarded_advance(req, events)
+                    self._guarded(req, events, self._start, req, events)
                 return events
-            order = list(self._requests.values())
-            start = self._next_turn % len(order)
-            t0 = time.perf_counter()
-            advanced = 0
-            for req in order[start:] + order[:start]:
-                self._guarded_advance(req, events)
-                advanced += 1
-                if time.perf_counter() - t0 >= self._config.step_budget:
-                    break
-            self._next_turn = start + advanced
+            work = self._plan()
+            results = self._run(work, events)
+            for item, logits in results:
+                self._guarded(item.req, events, self._apply, item, logits, events)
         return events
 
-    def _guarded_advance(self, req: _Request, events: list[Event]) -> None:
+    def _plan(self) -> list[_Work]:
+        """This step's segments: every decoding sequence (its drafts proposed and
+        cut to the grammar) and whole prompt chunks, oldest first, while they fit
+        in ``chunk_size`` tokens.
+
+        A prompt is cut at the same offsets (``cached + k * chunk_size``) whatever
+        else runs, so its KV does not depend on batching (``llama`` module)."""
+        work: list[_Work] = []
+        budget = self._chunk_size
+        for req in self._requests.values():
+            assert req.kv is not None
+            if req.processed >= req.prompt_len:
+                drafts = self._propose(req)
+                inputs = [req.tokens[-1], *drafts]
+                work.append(_Work(req, Segment(req.kv, inputs, len(inputs)), drafts))
+                continue
+            end = min(req.processed + self._chunk_size, req.prompt_len)
+            if end - req.processed <= budget:
+                budget -= end - req.processed
+                chunk = req.prompt_ids[req.processed : end]
+                work.append(_Work(req, Segment(req.kv, chunk, 1 if end == req.prompt_len else 0), None))
+        return work
+
+    def _run(self, work: list[_Work], events: list[Event]) -> list[tuple[_Work, torch.Tensor | None]]:
+        """The pass over ``work``; each item with its logits. A failing batched pass
+        is retried item by item, and the items that fail alone get an error."""
         try:
-            self._advance(req, events)
+            logits = self._runner.forward([item.segment for item in work])
+            return list(zip(work, logits, strict=True))
+        except Exception:
+            if len(work) == 1:
+                self._fail(work[0].req, events)
+                return []
+            logger.warning("a batched pass of %d sequences failed; running them one by one", len(work))
+        results: list[tuple[_Work, torch.Tensor | None]] = []
+        for item in work:
+            try:
+                results.append((item, self._runner.forward([item.segment])[0]))
+            except Exception:
+                self._fail(item.req, events)
+        return results
+
+    def _fail(self, req: _Request, events: list[Event]) -> None:
+        """End ``req`` with an internal error after its pass raised; its KV is
+        dropped (it may be half-written)."""
+        logger.exception("request %s failed", req.request_id)
+        if self._requests.pop(req.request_id, None) is not None:
+            self._release(req, keep_kv=False)
+        exc = sys.exc_info()[1]
+        events.append(
+            RequestError(
+                request_id=req.request_id,
+                code=ErrorCode.INTERNAL,
+                message=f"CPU engine error: {type(exc).__name__}: {exc}",
+            )
+        )
+
+    def _guarded(self, req: _Request, events: list[Event], action: Callable[..., None], *args: Any) -> None:
+        """Run ``action(*args)`` for ``req``; an exception ends ``req`` alone."""
+        try:
+            action(*args)
         except RequestRejected as exc:  # the request's own fault (its grammar failed): its KV is sound
             logger.info("request %s rejected while decoding: %s", req.request_id, exc.message)
             if self._requests.pop(req.request_id, None) is not None:
                 self._release(req, keep_kv=True)
             events.append(RequestError(req.request_id, exc.code, exc.message, exc.param))
-        except Exception as exc:  # one request's failure must not end the others
-            logger.exception("request %s failed", req.request_id)
-            if self._requests.pop(req.request_id, None) is not None:
-                self._release(req, keep_kv=False)
-            events.append(
-                RequestError(
-                    request_id=req.request_id,
-                    code=ErrorCode.INTERNAL,
-                    message=f"CPU engine error: {type(exc).__name__}: {exc}",
-                )
-            )
+        except Exception:  # one request's failure must not end the others
+            self._fail(req, events)
 
     def close(self) -> None:
         """Drop all requests, the prefix cache and the model."""
         self._requests.clear()
         self._prefix_cache.clear()
         self._model = None
-        self._decoder = None
 
     def _warm_up(self) -> None:
         """One small forward pass, so the first request does not pay for paging in
-        the memory-mapped weights and for the kernels' first-call setup."""
+        the weights and for the kernels' first-call setup."""
         with torch.inference_mode():
-            kv = SequenceKV(self._num_layers, 8)
-            self._model(
-                input_ids=torch.zeros((1, 4), dtype=torch.long), cache=kv, use_cache=True, logits_to_keep=1
-            )
+            self._runner.forward([Segment(self._runner.new_kv(8), [0, 0, 0, 0], 1)])
 
     # ------------------------------------------------------------------ admission
 
@@ -458,19 +526,11 @@ class CpuBackend:
 
     # ------------------------------------------------------------------ stepping
 
-    def _advance(self, req: _Request, events: list[Event]) -> None:
-        if req.kv is None:
-            self._start(req, events)
-        elif req.processed < req.prompt_len:
-            self._prefill_chunk(req, events)
-        else:
-            self._decode(req, events)
-
     def _start(self, req: _Request, events: list[Event]) -> None:
         req.t_start = time.perf_counter()
         room = min(req.params.max_tokens, _INITIAL_DECODE_ROOM) + self._num_draft_tokens + 1
         # Positions never exceed the context: drafts are limited to fit in it.
-        req.kv = SequenceKV(self._num_layers, min(req.prompt_len + room, self._max_context))
+        req.kv = self._runner.new_kv(min(req.prompt_len + room, self._max_context))
         cached = 0
         if self._prefix_cache.capacity_bytes > 0:
             hit = self._prefix_cache.lookup(req.prompt_ids, max_length=req.prompt_len - 1)
@@ -481,43 +541,54 @@ class CpuBackend:
         events.append(Started(req.request_id, req.prompt_len, cached))
         events.append(PrefillProgress(req.request_id, req.prompt_len, cached, cached, 0))
 
-    def _prefill_chunk(self, req: _Request, events: list[Event]) -> None:
-        end = min(req.processed + self._chunk_size, req.prompt_len)
-        chunk = req.prompt_ids[req.processed : end]
-        last = end == req.prompt_len
-        logits = self._forward(req, chunk, num_logits=1 if last else 0)
-        req.processed = end
+    def _apply(self, item: _Work, logits: torch.Tensor | None, events: list[Event]) -> None:
+        """What a pass's logits mean for one sequence: progress, tokens, finish."""
+        req = item.req
+        if item.drafts is None:
+            self._prefilled(req, len(item.segment.tokens), logits, events)
+        else:
+            assert logits is not None
+            self._verify(req, item.drafts, logits, events)
+
+    def _prefilled(self, req: _Request, count: int, logits: torch.Tensor | None, events: list[Event]) -> None:
+        req.processed += count
         now = time.perf_counter()
         events.append(
-            PrefillProgress(req.request_id, req.prompt_len, req.cached, end, int((now - req.t_start) * 1000))
+            PrefillProgress(
+                req.request_id, req.prompt_len, req.cached, req.processed, int((now - req.t_start) * 1000)
+            )
         )
-        if last:
+        if req.processed == req.prompt_len:
             assert logits is not None
             req.t_prefill_end = now
             token, scored = self._choose(req, logits[-1])
             text, reason = self._append_token(req, token, scored)
             self._report(req, text, reason, events)
 
-    def _decode(self, req: _Request, events: list[Event]) -> None:
+    def _propose(self, req: _Request) -> list[int]:
+        """Drafted tokens to verify after ``req``'s last token (n-gram drafting),
+        within ``max_tokens``, the context and the grammar."""
+        if req.drafter is None:
+            return []
+        room = min(
+            self._num_draft_tokens,
+            req.params.max_tokens - req.num_output - 1,
+            self._max_context - len(req.tokens) - 1,
+        )
+        drafts = req.drafter.propose(room)
+        if drafts and req.constraint is not None:
+            drafts = drafts[: req.constraint.valid_prefix(drafts)]
+        return drafts
+
+    def _verify(self, req: _Request, drafts: list[int], logits: torch.Tensor, events: list[Event]) -> None:
+        """Sample each fed position in order; a draft is accepted while it equals
+        the target's own choice. ``logits``: ``[1 + len(drafts), vocab]``."""
         assert req.kv is not None
         history_len = len(req.tokens)
-        drafts: list[int] = []
-        if req.drafter is not None:
-            room = min(
-                self._num_draft_tokens,
-                req.params.max_tokens - req.num_output - 1,
-                self._max_context - history_len - 1,
-            )
-            drafts = req.drafter.propose(room)
-            if drafts and req.constraint is not None:
-                drafts = drafts[: req.constraint.valid_prefix(drafts)]
-        inputs = [req.tokens[-1], *drafts]
-        logits = self._forward(req, inputs, num_logits=len(inputs))
-        assert logits is not None
         pieces: list[str] = []
         reason: FinishReason | None = None
         accepted = 0
-        for position in range(len(inputs)):
+        for position in range(len(drafts) + 1):
             token, scored = self._choose(req, logits[position])
             is_draft = position < len(drafts) and token == drafts[position]
             text, reason = self._append_token(req, token, scored)
@@ -532,18 +603,6 @@ class CpuBackend:
         # Positions fed: tokens[-1] and the drafts; keep the last token and the accepted drafts.
         req.kv.truncate(history_len + accepted)
         self._report(req, "".join(pieces), reason, events)
-
-    def _forward(self, req: _Request, token_ids: list[int], num_logits: int) -> torch.Tensor | None:
-        """Feed ``token_ids`` after ``req``'s KV; logits (``[num_logits, vocab]``) of
-        the last positions, or ``None`` when ``num_logits == 0``."""
-        input_ids = torch.tensor([token_ids], dtype=torch.long)
-        if num_logits == 0:
-            # Prompt chunks before the last need no logits: skip the LM head.
-            self._decoder(input_ids=input_ids, cache=req.kv, use_cache=True)
-            return None
-        out = self._model(input_ids=input_ids, cache=req.kv, use_cache=True, logits_to_keep=num_logits)
-        logits: torch.Tensor = out.logits[0]
-        return logits
 
     def _choose(self, req: _Request, logits: torch.Tensor) -> tuple[int, Scored | None]:
         """The token for one position's logits, within the grammar, and its score

@@ -1,7 +1,7 @@
 """Token-level prefix cache: the KV of earlier sequences, reused by later prompts.
 
 Each entry is one finished (or aborted) sequence: the token ids whose KV exists
-(prompt plus generated tokens that were fed back) and its per-layer KV tensors.
+(prompt plus generated tokens that were fed back) and their KV (``kv_cache.KVTensors``).
 A lookup returns the entry sharing the longest common token prefix with a new
 prompt; the engine copies that many positions into the new sequence's cache, so
 entries are never written after insertion and a later failure or abort cannot
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_worker.cpu.kv_cache import KVTensors, kv_nbytes
+from engine_worker.cpu.kv_cache import KVTensors, kv_length, kv_nbytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +98,8 @@ class PrefixCache:
         n = int(ids.shape[0])
         if n == 0:
             return False
-        if kv and int(kv[0][0].shape[-2]) != n:
-            raise ValueError(f"KV holds {int(kv[0][0].shape[-2])} positions for {n} tokens")
+        if kv_length(kv) != n:
+            raise ValueError(f"KV holds {kv_length(kv)} positions for {n} tokens")
         for entry_id, entry in list(self._entries.items()):
             lcp = common_prefix_length(entry.tokens, ids)
             if lcp == n and len(entry) >= n:

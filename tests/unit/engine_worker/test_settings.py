@@ -92,7 +92,7 @@ def test_check_validates_without_loading_anything() -> None:
         {"prefix_cache_mb": -1},
         {"num_draft_tokens": 0},
         {"threads": 0},
-        {"step_budget": -1.0},
+        {"quantization": "int2"},
         {"heartbeat_interval": 0.0},
     ],
 )

@@ -267,9 +267,7 @@ def test_openai_fields_not_implemented_are_refused_by_name(field: str, value: An
     assert exc.value.param == field and "not supported" in exc.value.message
 
 
-@pytest.mark.parametrize(
-    ("field", "value"), [("suffix", "end"), ("best_of", 3)]
-)
+@pytest.mark.parametrize(("field", "value"), [("suffix", "end"), ("best_of", 3)])
 def test_completion_fields_not_implemented_are_refused_by_name(field: str, value: Any) -> None:
     with pytest.raises(InvalidRequest) as exc:
         parse_completion_request(orjson.dumps({"prompt": "hi", field: value}))

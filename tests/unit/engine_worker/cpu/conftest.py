@@ -4,7 +4,9 @@ Mechanics tests run on a tiny random-weight Llama over the embedded model's
 tokenizer (milliseconds per step). ``ScriptedLlama`` is that model with a
 "bigram script": at every position whose input token has a scripted successor,
 that successor gets +1000 on the logits, so the generated tokens are known in
-advance, identical however the sequence is chunked, cached or drafted.
+advance, identical however the sequence is chunked, cached, drafted or batched.
+The script lives on the model object; ``ScriptedRunner`` (the engine's forward
+pass with the script applied) reads it at every pass.
 Tests marked ``slow`` share one real SmolLM2-135M-Instruct per session.
 """
 
@@ -22,6 +24,7 @@ pytest.importorskip("transformers")
 from transformers import LlamaForCausalLM  # noqa: E402
 
 from engine_worker.cpu.engine import CpuBackend  # noqa: E402
+from engine_worker.cpu.llama import LlamaRunner, Quantization  # noqa: E402
 from engine_worker.cpu.model_store import (  # noqa: E402
     LoadedModel,
     load_embedded,
@@ -44,12 +47,14 @@ SCRIPT_BOOST = 1000.0
 
 
 class ScriptedLlama(LlamaForCausalLM):
-    """A random Llama whose next token is forced where a bigram script says so.
+    """A random Llama carrying a bigram script for ``ScriptedRunner``.
 
-    Records ``(input length, logits_to_keep)`` of every call with logits, so tests
-    can count the drafted positions the engine verified, and with ``record`` the
-    input ids and the logits returned (``inputs``, ``outputs``: one row per position
-    kept), so tests can recompute what the engine derived from them.
+    ``passes`` records every pass as its segments' ``(length, logits kept)``;
+    ``calls`` records ``(segment length, logits kept)`` of every segment a pass
+    returned logits for, so tests can count the drafted positions the engine
+    verified; with ``record``, ``inputs`` gets each such segment's tokens and
+    ``outputs`` its logits (one row per position kept), so tests can recompute
+    what the engine derived from them.
     """
 
     def setup_script(
@@ -60,8 +65,8 @@ class ScriptedLlama(LlamaForCausalLM):
         default: int = -1,
     ) -> None:
         """``script`` maps a token to the token that must follow it (``boost`` added
-        to its logit), ``default`` follows every other token (-1: none); an input
-        holding ``poison`` makes the forward pass raise."""
+        to its logit), ``default`` follows every other token (-1: none); a pass
+        holding ``poison`` in any segment raises."""
         vocab = self.config.vocab_size
         self.boost = boost
         self.next_token = torch.full((vocab,), default, dtype=torch.long)
@@ -69,27 +74,40 @@ class ScriptedLlama(LlamaForCausalLM):
             self.next_token[src] = dst
         self.poison = poison
         self.calls: list[tuple[int, int]] = []
+        self.passes: list[list[tuple[int, int]]] = []
         self.record = False
         self.inputs: list[list[int]] = []
         self.outputs: list[Any] = []
 
-    def forward(self, input_ids: Any = None, logits_to_keep: Any = 0, **kwargs: Any) -> Any:
-        if self.poison is not None and bool((input_ids == self.poison).any()):
-            raise RuntimeError("poisoned input")
-        out = super().forward(input_ids=input_ids, logits_to_keep=logits_to_keep, **kwargs)
-        n = out.logits.shape[1]
-        self.calls.append((int(input_ids.shape[1]), int(logits_to_keep)))
-        targets = self.next_token[input_ids[0, -n:]]
-        for pos in torch.nonzero(targets >= 0).flatten().tolist():
-            out.logits[0, pos, targets[pos]] += self.boost
-        if self.record:
-            self.inputs.append(input_ids[0].tolist())
-            self.outputs.extend(out.logits[0].clone())
-        return out
-
     def drafted_positions(self) -> int:
         """Drafted tokens fed in decode/verify passes (those ask logits for every input)."""
         return sum(length - 1 for length, keep in self.calls if keep == length)
+
+
+class ScriptedRunner(LlamaRunner):
+    """The engine's forward pass, then the script of the model it was built from."""
+
+    def __init__(self, model: ScriptedLlama, quantization: Quantization, max_positions: int) -> None:
+        super().__init__(model, quantization, max_positions)
+        self.script = model
+
+    def forward(self, segments: Any) -> list[Any]:
+        script = self.script
+        if script.poison is not None and any(script.poison in seg.tokens for seg in segments):
+            raise RuntimeError("poisoned input")
+        out = super().forward(segments)
+        script.passes.append([(len(seg.tokens), seg.logits) for seg in segments])
+        for seg, logits in zip(segments, out, strict=True):
+            if logits is None:
+                continue
+            script.calls.append((len(seg.tokens), seg.logits))
+            targets = script.next_token[torch.tensor(list(seg.tokens[-seg.logits :]))]
+            for pos in torch.nonzero(targets >= 0).flatten().tolist():
+                logits[pos, targets[pos]] += script.boost
+            if script.record:
+                script.inputs.append(list(seg.tokens))
+                script.outputs.extend(logits.clone())
+        return out
 
 
 @dataclass
@@ -183,7 +201,8 @@ def make_backend() -> Any:
     """``make_backend(loaded, **config)``: a ``CpuBackend`` over a loaded model."""
 
     def make(loaded: LoadedModel, **config: Any) -> CpuBackend:
-        return CpuBackend.from_loaded(loaded, WorkerSettings(**config))
+        runner = ScriptedRunner if isinstance(loaded.model, ScriptedLlama) else LlamaRunner
+        return CpuBackend.from_loaded(loaded, WorkerSettings(**config), runner_class=runner)
 
     return make
 

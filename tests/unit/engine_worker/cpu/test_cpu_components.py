@@ -193,40 +193,41 @@ def test_grammar_mask_and_min_tokens() -> None:
 # ---------------------------------------------------------------- KV cache
 
 
-def test_sequence_kv_chunked_truncated_and_seeded_match_full_forward(tiny: object) -> None:
-    model = tiny.model  # type: ignore[attr-defined]
-    layers = model.config.num_hidden_layers
-    ids = torch.randint(0, model.config.vocab_size, (1, 50), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        full = model(input_ids=ids).logits[0]
-        kv = SequenceKV(layers, initial_capacity=8)  # forces several regrowths
-        parts = [
-            model(input_ids=ids[:, i : i + 7], cache=kv, use_cache=True).logits[0] for i in range(0, 50, 7)
-        ]
-        torch.testing.assert_close(torch.cat(parts), full, rtol=1e-4, atol=1e-4)
-        assert kv.length == 50 and kv.get_seq_length() == 50
-        kv.truncate(30)
-        again = model(input_ids=ids[:, 30:50], cache=kv, use_cache=True).logits[0]
-        torch.testing.assert_close(again, full[30:], rtol=1e-4, atol=1e-4)
-        exported = kv.export()
-        seeded = SequenceKV(layers, initial_capacity=4)
-        seeded.seed(exported, 20)
-        tail = model(input_ids=ids[:, 20:50], cache=seeded, use_cache=True).logits[0]
-        torch.testing.assert_close(tail, full[20:], rtol=1e-4, atol=1e-4)
+def test_sequence_kv_grows_truncates_seeds_and_exports() -> None:
+    kv = SequenceKV(num_layers=2, kv_heads=1, head_dim=4, initial_capacity=3)
+    assert (kv.length, kv.capacity) == (0, 0)
+    kv.reserve(2)
+    assert kv.capacity == 3
+    kv.layer(1)[:, :, :2] = torch.arange(16.0).view(2, 1, 2, 4)
+    kv.length = 2
+    kv.reserve(4)  # grows by 1.5x at least, keeping the filled positions
+    assert kv.capacity == 4
+    assert torch.equal(kv.layer(1)[:, :, :2], torch.arange(16.0).view(2, 1, 2, 4))
+    kv.truncate(1)
+    assert kv.length == 1
+    with pytest.raises(ValueError):
+        kv.truncate(2)
+    exported = kv.export()  # 1 of 4 positions used: copied to its size
+    assert exported.shape == (2, 2, 1, 1, 4) and kv_nbytes(exported) == 2 * 2 * 4 * 4
+    seeded = SequenceKV(num_layers=2, kv_heads=1, head_dim=4, initial_capacity=8)
+    seeded.seed(exported, 1)
+    assert seeded.length == 1 and torch.equal(seeded.layer(1)[:, :, :1], exported[1])
+    with pytest.raises(ValueError):
+        SequenceKV(num_layers=3, kv_heads=1, head_dim=4, initial_capacity=1).seed(exported, 1)
 
 
 def test_kv_nbytes_counts_whole_storages() -> None:
-    buf = torch.zeros(1, 2, 100, 4)
-    view = buf[..., :10, :]
-    assert kv_nbytes([(view, view)]) == buf.numel() * 4
-    assert kv_nbytes([(view.clone(), torch.zeros(1, 2, 10, 4))]) == 2 * 80 * 4
+    buf = torch.zeros(2, 2, 1, 100, 4)
+    view = buf[:, :, :, :10]
+    assert kv_nbytes(view) == buf.numel() * 4
+    assert kv_nbytes(view.clone()) == 2 * 2 * 10 * 4 * 4
 
 
 # ---------------------------------------------------------------- prefix cache
 
 
-def _kv(n: int, layers: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(torch.zeros(1, 1, n, 8), torch.zeros(1, 1, n, 8)) for _ in range(layers)]
+def _kv(n: int, layers: int = 2) -> torch.Tensor:
+    return torch.zeros(layers, 2, 1, n, 8)
 
 
 BYTES_PER_TOKEN = 2 * 2 * 8 * 4  # layers * (k, v) * head_dim * float32

@@ -105,7 +105,9 @@ def test_logprobs_are_the_log_softmax_of_the_sampled_distribution(
 
 def test_greedy_logprobs_leave_out_what_top_k_removes(scripted, make_backend, run_one, raw) -> None:
     model = scripted.model
-    backend = make_backend(scripted)
+    # float32 weights: int4 levels of a random 64-wide model give exact logit ties,
+    # and a tie at the k-th value keeps both tokens
+    backend = make_backend(scripted, quantization="none")
     model.record = True
     r = run_one(backend, raw("g", "Hello", max_tokens=4, ignore_eos=True, top_k=2, logprobs=5))
     check_alignment(r, 5)

@@ -1,0 +1,342 @@
+"""``LlamaRunner``: a lean forward pass of Llama-family models for the CPU engine,
+over many sequences at once.
+
+One ``forward`` call runs a flat batch of *segments*: each is some tokens of one
+sequence (a prefill chunk, or the last token plus drafted tokens) appended to
+that sequence's ``SequenceKV``. Every linear layer runs once over all the
+segments' tokens (one weight read per step, whatever the batch size: decode on
+CPU is bound by memory bandwidth); attention runs per segment over its own KV,
+so sequences of different lengths need no padding.
+
+Weights, by ``Quantization``:
+
+- ``int4`` (default): groups of 32 input weights with a scale and an offset,
+  torch's ``_weight_int4pack_mm_for_cpu`` with bfloat16 activations. The
+  embedded GGUF is Q4_1 (groups of 32, scale and minimum), so this holds the
+  same 16 levels per group the GGUF holds (scale and offset rounded to
+  bfloat16); about a quarter of float32's bytes per token.
+- ``int8``: one scale per output channel, ``_weight_int8pack_mm``.
+- ``none``: the loaded dtype (float32 or bfloat16), ``torch.nn.functional.linear``.
+
+The LM head (tied to the embeddings in SmolLM2, Q8_0 in its GGUF) is int8 per
+output channel with either quantization. The residual stream, norms, RoPE,
+attention and KV cache stay float32.
+
+Batch invariance: a token's logits and KV are bitwise the same whether its
+sequence runs alone or batched, and whether a decode position comes alone or in
+a verify pass with drafts. The quantized kernels compute each row of a batched
+linear as they compute it alone (float32 and bfloat16 GEMMs do not: with
+``none`` this holds only approximately); norms and activations are per row;
+attention runs per segment, decode positions one query at a time (the fused
+kernel's result for a row depends on the other rows of its call, and one bit
+of difference flips bfloat16 roundings downstream). Prompt chunks start at
+fixed offsets (``CpuBackend``), so their masked calls are the same too.
+Checked by ``tests/unit/engine_worker/cpu/test_llama.py``.
+
+Supported: ``model_type`` llama, mistral (no sliding window) and qwen2 (q/k/v
+biases), SiLU MLP, RMSNorm, any RoPE scaling transformers' rotary embedding
+implements. Others raise ``UnsupportedModel``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine_worker.cpu.kv_cache import SequenceKV
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+_INT4_GROUP = 32  # input weights sharing one scale and offset (Q4_1's block)
+
+
+class Quantization(enum.StrEnum):
+    """Weight-only quantization of the linear layers (``--quantization``)."""
+
+    INT4 = "int4"
+    INT8 = "int8"
+    NONE = "none"
+
+
+class UnsupportedModel(Exception):
+    """The model's architecture is not one ``LlamaRunner`` implements."""
+
+
+class QuantizedLinear:
+    """``y = x @ W.T (+ b)`` for ``x`` ``[tokens, in]`` float32, ``y`` ``[tokens, out]`` float32.
+
+    ``mode`` ``int4``/``int8`` quantize ``weight`` (``[out, in]``) once here;
+    shapes the int4 kernel cannot take (``in`` not a multiple of 32) fall back
+    to int8. ``none`` keeps ``weight`` in its dtype.
+    """
+
+    __slots__ = ("_bias", "_int4_scales", "_int8_scales", "_mode", "_weight")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: Quantization) -> None:
+        weight = weight.detach()
+        in_features = weight.shape[1]
+        if mode is Quantization.INT4 and in_features % _INT4_GROUP != 0:
+            mode = Quantization.INT8
+        self._mode = mode
+        self._bias = None if bias is None else bias.detach().float()
+        self._int4_scales: torch.Tensor | None = None
+        self._int8_scales: torch.Tensor | None = None
+        if mode is Quantization.INT4:
+            self._weight, self._int4_scales = _pack_int4(weight.float())
+        elif mode is Quantization.INT8:
+            w = weight.float()
+            scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+            self._weight = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+            self._int8_scales = scales.to(torch.bfloat16)
+        else:
+            self._weight = weight.contiguous()
+
+    @property
+    def mode(self) -> Quantization:
+        return self._mode
+
+    def nbytes(self) -> int:
+        """Bytes of weight data read per forward pass."""
+        total = self._weight.numel() * self._weight.element_size()
+        for extra in (self._int4_scales, self._int8_scales, self._bias):
+            if extra is not None:
+                total += extra.numel() * extra.element_size()
+        return total
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor
+        if self._mode is Quantization.INT4:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16), self._weight, _INT4_GROUP, self._int4_scales
+            ).float()
+        elif self._mode is Quantization.INT8:
+            y = torch.ops.aten._weight_int8pack_mm(
+                x.to(torch.bfloat16), self._weight, self._int8_scales
+            ).float()
+        else:
+            y = F.linear(x.to(self._weight.dtype), self._weight).float()
+        if self._bias is not None:
+            y += self._bias
+        return y
+
+
+def _pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` ``[out, in]`` float32 as 16 levels per group of 32 inputs: the
+    packed codes and ``[in/32, out, 2]`` bfloat16 (scale, offset), the kernel's
+    layout, where a weight is ``(code - 8) * scale + offset``."""
+    out_features, in_features = weight.shape
+    groups = weight.view(out_features, in_features // _INT4_GROUP, _INT4_GROUP)
+    low = groups.amin(dim=-1)
+    scale = ((groups.amax(dim=-1) - low) / 15.0).clamp(min=1e-12)
+    codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.view(out_features, in_features), 1)
+    scales_and_offsets = torch.stack([scale, low + 8.0 * scale], dim=-1).transpose(0, 1).contiguous()
+    return packed, scales_and_offsets.to(torch.bfloat16)
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """``tokens`` appended to ``kv`` (positions ``kv.length ..``); the logits of the
+    last ``logits`` of them are returned (0: none).
+
+    A segment with logits for every token (decode: the last token and drafts)
+    attends one query at a time; others (prompt chunks) in one masked call."""
+
+    kv: SequenceKV
+    tokens: Sequence[int]
+    logits: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: QuantizedLinear
+    o: QuantizedLinear
+    post_norm: torch.Tensor
+    gate_up: QuantizedLinear
+    down: QuantizedLinear
+
+
+class LlamaRunner:
+    """The forward pass of a transformers Llama-family causal LM, weights copied
+    (and quantized) out of ``model`` at construction.
+
+    ``max_positions`` bounds the positions (RoPE table, tokens). Raises
+    ``UnsupportedModel`` for other architectures.
+    """
+
+    def __init__(self, model: Any, quantization: Quantization, max_positions: int) -> None:
+        config = model.config.get_text_config(decoder=True)
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModel(
+                f"the CPU engine runs {', '.join(SUPPORTED_MODEL_TYPES)} models; this one is {model_type!r}"
+            )
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise UnsupportedModel(f"hidden_act {config.hidden_act!r} is not supported (silu only)")
+        window = getattr(config, "sliding_window", None)
+        # qwen2 configs carry a window that use_sliding_window leaves off by default
+        if window and getattr(config, "use_sliding_window", True) and window < max_positions:
+            raise UnsupportedModel(f"sliding-window attention ({window} tokens) is not supported")
+        decoder = model.get_decoder()
+        self.num_layers = int(config.num_hidden_layers)
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
+        self.hidden_size = int(config.hidden_size)
+        self.head_dim = int(getattr(config, "head_dim", None) or self.hidden_size // self.num_heads)
+        self.vocab_size = int(config.vocab_size)
+        self.quantization = quantization
+        self._eps = float(config.rms_norm_eps)
+        self._intermediate = int(config.intermediate_size)
+        self._q_width = self.num_heads * self.head_dim
+        self._kv_width = self.num_kv_heads * self.head_dim
+        self._scale = self.head_dim**-0.5
+        with torch.inference_mode():
+            self._embed = decoder.embed_tokens.weight.detach().float()
+            self._norm = decoder.norm.weight.detach().float()
+            self._layers = [self._layer(layer, quantization) for layer in decoder.layers]
+            head = model.get_output_embeddings()
+            head_mode = Quantization.NONE if quantization is Quantization.NONE else Quantization.INT8
+            self._head = QuantizedLinear(head.weight, getattr(head, "bias", None), head_mode)
+            # cos/sin per position from the model's own rotary embedding (any RoPE
+            # scaling it implements, attention scaling included).
+            positions = torch.arange(max_positions)[None]
+            probe = torch.zeros(1, 1, self.head_dim)
+            cos, sin = decoder.rotary_emb(probe, positions)
+            self._cos = cos[0].float()[:, None, :].contiguous()  # [positions, 1, head_dim]
+            self._sin = sin[0].float()[:, None, :].contiguous()
+
+    def _layer(self, layer: Any, quantization: Quantization) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        biases = [p.bias for p in projections]
+        if any(b is not None for b in biases):
+            bias = torch.cat(
+                [
+                    b if b is not None else p.weight.new_zeros(p.weight.shape[0])
+                    for b, p in zip(biases, projections, strict=True)
+                ]
+            )
+        else:
+            bias = None
+        return _Layer(
+            input_norm=layer.input_layernorm.weight.detach().float(),
+            qkv=QuantizedLinear(torch.cat([p.weight for p in projections]), bias, quantization),
+            o=QuantizedLinear(attn.o_proj.weight, attn.o_proj.bias, quantization),
+            post_norm=layer.post_attention_layernorm.weight.detach().float(),
+            gate_up=QuantizedLinear(
+                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, quantization
+            ),
+            down=QuantizedLinear(mlp.down_proj.weight, None, quantization),
+        )
+
+    @property
+    def max_positions(self) -> int:
+        return int(self._cos.shape[0])
+
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes per token (float32 keys and values, every layer)."""
+        return SequenceKV.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim)
+
+    def weight_bytes(self) -> int:
+        """Bytes of linear-layer weights read per forward pass (LM head included)."""
+        linears = [self._head]
+        for layer in self._layers:
+            linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
+        return sum(linear.nbytes() for linear in linears)
+
+    def new_kv(self, capacity: int) -> SequenceKV:
+        """An empty KV cache for one sequence, ``capacity`` positions allocated."""
+        return SequenceKV(self.num_layers, self.num_kv_heads, self.head_dim, capacity)
+
+    def forward(self, segments: Sequence[Segment]) -> list[torch.Tensor | None]:
+        """Run ``segments`` in one pass; per segment its logits
+        (``[logits, vocab]`` float32) or ``None``.
+
+        Each segment's KV grows by its token count, committed only when the whole
+        pass succeeds: after an exception every ``kv.length`` is unchanged (the
+        positions written are overwritten by the next pass). Raises
+        ``ValueError`` past ``max_positions``.
+        """
+        ids: list[int] = []
+        positions: list[int] = []
+        plan: list[tuple[SequenceKV, int, int, int, torch.Tensor | None]] = []
+        for seg in segments:
+            n, start = len(seg.tokens), seg.kv.length
+            if n == 0:
+                raise ValueError("a segment needs at least one token")
+            if start + n > self.max_positions:
+                raise ValueError(f"position {start + n} is past the model's {self.max_positions}")
+            seg.kv.reserve(start + n)
+            mask = None
+            if 1 < n != seg.logits:  # a prompt chunk: causal within it, everything before visible
+                mask = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
+            plan.append((seg.kv, len(ids), n, start, mask))
+            ids.extend(seg.tokens)
+            positions.extend(range(start, start + n))
+        index = torch.tensor(positions)
+        cos, sin = self._cos[index], self._sin[index]
+        x = self._embed[torch.tensor(ids)]
+        tokens = len(ids)
+        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        half = d // 2
+        for li, layer in enumerate(self._layers):
+            h = F.rms_norm(x, (self.hidden_size,), layer.input_norm, self._eps)
+            qkv = layer.qkv(h)
+            qk = qkv[:, : self._q_width + self._kv_width].view(tokens, heads + kv_heads, d)
+            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+            qk = qk * cos + rotated * sin
+            # keys back in place, so keys and values of a segment are written in one copy
+            qkv[:, self._q_width : self._q_width + self._kv_width] = qk[:, heads:].reshape(
+                tokens, self._kv_width
+            )
+            new_kv = qkv[:, self._q_width :].view(tokens, 2, kv_heads, d)
+            outputs = []
+            for kv, offset, n, start, mask in plan:
+                buffer = kv.layer(li)  # [2, kv_heads, capacity, d]
+                buffer[:, :, start : start + n] = new_kv[offset : offset + n].permute(1, 2, 0, 3)
+                if mask is not None:
+                    keys = buffer[0, :, : start + n][None]
+                    values = buffer[1, :, : start + n][None]
+                    q = qk[offset : offset + n, :heads].transpose(0, 1)[None]
+                    out = F.scaled_dot_product_attention(
+                        q, keys, values, attn_mask=mask, scale=self._scale, enable_gqa=True
+                    )
+                    outputs.append(out[0].transpose(0, 1))  # [n, heads, d]
+                    continue
+                # Decode positions, one query at a time: each is computed exactly as
+                # plain decoding computes it (a verify pass's position included).
+                for i in range(n):
+                    keys = buffer[0, :, : start + i + 1][None]
+                    values = buffer[1, :, : start + i + 1][None]
+                    q = qk[offset + i : offset + i + 1, :heads].transpose(0, 1)[None]
+                    out = F.scaled_dot_product_attention(q, keys, values, scale=self._scale, enable_gqa=True)
+                    outputs.append(out[0].transpose(0, 1))  # [1, heads, d]
+            attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+            x = x + layer.o(attn.reshape(tokens, self._q_width))
+            h = F.rms_norm(x, (self.hidden_size,), layer.post_norm, self._eps)
+            gate_up = layer.gate_up(h)
+            x = x + layer.down(F.silu(gate_up[:, : self._intermediate]) * gate_up[:, self._intermediate :])
+        rows: list[int] = []
+        for seg, (_, offset, n, _, _) in zip(segments, plan, strict=True):
+            rows.extend(range(offset + n - seg.logits, offset + n))
+        logits = None
+        if rows:
+            last = F.rms_norm(x[torch.tensor(rows)], (self.hidden_size,), self._norm, self._eps)
+            logits = self._head(last)
+        for kv, _, n, start, _ in plan:
+            kv.length = start + n
+        result: list[torch.Tensor | None] = []
+        row = 0
+        for seg in segments:
+            if seg.logits:
+                assert logits is not None
+                result.append(logits[row : row + seg.logits])
+                row += seg.logits
+            else:
+                result.append(None)
+        return result
