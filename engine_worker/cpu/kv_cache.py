@@ -30,6 +30,8 @@ class SequenceKV:
         self._shape = (num_layers, 2, kv_heads, head_dim)
         self._initial_capacity = max(1, initial_capacity)
         self._buffer: torch.Tensor | None = None
+        self.layers: list[torch.Tensor] = []
+        """Per layer a ``[2, kv_heads, capacity, head_dim]`` view of the buffer."""
         self.length = 0
 
     @staticmethod
@@ -39,11 +41,6 @@ class SequenceKV:
     @property
     def capacity(self) -> int:
         return 0 if self._buffer is None else int(self._buffer.shape[3])
-
-    def layer(self, index: int) -> torch.Tensor:
-        """Layer ``index``'s ``[2, kv_heads, capacity, head_dim]`` buffer (a view)."""
-        assert self._buffer is not None, "reserve() first"
-        return self._buffer[index]
 
     def reserve(self, positions: int) -> None:
         """Make room for ``positions`` positions, keeping the filled ones."""
@@ -55,6 +52,7 @@ class SequenceKV:
         if self._buffer is not None and self.length:
             buffer[:, :, :, : self.length] = self._buffer[:, :, :, : self.length]
         self._buffer = buffer
+        self.layers = list(buffer.unbind(0))
 
     def truncate(self, length: int) -> None:
         """Keep only the first ``length`` positions (the buffer is kept for reuse)."""

@@ -19,7 +19,13 @@ Weights, by ``Quantization``:
 - ``none``: the loaded dtype (float32 or bfloat16), ``torch.nn.functional.linear``.
 
 The LM head (tied to the embeddings in SmolLM2, Q8_0 in its GGUF) is int8 per
-output channel with either quantization. The residual stream, norms, RoPE,
+output channel with either quantization. Measured against float32 on 600
+tokens of English text (teacher-forced): int4 with this head agrees on 98.8% of
+greedy tokens, KL 0.0009 nats, perplexity unchanged to 0.1%. Two cheaper heads
+were measured and left out: int4 (KL 0.029) and int8 weights times int8
+per-token activations with ``torch._int_mm`` (twice as fast for eight rows, KL
+0.003, but it turned SmolLM2's greedy answer to "What is the capital of
+France?" from Paris into something else). The residual stream, norms, RoPE,
 attention and KV cache stay float32.
 
 Batch invariance: a token's logits and KV are bitwise the same whether its
@@ -244,10 +250,10 @@ class LlamaRunner:
 
     def weight_bytes(self) -> int:
         """Bytes of linear-layer weights read per forward pass (LM head included)."""
-        linears = [self._head]
+        total = self._head.nbytes()
         for layer in self._layers:
-            linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
-        return sum(linear.nbytes() for linear in linears)
+            total += sum(linear.nbytes() for linear in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        return total
 
     def new_kv(self, capacity: int) -> SequenceKV:
         """An empty KV cache for one sequence, ``capacity`` positions allocated."""
@@ -284,40 +290,47 @@ class LlamaRunner:
         tokens = len(ids)
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         half = d // 2
+        q_width, qk_width = self._q_width, self._q_width + self._kv_width
         for li, layer in enumerate(self._layers):
             h = F.rms_norm(x, (self.hidden_size,), layer.input_norm, self._eps)
             qkv = layer.qkv(h)
-            qk = qkv[:, : self._q_width + self._kv_width].view(tokens, heads + kv_heads, d)
-            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-            qk = qk * cos + rotated * sin
-            # keys back in place, so keys and values of a segment are written in one copy
-            qkv[:, self._q_width : self._q_width + self._kv_width] = qk[:, heads:].reshape(
-                tokens, self._kv_width
-            )
-            new_kv = qkv[:, self._q_width :].view(tokens, 2, kv_heads, d)
+            qk = qkv[:, :qk_width].view(tokens, heads + kv_heads, d)
+            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+            # rotated keys back next to the values: one copy writes a segment's KV
+            qkv[:, q_width:qk_width] = qk[:, heads:].reshape(tokens, self._kv_width)
+            new_kv = qkv[:, q_width:].view(tokens, 2, kv_heads, d).permute(1, 2, 0, 3)  # [2, kv_heads, T, d]
+            queries = qk[:, :heads].transpose(0, 1)[None]  # [1, heads, T, d]
             outputs = []
             for kv, offset, n, start, mask in plan:
-                buffer = kv.layer(li)  # [2, kv_heads, capacity, d]
-                buffer[:, :, start : start + n] = new_kv[offset : offset + n].permute(1, 2, 0, 3)
+                buffer = kv.layers[li]  # [2, kv_heads, capacity, d]
+                buffer[:, :, start : start + n] = new_kv[:, :, offset : offset + n]
                 if mask is not None:
-                    keys = buffer[0, :, : start + n][None]
-                    values = buffer[1, :, : start + n][None]
-                    q = qk[offset : offset + n, :heads].transpose(0, 1)[None]
-                    out = F.scaled_dot_product_attention(
-                        q, keys, values, attn_mask=mask, scale=self._scale, enable_gqa=True
+                    outputs.append(
+                        F.scaled_dot_product_attention(
+                            queries[:, :, offset : offset + n],
+                            buffer[None, 0, :, : start + n],
+                            buffer[None, 1, :, : start + n],
+                            attn_mask=mask,
+                            scale=self._scale,
+                            enable_gqa=True,
+                        )
                     )
-                    outputs.append(out[0].transpose(0, 1))  # [n, heads, d]
                     continue
                 # Decode positions, one query at a time: each is computed exactly as
                 # plain decoding computes it (a verify pass's position included).
-                for i in range(n):
-                    keys = buffer[0, :, : start + i + 1][None]
-                    values = buffer[1, :, : start + i + 1][None]
-                    q = qk[offset + i : offset + i + 1, :heads].transpose(0, 1)[None]
-                    out = F.scaled_dot_product_attention(q, keys, values, scale=self._scale, enable_gqa=True)
-                    outputs.append(out[0].transpose(0, 1))  # [1, heads, d]
-            attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-            x = x + layer.o(attn.reshape(tokens, self._q_width))
+                for i in range(offset, offset + n):
+                    end = start + i - offset + 1
+                    outputs.append(
+                        F.scaled_dot_product_attention(
+                            queries[:, :, i : i + 1],
+                            buffer[None, 0, :, :end],
+                            buffer[None, 1, :, :end],
+                            scale=self._scale,
+                            enable_gqa=True,
+                        )
+                    )
+            attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # [1, heads, T, d]
+            x = x + layer.o(attn[0].transpose(0, 1).reshape(tokens, q_width))
             h = F.rms_norm(x, (self.hidden_size,), layer.post_norm, self._eps)
             gate_up = layer.gate_up(h)
             x = x + layer.down(F.silu(gate_up[:, : self._intermediate]) * gate_up[:, self._intermediate :])

@@ -198,11 +198,11 @@ def test_sequence_kv_grows_truncates_seeds_and_exports() -> None:
     assert (kv.length, kv.capacity) == (0, 0)
     kv.reserve(2)
     assert kv.capacity == 3
-    kv.layer(1)[:, :, :2] = torch.arange(16.0).view(2, 1, 2, 4)
+    kv.layers[1][:, :, :2] = torch.arange(16.0).view(2, 1, 2, 4)
     kv.length = 2
     kv.reserve(4)  # grows by 1.5x at least, keeping the filled positions
     assert kv.capacity == 4
-    assert torch.equal(kv.layer(1)[:, :, :2], torch.arange(16.0).view(2, 1, 2, 4))
+    assert torch.equal(kv.layers[1][:, :, :2], torch.arange(16.0).view(2, 1, 2, 4))
     kv.truncate(1)
     assert kv.length == 1
     with pytest.raises(ValueError):
@@ -211,7 +211,7 @@ def test_sequence_kv_grows_truncates_seeds_and_exports() -> None:
     assert exported.shape == (2, 2, 1, 1, 4) and kv_nbytes(exported) == 2 * 2 * 4 * 4
     seeded = SequenceKV(num_layers=2, kv_heads=1, head_dim=4, initial_capacity=8)
     seeded.seed(exported, 1)
-    assert seeded.length == 1 and torch.equal(seeded.layer(1)[:, :, :1], exported[1])
+    assert seeded.length == 1 and torch.equal(seeded.layers[1][:, :, :1], exported[1])
     with pytest.raises(ValueError):
         SequenceKV(num_layers=3, kv_heads=1, head_dim=4, initial_capacity=1).seed(exported, 1)
 
