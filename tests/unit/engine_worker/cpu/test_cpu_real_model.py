@@ -44,6 +44,33 @@ def test_drafting_keeps_greedy_output_and_accepts_drafts(real_model, make_backen
     assert "quick brown fox" in texts[0][0]
 
 
+IDENTITY_PROMPTS = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain how a bicycle gear works to a ten-year-old.",
+    "Repeat this passage exactly: " + PASSAGE,
+    "List five facts about honeybees.",
+    "What is the capital of France?",
+    "Translate into French: the library opens at nine in the morning.",
+    "Write a haiku about autumn rain.",
+    "Give three tips for learning chess, each one sentence.",
+)
+
+
+def test_greedy_output_is_the_same_alone_batched_and_drafted(
+    real_model, make_backend, run_one, run_all
+) -> None:
+    """The default configuration (int4): eight prompts decoded alone, all eight
+    batched, and batched with n-gram drafting give the same tokens."""
+    submits = [chat(f"p{i}", p, max_tokens=48, ignore_eos=True) for i, p in enumerate(IDENTITY_PROMPTS)]
+    alone = {s.request_id: run_one(make_backend(real_model, prefix_cache_mb=0), s).text for s in submits}
+    batched = run_all(make_backend(real_model, prefix_cache_mb=0), submits)
+    drafted = run_all(make_backend(real_model, prefix_cache_mb=0, draft_mode="ngram"), submits)
+    assert {rid: r.text for rid, r in batched.items()} == alone
+    assert {rid: r.text for rid, r in drafted.items()} == alone
+    assert sum(r.finished.draft_accepted for r in drafted.values()) > 0  # drafts were verified
+    assert "Paris" in alone["p4"]
+
+
 def test_follow_up_turn_reuses_the_conversation(real_model, make_backend, run_one) -> None:
     backend = make_backend(real_model, chunk_size=64)
     first = run_one(backend, chat("1", "Name a colour.", max_tokens=16))
