@@ -122,6 +122,11 @@ class WorkerSettings(LinkSettings):
         "embedded Q4_1 GGUF), int8 (per channel), none (--dtype weights). The KV cache is float32.",
     )
     dtype: Dtype = setting("float32", "[cpu] Weights dtype with --quantization none.")
+    dense_prefill: bool = setting(
+        True,
+        "[cpu] Keep bfloat16 copies of quantized weights for prompt chunks of 32+ tokens: about 1.7x "
+        "faster prefill for 2 bytes per parameter more memory.",
+    )
     kv_cache_mb: int = setting(
         4096,
         "[cpu] Memory for the KV cache of running sequences, MiB; each reserves its prompt plus "

@@ -180,17 +180,20 @@ class CpuBackend:
             else:
                 loaded = load_embedded(config.cache_dir, dtype=dtype)
         self._config = config
-        self._model: Any = loaded.model
+        # The runner copies what it needs; the transformers model is not kept
+        # (its float32 weights would double the memory of the worker).
+        self._generation_config: Any = getattr(loaded.model, "generation_config", None)
         self._tokenizer: Any = loaded.tokenizer
         # prepare() runs on the loop's prepare thread while step() decodes with
         # self._tokenizer; transformers may reconfigure a fast tokenizer's backend
         # (truncation, padding) on encode, so the two threads never share one.
         self._prompt_tokenizer: Any = copy.deepcopy(loaded.tokenizer)
         text_config = loaded.model.config.get_text_config(decoder=True)
+        self._text_config: Any = text_config
         self._vocab_size = int(text_config.vocab_size)
         max_positions = getattr(text_config, "max_position_embeddings", None) or self._max_seq_len
         self._max_context = min(self._max_seq_len, int(max_positions))
-        self._runner = runner_class(loaded.model, quantization, self._max_context)
+        self._runner = runner_class(loaded.model, quantization, self._max_context, config.dense_prefill)
         self._end_ids = self._find_end_ids()
         # Grammars and logprobs' token bytes; built on the first request that needs them.
         self._vocabulary = Vocabulary(self._vocab_size, self._end_ids)
@@ -443,7 +446,6 @@ class CpuBackend:
         """Drop all requests, the prefix cache and the model."""
         self._requests.clear()
         self._prefix_cache.clear()
-        self._model = None
 
     def _warm_up(self) -> None:
         """One small forward pass, so the first request does not pay for paging in
@@ -480,11 +482,11 @@ class CpuBackend:
 
     def _find_end_ids(self) -> frozenset[int]:
         ids: set[int] = set()
-        generation_config = getattr(self._model, "generation_config", None)
+        generation_config = self._generation_config
         for source in (
             self._tokenizer.eos_token_id,
             getattr(generation_config, "eos_token_id", None),
-            self._model.config.get_text_config(decoder=True).eos_token_id,
+            self._text_config.eos_token_id,
         ):
             if isinstance(source, int):
                 ids.add(source)

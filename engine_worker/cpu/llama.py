@@ -18,15 +18,19 @@ Weights, by ``Quantization``:
 - ``int8``: one scale per output channel, ``_weight_int8pack_mm``.
 - ``none``: the loaded dtype (float32 or bfloat16), ``torch.nn.functional.linear``.
 
-The LM head (tied to the embeddings in SmolLM2, Q8_0 in its GGUF) is int8 per
-output channel with either quantization. Measured against float32 on 600
-tokens of English text (teacher-forced): int4 with this head agrees on 98.8% of
-greedy tokens, KL 0.0009 nats, perplexity unchanged to 0.1%. Two cheaper heads
-were measured and left out: int4 (KL 0.029) and int8 weights times int8
-per-token activations with ``torch._int_mm`` (twice as fast for eight rows, KL
-0.003, but it turned SmolLM2's greedy answer to "What is the capital of
-France?" from Paris into something else). The residual stream, norms, RoPE,
-attention and KV cache stay float32.
+The LM head (tied to the embeddings in SmolLM2, Q8_0 in its GGUF) is int8 with
+either quantization (``Int8Head``: float32 logits). Measured against float32 on
+600 tokens of English text (teacher-forced): int4 with this head agrees on 98.8%
+of greedy tokens, KL 0.0006 nats, the same perplexity to 0.1%. An
+int4 head (KL 0.029) and int8 x one-term int8 activations (it turned SmolLM2's
+greedy answer to "What is the capital of France?" away from Paris) were
+measured and left out. The residual stream, norms, RoPE, attention and KV
+cache stay float32.
+
+Prompt chunks of ``DENSE_MIN_TOKENS`` or more run through bfloat16 copies of
+the quantized weights (``dense_prefill``): a GEMM over many rows is about 1.7x
+faster than the quantized kernels, which take nearly as long per row as alone.
+The copies hold two bytes per parameter more.
 
 Batch invariance: a token's logits and KV are bitwise the same whether its
 sequence runs alone or batched, and whether a decode position comes alone or in
@@ -58,6 +62,10 @@ from engine_worker.cpu.kv_cache import SequenceKV
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 _INT4_GROUP = 32  # input weights sharing one scale and offset (Q4_1's block)
+DENSE_MIN_TOKENS = 32
+"""Prompt chunks of at least this many tokens run through the bfloat16 copies of
+the weights (``dense_prefill``): from about 8 rows a GEMM beats the quantized
+kernels, and from about 32 it pays for reading four times the bytes."""
 
 
 class Quantization(enum.StrEnum):
@@ -77,12 +85,15 @@ class QuantizedLinear:
 
     ``mode`` ``int4``/``int8`` quantize ``weight`` (``[out, in]``) once here;
     shapes the int4 kernel cannot take (``in`` not a multiple of 32) fall back
-    to int8. ``none`` keeps ``weight`` in its dtype.
+    to int8. ``none`` keeps ``weight`` in its dtype. With ``dense``, a quantized
+    layer also keeps a bfloat16 copy for ``dense_call`` (prompt chunks).
     """
 
-    __slots__ = ("_bias", "_int4_scales", "_int8_scales", "_mode", "_weight")
+    __slots__ = ("_bias", "_dense", "_int4_scales", "_int8_scales", "_mode", "_weight")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mode: Quantization) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, mode: Quantization, dense: bool = False
+    ) -> None:
         weight = weight.detach()
         in_features = weight.shape[1]
         if mode is Quantization.INT4 and in_features % _INT4_GROUP != 0:
@@ -100,10 +111,26 @@ class QuantizedLinear:
             self._int8_scales = scales.to(torch.bfloat16)
         else:
             self._weight = weight.contiguous()
+        self._dense = (
+            weight.to(torch.bfloat16).contiguous() if dense and mode is not Quantization.NONE else None
+        )
 
     @property
     def mode(self) -> Quantization:
         return self._mode
+
+    @property
+    def has_dense(self) -> bool:
+        return self._dense is not None
+
+    def dense_call(self, x: torch.Tensor) -> torch.Tensor:
+        """``y`` from the bfloat16 copy (``dense=True``): a GEMM that pays off over
+        many rows, where the quantized kernels take about as long per row as alone."""
+        assert self._dense is not None
+        y = F.linear(x.to(torch.bfloat16), self._dense).float()
+        if self._bias is not None:
+            y += self._bias
+        return y
 
     def nbytes(self) -> int:
         """Bytes of weight data read per forward pass."""
@@ -128,6 +155,41 @@ class QuantizedLinear:
         if self._bias is not None:
             y += self._bias
         return y
+
+
+class Int8Head:
+    """The LM head: ``[tokens, hidden]`` float32 -> ``[tokens, vocab]`` float32 logits.
+
+    Weights int8 with a scale per output channel (the embedded GGUF's embedding
+    is Q8_0); activations as two int8 terms per token, ``x ~ s1*q1 + s2*q2``
+    (the second quantizes what the first left over: about 14 bits), both rows
+    multiplied in one ``torch._int_mm`` call, exact in int32 and VNNI-fast.
+    Logits come out in float32: the weight-only int8 kernel returns bfloat16,
+    whose 0.125 steps at logit 25 tie SmolLM2's two best first tokens for "What
+    is the capital of France?" (0.08 apart in float32), and eight rows cost it
+    three times one row where this head takes about 2.7 times.
+    """
+
+    __slots__ = ("_scales", "_weight_t")
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        w = weight.detach().float()
+        self._scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        # [hidden, vocab], a transposed view of [vocab, hidden]: _int_mm's fastest layout here
+        self._weight_t = torch.round(w / self._scales[:, None]).clamp(-127, 127).to(torch.int8).t()
+
+    def nbytes(self) -> int:
+        return self._weight_t.numel() + self._scales.numel() * 4
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        high_scale = (x.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-30)
+        high = torch.round(x / high_scale)
+        rest = x - high * high_scale
+        low_scale = (rest.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-30)
+        low = torch.round(rest / low_scale)
+        products = torch._int_mm(torch.cat((high, low)).to(torch.int8), self._weight_t).float()
+        return (products[:rows] * high_scale + products[rows:] * low_scale) * self._scales
 
 
 def _pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,7 +237,9 @@ class LlamaRunner:
     ``UnsupportedModel`` for other architectures.
     """
 
-    def __init__(self, model: Any, quantization: Quantization, max_positions: int) -> None:
+    def __init__(
+        self, model: Any, quantization: Quantization, max_positions: int, dense_prefill: bool = True
+    ) -> None:
         config = model.config.get_text_config(decoder=True)
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -204,10 +268,16 @@ class LlamaRunner:
         with torch.inference_mode():
             self._embed = decoder.embed_tokens.weight.detach().float()
             self._norm = decoder.norm.weight.detach().float()
+            self._dense = dense_prefill and quantization is not Quantization.NONE
             self._layers = [self._layer(layer, quantization) for layer in decoder.layers]
             head = model.get_output_embeddings()
-            head_mode = Quantization.NONE if quantization is Quantization.NONE else Quantization.INT8
-            self._head = QuantizedLinear(head.weight, getattr(head, "bias", None), head_mode)
+            if getattr(head, "bias", None) is not None:
+                raise UnsupportedModel("an LM head with a bias is not supported")
+            self._head: QuantizedLinear | Int8Head = (
+                QuantizedLinear(head.weight, None, quantization)
+                if quantization is Quantization.NONE
+                else Int8Head(head.weight)
+            )
             # cos/sin per position from the model's own rotary embedding (any RoPE
             # scaling it implements, attention scaling included).
             positions = torch.arange(max_positions)[None]
@@ -229,15 +299,16 @@ class LlamaRunner:
             )
         else:
             bias = None
+        dense = self._dense
         return _Layer(
             input_norm=layer.input_layernorm.weight.detach().float(),
-            qkv=QuantizedLinear(torch.cat([p.weight for p in projections]), bias, quantization),
-            o=QuantizedLinear(attn.o_proj.weight, attn.o_proj.bias, quantization),
+            qkv=QuantizedLinear(torch.cat([p.weight for p in projections]), bias, quantization, dense),
+            o=QuantizedLinear(attn.o_proj.weight, attn.o_proj.bias, quantization, dense),
             post_norm=layer.post_attention_layernorm.weight.detach().float(),
             gate_up=QuantizedLinear(
-                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, quantization
+                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, quantization, dense
             ),
-            down=QuantizedLinear(mlp.down_proj.weight, None, quantization),
+            down=QuantizedLinear(mlp.down_proj.weight, None, quantization, dense),
         )
 
     @property
@@ -268,22 +339,45 @@ class LlamaRunner:
         positions written are overwritten by the next pass). Raises
         ``ValueError`` past ``max_positions``.
         """
-        ids: list[int] = []
-        positions: list[int] = []
-        plan: list[tuple[SequenceKV, int, int, int, torch.Tensor | None]] = []
         for seg in segments:
             n, start = len(seg.tokens), seg.kv.length
             if n == 0:
                 raise ValueError("a segment needs at least one token")
             if start + n > self.max_positions:
                 raise ValueError(f"position {start + n} is past the model's {self.max_positions}")
+        # Long prompt chunks go last, each through the dense weights on its own
+        # rows (the same call whatever else is in the pass); the rest first,
+        # through the quantized kernels in one call.
+        dense = [
+            self._dense and len(seg.tokens) >= DENSE_MIN_TOKENS and len(seg.tokens) != seg.logits
+            for seg in segments
+        ]
+        order = [i for i, d in enumerate(dense) if not d] + [i for i, d in enumerate(dense) if d]
+        ids: list[int] = []
+        positions: list[int] = []
+        plan: list[tuple[SequenceKV, int, int, int, torch.Tensor | None]] = []
+        spans: list[tuple[int, int]] = []  # rows of the dense chunks
+        for i in order:
+            seg = segments[i]
+            n, start = len(seg.tokens), seg.kv.length
             seg.kv.reserve(start + n)
             mask = None
             if 1 < n != seg.logits:  # a prompt chunk: causal within it, everything before visible
                 mask = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
+            if dense[i]:
+                spans.append((len(ids), len(ids) + n))
             plan.append((seg.kv, len(ids), n, start, mask))
             ids.extend(seg.tokens)
             positions.extend(range(start, start + n))
+        quantized_rows = spans[0][0] if spans else len(ids)
+
+        def linear(layer: QuantizedLinear, h: torch.Tensor) -> torch.Tensor:
+            if not spans:
+                return layer(h)
+            parts = [layer(h[:quantized_rows])] if quantized_rows else []
+            parts += [layer.dense_call(h[a:b]) for a, b in spans]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
         index = torch.tensor(positions)
         cos, sin = self._cos[index], self._sin[index]
         x = self._embed[torch.tensor(ids)]
@@ -293,7 +387,7 @@ class LlamaRunner:
         q_width, qk_width = self._q_width, self._q_width + self._kv_width
         for li, layer in enumerate(self._layers):
             h = F.rms_norm(x, (self.hidden_size,), layer.input_norm, self._eps)
-            qkv = layer.qkv(h)
+            qkv = linear(layer.qkv, h)
             qk = qkv[:, :qk_width].view(tokens, heads + kv_heads, d)
             qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
             # rotated keys back next to the values: one copy writes a segment's KV
@@ -330,26 +424,27 @@ class LlamaRunner:
                         )
                     )
             attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # [1, heads, T, d]
-            x = x + layer.o(attn[0].transpose(0, 1).reshape(tokens, q_width))
+            x = x + linear(layer.o, attn[0].transpose(0, 1).reshape(tokens, q_width))
             h = F.rms_norm(x, (self.hidden_size,), layer.post_norm, self._eps)
-            gate_up = layer.gate_up(h)
-            x = x + layer.down(F.silu(gate_up[:, : self._intermediate]) * gate_up[:, self._intermediate :])
+            gate_up = linear(layer.gate_up, h)
+            x = x + linear(
+                layer.down, F.silu(gate_up[:, : self._intermediate]) * gate_up[:, self._intermediate :]
+            )
         rows: list[int] = []
-        for seg, (_, offset, n, _, _) in zip(segments, plan, strict=True):
-            rows.extend(range(offset + n - seg.logits, offset + n))
+        for i, (_, offset, n, _, _) in zip(order, plan, strict=True):
+            rows.extend(range(offset + n - segments[i].logits, offset + n))
         logits = None
         if rows:
             last = F.rms_norm(x[torch.tensor(rows)], (self.hidden_size,), self._norm, self._eps)
             logits = self._head(last)
         for kv, _, n, start, _ in plan:
             kv.length = start + n
-        result: list[torch.Tensor | None] = []
+        result: list[torch.Tensor | None] = [None] * len(segments)
         row = 0
-        for seg in segments:
-            if seg.logits:
+        for i in order:
+            count = segments[i].logits
+            if count:
                 assert logits is not None
-                result.append(logits[row : row + seg.logits])
-                row += seg.logits
-            else:
-                result.append(None)
+                result[i] = logits[row : row + count]
+                row += count
         return result

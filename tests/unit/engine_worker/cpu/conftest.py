@@ -87,8 +87,10 @@ class ScriptedLlama(LlamaForCausalLM):
 class ScriptedRunner(LlamaRunner):
     """The engine's forward pass, then the script of the model it was built from."""
 
-    def __init__(self, model: ScriptedLlama, quantization: Quantization, max_positions: int) -> None:
-        super().__init__(model, quantization, max_positions)
+    def __init__(
+        self, model: ScriptedLlama, quantization: Quantization, max_positions: int, dense_prefill: bool = True
+    ) -> None:
+        super().__init__(model, quantization, max_positions, dense_prefill)
         self.script = model
 
     def forward(self, segments: Any) -> list[Any]:

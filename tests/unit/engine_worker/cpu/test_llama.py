@@ -10,7 +10,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from engine_worker.cpu.llama import LlamaRunner, QuantizedLinear, Quantization, Segment, UnsupportedModel
+from engine_worker.cpu.llama import (
+    DENSE_MIN_TOKENS,
+    LlamaRunner,
+    QuantizedLinear,
+    Quantization,
+    Segment,
+    UnsupportedModel,
+)
 
 
 def _ids(n: int, seed: int, vocab: int = 49152) -> list[int]:
@@ -179,3 +186,24 @@ def test_unsupported_architectures_are_refused() -> None:
     model.config.hidden_act = "gelu"
     with pytest.raises(UnsupportedModel, match="gelu"):
         LlamaRunner(model, Quantization.NONE, 16)
+
+
+def test_dense_prefill_is_close_to_the_quantized_pass_and_used_only_for_long_chunks(
+    smollm_shaped: Any,
+) -> None:
+    ids = _ids(80, seed=7, vocab=2000)
+    dense = LlamaRunner(smollm_shaped, Quantization.INT4, 256, dense_prefill=True)
+    quantized = LlamaRunner(smollm_shaped, Quantization.INT4, 256, dense_prefill=False)
+    reference = _reference(smollm_shaped, ids)[-1]
+    with torch.inference_mode():
+        short = [
+            r.forward([Segment(r.new_kv(8), ids[: DENSE_MIN_TOKENS - 1], 1)])[0] for r in (dense, quantized)
+        ]
+        long = [r.forward([Segment(r.new_kv(8), ids, 1)])[0] for r in (dense, quantized)]
+    assert torch.equal(short[0], short[1])  # below the threshold: the quantized kernels
+    assert not torch.equal(long[0], long[1])
+    for logits in long:
+        assert logits is not None
+        # both near float32; the bfloat16 weights nearer than the int4 ones
+        assert (logits[0] - reference).abs().max() < 0.25 * reference.abs().max()
+    assert (long[0][0] - reference).abs().mean() < (long[1][0] - reference).abs().mean()  # type: ignore[index]
