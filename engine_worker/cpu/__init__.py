@@ -1,4 +1,6 @@
-"""CPU engine backend: torch + transformers, the embedded SmolLM2-135M-Instruct by default.
+"""CPU engine backend: a lean torch forward pass of Llama-family models (int4 weights,
+batched decode), the embedded SmolLM2-135M-Instruct by default; transformers loads
+the weights and the tokenizer.
 
 Importing this package needs the ``cpu`` extra (torch, transformers, gguf,
 accelerate, safetensors). ``CpuBackend`` implements ``engine_worker.backend.Backend``

@@ -200,6 +200,7 @@ class CpuBackend:
         self._token_info_cache: dict[int, tuple[str, bytes]] = {}
         self._prefix_cache = PrefixCache(config.prefix_cache_mb * 2**20)
         self._requests: dict[str, _Request] = {}
+        self._prefill_turn = 0  # which sequence in prefill goes first in the next pass
         vocab = self._tokenizer.get_vocab()
         self._info = ModelInfo(
             model_id=loaded.model_id,
@@ -375,21 +376,28 @@ class CpuBackend:
 
     def _plan(self) -> list[_Work]:
         """This step's segments: every decoding sequence (its drafts proposed and
-        cut to the grammar) and whole prompt chunks, oldest first, while they fit
-        in ``chunk_size`` tokens.
+        cut to the grammar), and prompt chunks within ``chunk_size`` tokens.
 
-        A prompt is cut at the same offsets (``cached + k * chunk_size``) whatever
-        else runs, so its KV does not depend on batching (``llama`` module)."""
+        Chunks end at multiples of ``chunk_size`` (``_reusable``). Sequences in
+        prefill take turns at going first, so a short prompt behind a long one
+        waits one chunk, not the whole long prefill."""
         work: list[_Work] = []
-        budget = self._chunk_size
+        prefilling: list[_Request] = []
         for req in self._requests.values():
             assert req.kv is not None
-            if req.processed >= req.prompt_len:
-                drafts = self._propose(req)
-                inputs = [req.tokens[-1], *drafts]
-                work.append(_Work(req, Segment(req.kv, inputs, len(inputs)), drafts))
+            if req.processed < req.prompt_len:
+                prefilling.append(req)
                 continue
-            end = min(req.processed + self._chunk_size, req.prompt_len)
+            drafts = self._propose(req)
+            inputs = [req.tokens[-1], *drafts]
+            work.append(_Work(req, Segment(req.kv, inputs, len(inputs)), drafts))
+        if not prefilling:
+            return work
+        first = self._prefill_turn % len(prefilling)
+        self._prefill_turn = first + 1
+        budget = self._chunk_size
+        for req in prefilling[first:] + prefilling[:first]:
+            end = min((req.processed // self._chunk_size + 1) * self._chunk_size, req.prompt_len)
             if end - req.processed <= budget:
                 budget -= end - req.processed
                 chunk = req.prompt_ids[req.processed : end]
@@ -536,9 +544,9 @@ class CpuBackend:
         cached = 0
         if self._prefix_cache.capacity_bytes > 0:
             hit = self._prefix_cache.lookup(req.prompt_ids, max_length=req.prompt_len - 1)
-            if hit is not None:
-                req.kv.seed(hit.entry.kv, hit.length)
-                cached = hit.length
+            if hit is not None and self._reusable(hit.length):
+                cached = self._reusable(hit.length)
+                req.kv.seed(hit.entry.kv, cached)
         req.cached = req.processed = cached
         events.append(Started(req.request_id, req.prompt_len, cached))
         events.append(PrefillProgress(req.request_id, req.prompt_len, cached, cached, 0))
@@ -694,10 +702,27 @@ class CpuBackend:
         self._release(req, keep_kv=True)
 
     def _release(self, req: _Request, keep_kv: bool) -> None:
+        """Drop ``req``'s KV; with ``keep_kv``, its whole prompt chunks go into the
+        prefix cache (``_reusable``)."""
         kv, req.kv = req.kv, None
-        if kv is None or not keep_kv or self._prefix_cache.capacity_bytes == 0 or kv.length == 0:
+        if kv is None or not keep_kv or self._prefix_cache.capacity_bytes == 0:
             return
-        self._prefix_cache.insert(req.tokens[: kv.length], kv.export())
+        length = self._reusable(min(req.processed, kv.length))
+        if length:
+            kv.truncate(length)
+            self._prefix_cache.insert(req.prompt_ids[:length], kv.export())
+
+    def _reusable(self, positions: int) -> int:
+        """How many of a prompt's first ``positions`` computed positions a later
+        prompt may reuse: whole chunks only.
+
+        A prompt is cut into chunks at multiples of ``chunk_size`` from its first
+        token, whatever is cached, and a position's KV depends on the chunk it was
+        computed in (the rows of its GEMM and attention calls, ``llama`` module).
+        Reusing whole chunks of earlier prompts, and never generated tokens
+        (computed by decode, not prefill), keeps the output of a prompt the same
+        whether its prefix came from the cache or not."""
+        return positions // self._chunk_size * self._chunk_size
 
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from transformers import LlamaForCausalLM  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from engine_worker.cpu.engine import CpuBackend  # noqa: E402
 from engine_worker.cpu.llama import LlamaRunner, Quantization  # noqa: E402
@@ -186,6 +186,30 @@ def tokenizer() -> Any:
 @pytest.fixture(scope="session")
 def tiny(tokenizer: Any) -> LoadedModel:
     return tiny_random_llama(tokenizer, seed=0)
+
+
+@pytest.fixture(scope="session")
+def shaped(tokenizer: Any) -> LoadedModel:
+    """Random weights in SmolLM2-135M's layer shapes (hidden 576, head_dim 64, 9
+    query and 3 KV heads), four layers, over its tokenizer: where one bit of
+    difference in a pass shows in the tokens, as in the real model (the tiny
+    model's narrow rows rarely show it)."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval()
+    return LoadedModel(model=model, tokenizer=tokenizer, model_id="shaped")
 
 
 @pytest.fixture

@@ -115,37 +115,66 @@ def test_prefix_cache_reuse_counts(tiny, tokenizer, make_backend, run_one, raw) 
     r1 = run_one(backend, raw("1", p1, max_tokens=1))
     check_order(r1, cached=0, total=len(ids1), chunk=16)
 
-    # The same prompt again: everything but the last token comes from the cache.
+    # The same prompt again: its whole chunks come from the cache (never the last token).
     r2 = run_one(backend, raw("2", p1, max_tokens=1))
-    check_order(r2, cached=len(ids1) - 1, total=len(ids1), chunk=16)
+    check_order(r2, cached=(len(ids1) - 1) // 16 * 16, total=len(ids1), chunk=16)
+    assert r2.started.cached_tokens > 0
 
     # A longer prompt sharing p1, and one diverging halfway.
     for rid, prompt in (("3", p1 + " and then " + words(3, 50)), ("4", words(5) + " other " + words(4, 70))):
         new = ids(tokenizer, prompt)
-        expected = min(lcp(new, ids1), len(new) - 1)
+        expected = min(lcp(new, ids1), len(new) - 1) // 16 * 16
         assert expected > 0
         r = run_one(backend, raw(rid, prompt, max_tokens=1))
         check_order(r, cached=expected, total=len(new), chunk=16)
 
 
-def test_prefix_cache_includes_generated_tokens(scripted, tokenizer, make_backend, run_one, raw) -> None:
+def test_prefix_cache_reuses_whole_prompt_chunks_not_generated_tokens(
+    scripted, tokenizer, make_backend, run_one, raw
+) -> None:
     prompt = "Question: name three colours. Answer:"
     p_ids = ids(tokenizer, prompt)
     answer = ids(tokenizer, " red green blue", special=False)
     scripted.model.setup_script(chain(p_ids[-1], answer))
-    backend = make_backend(scripted, chunk_size=8)
+    backend = make_backend(scripted, chunk_size=4)
     r1 = run_one(backend, raw("1", prompt, max_tokens=50))
     assert r1.text == " red green blue"
     assert r1.finished.completion_tokens == len(answer) + 1  # the answer and EOS
     assert r1.finished.finish_reason is FinishReason.STOP
-    # KV exists for the prompt and every answer token (each was fed to get the next); not for EOS.
-    with_kv = p_ids + answer
+    # The follow-up shares the prompt and the answer; only the prompt's whole
+    # chunks are reused (the answer's KV was computed by decode, not prefill).
     follow_up = prompt + " red green blue. Question: and two more?"
     new = ids(tokenizer, follow_up)
-    expected = min(lcp(new, with_kv), len(new) - 1)
-    assert expected > len(p_ids)  # generated tokens were reused too
+    assert lcp(new, p_ids + answer) > len(p_ids)
+    expected = len(p_ids) // 4 * 4
+    assert expected > 0
     r2 = run_one(backend, raw("2", follow_up, max_tokens=1))
-    check_order(r2, cached=expected, total=len(new), chunk=8)
+    check_order(r2, cached=expected, total=len(new), chunk=4)
+
+
+@pytest.mark.parametrize("chunk", [7, 48])
+def test_output_is_the_same_with_and_without_a_prefix_cache_hit(
+    shaped, tokenizer, make_backend, run_one, raw, chunk
+) -> None:
+    """A prompt's KV is computed chunk by chunk at fixed offsets, and the cache
+    reuses whole chunks only, so a hit changes no token (greedy and seeded) and
+    not one bit of the log-probabilities. With chunks of 48 the shared prefix (85
+    tokens) ends inside the second chunk, which runs through the dense weights
+    (32+ tokens): reusing the prefix up to its end would compute the tail with
+    the quantized ones."""
+    base = words(19)
+    for temperature in (0.0, 1.0):
+        params = {"max_tokens": 12, "temperature": temperature, "seed": 3, "ignore_eos": True, "logprobs": 2}
+        cold = run_one(
+            make_backend(shaped, chunk_size=chunk, prefix_cache_mb=0),
+            raw("c", base + " tail and more words", **params),
+        )
+        warm_backend = make_backend(shaped, chunk_size=chunk)
+        run_one(warm_backend, raw("w0", base, **params))  # leaves the shared prefix in the cache
+        warm = run_one(warm_backend, raw("w1", base + " tail and more words", **params))
+        assert warm.started.cached_tokens > 0
+        assert warm.text == cold.text
+        assert [d.logprobs for d in warm.deltas] == [d.logprobs for d in cold.deltas]
 
 
 def test_prefix_cache_eviction_under_small_budget(tiny, tokenizer, make_backend, run_one, raw) -> None:
@@ -167,8 +196,8 @@ def test_prefix_cache_eviction_under_small_budget(tiny, tokenizer, make_backend,
     large = make_backend(tiny, prefix_cache_mb=8)
     for rid, prompt in (("a1", a), ("b1", b)):
         run_one(large, raw(rid, prompt, max_tokens=1))
-    assert run_one(large, raw("a2", a, max_tokens=1)).started.cached_tokens == n_a - 1
-    assert run_one(large, raw("b2", b, max_tokens=1)).started.cached_tokens == n_b - 1
+    assert run_one(large, raw("a2", a, max_tokens=1)).started.cached_tokens == (n_a - 1) // 256 * 256
+    assert run_one(large, raw("b2", b, max_tokens=1)).started.cached_tokens == (n_b - 1) // 256 * 256
 
     off = make_backend(tiny, prefix_cache_mb=0)
     run_one(off, raw("a1", a, max_tokens=1))
@@ -202,22 +231,24 @@ def test_abort_mid_decode_then_next_turn_counts(scripted, tokenizer, make_backen
     p_ids = ids(tokenizer, prompt)
     answer = ids(tokenizer, " cat dog cow pig hen fox owl", special=False)
     scripted.model.setup_script(chain(p_ids[-1], answer))
-    backend = make_backend(scripted)
+    backend = make_backend(scripted, chunk_size=2)
     backend.add(raw("a", prompt, max_tokens=50))
     produced = 0
     assert not any(isinstance(e, TokenDelta) for e in backend.step())  # admission
-    for _ in range(3):  # prefill + first token, then one token per step
+    for _ in range(50):  # prefill chunks, the first token, then one token per step
         produced += sum(e.num_tokens for e in backend.step() if isinstance(e, TokenDelta))
+        if produced >= 3:
+            break
     assert produced == 3
     backend.abort("a")
     assert len(backend.active_ids()) == 0 and backend.step() == []
-    # KV exists for the prompt and the first two answer tokens (the third was never fed).
+    # KV exists for the prompt and the first two answer tokens (the third was
+    # never fed); the cache keeps the prompt's whole chunks.
     follow_up = prompt + tokenizer.decode(answer[:3]) + " and more"
     new = ids(tokenizer, follow_up)
-    expected = min(lcp(new, p_ids + answer[:2]), len(new) - 1)
-    assert expected == len(p_ids) + 2
+    assert lcp(new, p_ids + answer[:2]) == len(p_ids) + 2
     r = run_one(backend, raw("b", follow_up, max_tokens=2))
-    check_order(r, cached=expected, total=len(new), chunk=256)
+    check_order(r, cached=len(p_ids) // 2 * 2, total=len(new), chunk=2)
 
 
 # ---------------------------------------------------------------- stops and text
@@ -455,7 +486,7 @@ def test_failure_is_isolated_to_its_request(scripted, tokenizer, make_backend, r
     poison = ids(tokenizer, " poison", special=False)
     assert len(poison) == 1
     scripted.model.setup_script(poison=poison[0])
-    backend = make_backend(scripted)
+    backend = make_backend(scripted, chunk_size=2)
     ok = raw("ok", "A normal prompt", max_tokens=4, ignore_eos=True)
     results = run_all(backend, [ok, raw("bad", "A poison prompt")])
     err = results["bad"].error
