@@ -18,8 +18,10 @@ virtual environment of its own (``.cache/bench/llama-venv``, created on first
 use with ``llama-cpp-python==0.3.36``, a C++ build of about 7 minutes on 2
 cores), fed the same token ids.
 
-Usage: python benchmarks/cpu_engine.py [--quantization int4|int8|none] [--dtype float32|bfloat16]
+Usage: python benchmarks/cpu_engine.py [--quantization int4,int8,none] [--dtype float32|bfloat16]
        [--threads N] [--repeats N] [--llama-cpp]
+
+``--quantization`` takes a list: one row per configuration, in one run.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import statistics
 import subprocess
 import time
 import venv
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine_worker.cpu import CpuBackend
@@ -173,75 +176,108 @@ def llama_cpp(job: dict[str, object]) -> dict[str, object]:
     return result
 
 
+@dataclass
+class Row:
+    """One engine configuration's numbers."""
+
+    name: str
+    prefill: float
+    decode: dict[str, tuple[float, float, Finished, bool]]  # prompt -> plain, drafted, Finished, same text
+    concurrency: dict[int, tuple[float, bool]]  # requests at once -> aggregate tok/s, same text as alone
+
+
+PROMPTS = {"repetitive": "Repeat the following text exactly:\n\n" + PASSAGE, "open-ended": story(0)}
+
+
+def measure(loaded: LoadedModel, quantization: str, args: argparse.Namespace) -> tuple[Row, CpuBackend, int]:
+    common = {
+        "prefix_cache_mb": 0,
+        "quantization": quantization,
+        "dtype": args.dtype,
+        "threads": args.threads,
+    }
+    t0 = time.perf_counter()
+    plain = CpuBackend.from_loaded(loaded, WorkerSettings(**common))  # type: ignore[arg-type]
+    ngram = CpuBackend.from_loaded(
+        loaded,
+        WorkerSettings(**common, draft_mode=DraftMode.NGRAM, num_draft_tokens=args.num_draft_tokens),  # type: ignore[arg-type]
+    )
+    print(
+        f"{quantization}: {plain.runner.weight_bytes() / 2**20:.0f} MiB of weights read per decode step, "
+        f"backend ready in {time.perf_counter() - t0:.1f} s",
+        flush=True,
+    )
+    tokens, prefill = bench_prefill(plain, args.repeats)
+    decode: dict[str, tuple[float, float, Finished, bool]] = {}
+    for name, prompt in PROMPTS.items():
+        plain_rate, _, plain_text = bench_decode(plain, prompt, args.repeats)
+        draft_rate, fin, draft_text = bench_decode(ngram, prompt, args.repeats)
+        decode[name] = (plain_rate, draft_rate, fin, plain_text == draft_text)
+    alone = [run(plain, chat(f"a{i}", story(i)))[0] for i in range(max(CONCURRENCY))]
+    concurrency = {n: bench_concurrency(plain, n, args.repeats, alone) for n in CONCURRENCY}
+    name = "int4 (default)" if quantization == "int4" else quantization
+    if quantization == "none":
+        name = args.dtype
+    return Row(name, prefill, decode, concurrency), plain, tokens
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quantization", default="int4", choices=["int4", "int8", "none"])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--quantization", default="int4", help="comma-separated: int4, int8, none (one row each)"
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="with none")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for both engines")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp's row (own venv)")
     defaults = WorkerSettings()
     parser.add_argument("--num-draft-tokens", type=int, default=defaults.num_draft_tokens)
     args = parser.parse_args()
+    quantizations = args.quantization.split(",")
+    if any(q not in ("int4", "int8", "none") for q in quantizations):
+        parser.error(f"--quantization: int4, int8 or none, got {args.quantization}")
 
     import torch
 
     torch.set_num_threads(args.threads)
-    t0 = time.perf_counter()
-    loaded: LoadedModel = load_embedded(dtype=args.dtype if args.quantization == "none" else "float32")
-    common = dict(prefix_cache_mb=0, quantization=args.quantization, dtype=args.dtype, threads=args.threads)
-    plain = CpuBackend.from_loaded(loaded, WorkerSettings(**common))  # type: ignore[arg-type]
-    ngram = CpuBackend.from_loaded(
-        loaded,
-        WorkerSettings(**common, draft_mode=DraftMode.NGRAM, num_draft_tokens=args.num_draft_tokens),  # type: ignore[arg-type]
-    )
-    weights_mb = plain.runner.weight_bytes() / 2**20
-    print(
-        f"model {loaded.model_id}, quantization {args.quantization}, {weights_mb:.0f} MiB of weights per "
-        f"token, {args.threads} threads, ready in {time.perf_counter() - t0:.1f} s"
-    )
-
-    tokens, prefill = bench_prefill(plain, args.repeats)
-    prompts = {"repetitive": "Repeat the following text exactly:\n\n" + PASSAGE, "open-ended": story(0)}
-    decode: dict[str, tuple[float, float, Finished, bool]] = {}
-    for name, prompt in prompts.items():
-        plain_rate, _, plain_text = bench_decode(plain, prompt, args.repeats)
-        draft_rate, fin, draft_text = bench_decode(ngram, prompt, args.repeats)
-        decode[name] = (plain_rate, draft_rate, fin, plain_text == draft_text)
-    alone = [run(plain, chat(f"a{i}", story(i)))[0] for i in range(max(CONCURRENCY))]
-    concurrency = {n: bench_concurrency(plain, n, args.repeats, alone) for n in CONCURRENCY}
+    loaded: LoadedModel = load_embedded(dtype=args.dtype if quantizations == ["none"] else "float32")
+    print(f"model {loaded.model_id}, {args.threads} threads, median of {args.repeats}")
+    rows: list[Row] = []
+    backend: CpuBackend | None = None
+    tokens = 0
+    for quantization in quantizations:
+        row, backend, tokens = measure(loaded, quantization, args)
+        rows.append(row)
+    assert backend is not None
 
     theirs: dict[str, object] | None = None
     if args.llama_cpp:
-        tokenizer = loaded.tokenizer
         # the token ids this engine feeds (chat template applied)
         chat_ids = [
-            list(plain.prepare(chat("ids", p)).prompt.ids)
-            for p in [prompts["repetitive"], prompts["open-ended"], *(story(i) for i in range(8))]
+            list(backend.prepare(chat("ids", p)).prompt.ids)
+            for p in [PROMPTS["repetitive"], PROMPTS["open-ended"], *(story(i) for i in range(8))]
         ]
+        job = {"gguf": str(find_embedded_gguf()), "threads": args.threads, "max_tokens": MAX_TOKENS}
+        prefill_ids = list(loaded.tokenizer(long_prompt())["input_ids"])
         theirs = llama_cpp(
             {
-                "gguf": str(find_embedded_gguf()),
-                "threads": args.threads,
-                "prefill_ids": list(tokenizer(long_prompt())["input_ids"]),
+                **job,
+                "prefill_ids": prefill_ids,
                 "decode_ids": chat_ids[:2],
-                "max_tokens": MAX_TOKENS,
                 "concurrency": [],
                 "repeats": args.repeats,
             }
         )
-        theirs_c = llama_cpp(
+        concurrency = llama_cpp(
             {
-                "gguf": str(find_embedded_gguf()),
-                "threads": args.threads,
+                **job,
                 "prefill_ids": chat_ids[2],
                 "decode_ids": chat_ids[2:],
-                "max_tokens": MAX_TOKENS,
                 "concurrency": list(CONCURRENCY),
                 "repeats": args.repeats,
             }
         )
-        theirs["concurrency"] = theirs_c["concurrency"]
+        theirs["concurrency"] = concurrency["concurrency"]
 
     print()
     print(
@@ -251,15 +287,19 @@ def main() -> None:
         + " |"
     )
     print("|---|---|---|---|" + "---|" * len(CONCURRENCY))
-    rep, opn = decode["repetitive"], decode["open-ended"]
-    base = concurrency[1][0]
-    print(
-        f"| this engine, {args.quantization} | {prefill:.0f} tok/s | {rep[0]:.1f} / {opn[0]:.1f} tok/s "
-        f"| {rep[1]:.1f} / {opn[1]:.1f} tok/s ({rep[2].draft_accepted}/{rep[2].draft_rejected} and "
-        f"{opn[2].draft_accepted}/{opn[2].draft_rejected} accepted/rejected) | "
-        + " | ".join(f"{concurrency[n][0]:.0f} tok/s ({concurrency[n][0] / base:.2f}x)" for n in CONCURRENCY)
-        + " |"
-    )
+    for row in rows:
+        rep, opn = row.decode["repetitive"], row.decode["open-ended"]
+        base = row.concurrency[1][0]
+        print(
+            f"| this engine, {row.name} | {row.prefill:.0f} tok/s | {rep[0]:.1f} / {opn[0]:.1f} tok/s "
+            f"| {rep[1]:.1f} / {opn[1]:.1f} tok/s ({rep[2].draft_accepted}/{rep[2].draft_rejected} and "
+            f"{opn[2].draft_accepted}/{opn[2].draft_rejected} accepted/rejected) | "
+            + " | ".join(
+                f"{row.concurrency[n][0]:.0f} tok/s ({row.concurrency[n][0] / base:.2f}x)"
+                for n in CONCURRENCY
+            )
+            + " |"
+        )
     if theirs is not None:
         their_decode = theirs["decode_tok_s"]
         their_c = theirs["concurrency"]
@@ -277,16 +317,22 @@ def main() -> None:
             )
             + " |"
         )
+        print()
+        for row in rows:
+            rep, opn = row.decode["repetitive"], row.decode["open-ended"]
+            print(
+                f"{row.name} / llama.cpp: prefill {row.prefill / their_prefill:.2f}x, "
+                f"decode {rep[0] / their_decode[0]:.2f}x / {opn[0] / their_decode[1]:.2f}x, "
+                f"8 at once {row.concurrency[8][0] / float(their_c['8']):.2f}x"
+            )
+    print()
+    for row in rows:
+        rep, opn = row.decode["repetitive"], row.decode["open-ended"]
         print(
-            f"\nthis engine / llama.cpp: prefill {prefill / their_prefill:.2f}x, "
-            f"decode {rep[0] / their_decode[0]:.2f}x / {opn[0] / their_decode[1]:.2f}x, "
-            f"8 at once {concurrency[8][0] / float(their_c['8']):.2f}x"
+            f"{row.name}: same greedy text with and without drafting: repetitive {rep[3]}, "
+            f"open-ended {opn[3]}; batched as alone: "
+            + ", ".join(f"{n} at once {row.concurrency[n][1]}" for n in CONCURRENCY)
         )
-    print(
-        "\nsame greedy text with and without drafting: "
-        f"repetitive {rep[3]}, open-ended {opn[3]}; batched as alone: "
-        + ", ".join(f"{n} at once {concurrency[n][1]}" for n in CONCURRENCY)
-    )
 
 
 if __name__ == "__main__":

@@ -399,6 +399,7 @@ class CpuBackend:
         for req in prefilling[first:] + prefilling[:first]:
             end = min((req.processed // self._chunk_size + 1) * self._chunk_size, req.prompt_len)
             if end - req.processed <= budget:
+                assert req.kv is not None
                 budget -= end - req.processed
                 chunk = req.prompt_ids[req.processed : end]
                 work.append(_Work(req, Segment(req.kv, chunk, 1 if end == req.prompt_len else 0), None))
