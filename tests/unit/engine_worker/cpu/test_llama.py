@@ -13,8 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from engine_worker.cpu.llama import (
     DENSE_MIN_TOKENS,
     LlamaRunner,
-    QuantizedLinear,
     Quantization,
+    QuantizedLinear,
     Segment,
     UnsupportedModel,
 )
