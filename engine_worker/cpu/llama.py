@@ -119,10 +119,6 @@ class QuantizedLinear:
     def mode(self) -> Quantization:
         return self._mode
 
-    @property
-    def has_dense(self) -> bool:
-        return self._dense is not None
-
     def dense_call(self, x: torch.Tensor) -> torch.Tensor:
         """``y`` from the bfloat16 copy (``dense=True``): a GEMM that pays off over
         many rows, where the quantized kernels take about as long per row as alone."""
