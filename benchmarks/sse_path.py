@@ -38,7 +38,7 @@ from protocol import (
 )
 from proxy import sse
 from proxy.app import create_app
-from proxy.engine_client import RequestStream
+from proxy.request_stream import RequestStream
 from proxy.responses import CHAT, ChunkHeader, StreamChunk
 from proxy.settings import ProxySettings
 from proxy.streaming import ResponseState, StreamFlags

@@ -52,9 +52,9 @@ from aiohttp import web
 
 from protocol.messages import Event, TokenDelta
 from proxy import sse
-from proxy.engine_client import DeltaRun, RequestStream
 from proxy.errors import EngineInternalError, GatewayTimeout, ProxyError, envelope
 from proxy.request_log import RequestRecord
+from proxy.request_stream import DeltaRun, RequestStream
 from proxy.responses import StreamChunk, encode
 from proxy.settings import ProxySettings
 from proxy.streaming import ResponseState

@@ -76,7 +76,7 @@ class TransportWriter:
     without an ``await``.
 
     Why: the engine client's reader delivers one engine step to every stream in
-    one pass (``proxy.engine_client.RequestStream.attach``); an ``await
+    one pass (``proxy.request_stream.RequestStream.attach``); an ``await
     resp.write()`` per stream would need a task per stream to wake up for it.
     ``write`` frames the bytes as aiohttp's ``StreamWriter`` would (one HTTP/1.1
     chunk, ``<size hex>\\r\\n<data>\\r\\n``, when the response is chunked;

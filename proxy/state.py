@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from proxy.engine_client import EngineClient, RequestStream
+from proxy.engine_client import EngineClient
 from proxy.errors import NOT_READY_MESSAGE, EngineNotReady, ShuttingDown, TooManyRequests
+from proxy.request_stream import RequestStream
 from proxy.settings import ProxySettings
 from proxy.tools import FormatChoice, choose_format
 

@@ -26,8 +26,8 @@ from protocol import (
 )
 from proxy import sse
 from proxy.delivery import TokenGrouper
-from proxy.engine_client import RequestStream
 from proxy.errors import EngineDead, EngineInternalError
+from proxy.request_stream import RequestStream
 from tests.fakes.engine_client import FakeEngineClient, static_script
 from tests.unit.proxy.conftest import MakeClient, sse_json
 
