@@ -2,8 +2,9 @@
 
 Two measurements, printed as numbers (no pass/fail):
 
-1. ``render``: ``ResponseState.feed`` (typed ``StreamChunk``) + ``sse.event``
-   (one msgspec encode) + join for ``TokenDelta`` events, in-process, no I/O:
+1. ``render``: ``Generation.feed`` with the chat encoder (``ChatFrames``: a
+   typed ``StreamChunk``, one msgspec encode by ``sse.event``) + join for
+   ``TokenDelta`` events, in-process, no I/O:
    microseconds per chunk and chunks per second,
    with and without ``continuous_usage_stats``, and for text that needs the
    U+2028 escape.
@@ -36,12 +37,12 @@ from protocol import (
     Submit,
     TokenDelta,
 )
-from proxy import sse
 from proxy.app import create_app
+from proxy.dialects.base import Header
+from proxy.dialects.chat.frames import ChatFrames
+from proxy.generation import Generation, Options
 from proxy.request_stream import RequestStream
-from proxy.responses import CHAT, ChunkHeader, StreamChunk
 from proxy.settings import ProxySettings
-from proxy.streaming import ResponseState, StreamFlags
 
 
 def bench_render(n: int, repeat: int, *, text: str, continuous: bool) -> list[float]:
@@ -49,12 +50,18 @@ def bench_render(n: int, repeat: int, *, text: str, continuous: bool) -> list[fl
     deltas = [TokenDelta("r", text, 1) for _ in range(n)]
     per_chunk: list[float] = []
     for _ in range(repeat):
-        state = ResponseState(
-            ChunkHeader(CHAT, "chatcmpl-0123456789abcdef0123456789abcdef", 1_700_000_000, "model-name"),
-            ["r"],
-            StreamFlags(progress=True, include_usage=continuous, continuous_usage=continuous),
+        state = Generation(["r"], Options(progress=True))
+        header = Header("chatcmpl-0123456789abcdef0123456789abcdef", 1_700_000_000, "model-name")
+        frames = ChatFrames(
+            state,
+            header,
+            "chat.completion.chunk",
+            include_usage=continuous,
+            continuous_usage=continuous,
+            timings=False,
         )
-        out: list[StreamChunk] = []
+        state.stream_to(frames)
+        out: list[bytes] = []
         state.feed(Started("r", 1000, 0), out)
         state.feed(PrefillProgress("r", 1000, 0, 1000, 50), out)
         out.clear()
@@ -62,7 +69,7 @@ def bench_render(n: int, repeat: int, *, text: str, continuous: bool) -> list[fl
         total = 0
         for ev in deltas:
             state.feed(ev, out)
-            total += len(b"".join([sse.event(c) for c in out]))
+            total += len(b"".join(out))
             out.clear()
         dt = time.perf_counter() - t0
         assert total > 0

@@ -1,6 +1,7 @@
 """Application factory and the server's run loop.
 
-``create_app`` wires routes, the middlewares (request record/log/metrics, then
+``create_app`` wires the routes (the dialects' from ``proxy.dialects.ROUTES``,
+the others from ``proxy.handlers``), the middlewares (request record/log/metrics, then
 errors, then API keys), the ``Metrics`` and the engine client's start/close
 (``cleanup_ctx``); tests build the app from it.
 ``run_proxy`` serves it (with ``proxy.runner.make_runner``) until
@@ -17,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
+from proxy.dialects import ROUTES
 from proxy.engine_client import EngineClient
 from proxy.errors import ProxyError, error_response, from_http_exception
 from proxy.handlers import add_routes
@@ -24,6 +26,7 @@ from proxy.intake import check_api_key, key_digest
 from proxy.metrics import Metrics
 from proxy.request_log import METRICS, observe_middleware, record_of
 from proxy.runner import make_runner
+from proxy.serve import add_dialect_routes, error_shape
 from proxy.settings import ProxySettings
 from proxy.state import STATE, ProxyState
 
@@ -43,8 +46,9 @@ carries no request content; a pod's metrics port is for its scraper)."""
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
-    """The one place where failures of the app become OpenAI error envelopes:
-    ``ProxyError`` keeps its status, aiohttp's HTTP errors (404, 405) keep
+    """The one place where failures of the app become error bodies, in the
+    shape of the dialect that owns the route (``proxy.serve.error_shape``;
+    OpenAI's envelope elsewhere): ``ProxyError`` keeps its status, aiohttp's HTTP errors (404, 405) keep
     theirs, anything else is a logged 500. (Requests the HTTP parser refuses
     never reach the app: ``proxy.runner.EnvelopeRequestHandler``.)"""
     try:
@@ -61,7 +65,7 @@ async def error_middleware(request: web.Request, handler: _Handler) -> web.Strea
         log.exception("unhandled error in %s %s", request.method, request.path)
         err = ProxyError(f"Internal server error: {type(e).__name__}")
     record_of(request).fail(err)
-    return error_response(err)
+    return error_response(err, error_shape(request))
 
 
 @web.middleware
@@ -101,6 +105,7 @@ def create_app(settings: ProxySettings, engine_client: EngineClient) -> web.Appl
     app[METRICS] = Metrics(engine_client)
     app.cleanup_ctx.append(_engine_lifetime)
     add_routes(app)
+    add_dialect_routes(app, ROUTES)
     return app
 
 

@@ -15,16 +15,12 @@ against ``schema``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from llguidance import LLMatcher
 
 from proxy.errors import InvalidRequest
 
-if TYPE_CHECKING:
-    from proxy.openai_models import ResponseFormatIn
-
 ANY_JSON_OBJECT: dict[str, object] = {"type": "object"}
+"""The schema of ``json_object`` outputs: any JSON object."""
 
 
 def checked(grammar: str, param: str) -> str:
@@ -47,18 +43,3 @@ def json_schema_grammar(schema: dict[str, object] | bool, param: str) -> str:
     except (ValueError, TypeError) as e:
         raise InvalidRequest(f"'{param}' cannot be enforced: {e}", param=param) from None
     return checked(grammar, param)
-
-
-def response_grammar(rf: ResponseFormatIn | None) -> str | None:
-    """The grammar ``response_format`` asks for, ``None`` for none. Raises
-    ``InvalidRequest`` (param ``response_format`` or ``response_format.json_schema``)."""
-    if rf is None or rf.type == "text":
-        return None
-    if rf.type == "json_object":
-        return json_schema_grammar(ANY_JSON_OBJECT, "response_format")
-    if rf.json_schema is None or rf.json_schema.schema is None:
-        raise InvalidRequest(
-            "'response_format' of type 'json_schema' needs 'json_schema.schema'",
-            param="response_format.json_schema",
-        )
-    return json_schema_grammar(rf.json_schema.schema, "response_format.json_schema")

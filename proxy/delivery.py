@@ -1,15 +1,16 @@
 """How the events of one request reach its client: an SSE stream, or one JSON body.
 
-``stream_response`` and ``complete_response`` are the two ends of
-``proxy.handlers``' completion endpoints. Both feed the request's
-``ResponseState`` (``proxy.streaming``: the per-request rules) with the events
-of its ``RequestStream``, in one of two ways:
+``stream_response`` and ``complete_response`` are the two ends of every
+dialect's generation endpoint (``proxy.serve``). Both feed the request's
+``Generation`` (``proxy.generation``: the per-request rules; for a stream it
+calls the dialect's encoder, ``Frames``) with the events of its
+``RequestStream``, in one of two ways:
 
 - *Handed over* (the fast path): while the handler's task has nothing to do
   but wait, it attaches a sink to the stream (``RequestStream.attach``), and the
   engine client's reader calls it once per engine step with that step's events
-  of the request. The sink feeds them, encodes each chunk once
-  (``proxy.sse.event``) and writes them to the client's transport in one
+  of the request. The sink feeds them (the dialect's encoder appends each SSE
+  event, encoded once) and writes them to the client's transport in one
   synchronous write (``proxy.sse.TransportWriter``): an engine step of N streams
   is one pass of the reader, with no task wake-up per stream. The sink hands
   the stream back to the task (returns False) when the response is done, on an
@@ -35,11 +36,13 @@ flowing wakes its task about once per ``sse_ping_interval``.
   later errors can only be error events. With ``return_progress`` a
   ``queue_progress`` chunk also sends them: the worker queues a request only
   after every check that refuses one.
-- Pings: ``: ping`` after ``sse_ping_interval`` seconds without a write (not
-  without an event: events that make no chunk can keep coming).
+- Pings: the dialect's ping (``: ping``, or Anthropic's ``ping`` event) after
+  ``sse_ping_interval`` seconds without a write (not without an event: events
+  that make no chunk can keep coming).
 - ``stream_interval`` (``TokenGrouper``): tokens per content event.
-- Errors after the headers: the chunks still pending, one ``data: {"error":
-  ...}`` event, ``[DONE]``; ``RequestRecord.fail`` records it.
+- Errors after the headers: the events still pending, then the dialect's error
+  event(s) and terminator (``Frames.error``); ``RequestRecord.fail`` records it.
+- The end: the dialect's closing events and terminator (``Frames.close``).
 """
 
 from __future__ import annotations
@@ -47,17 +50,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Callable
 
 from aiohttp import web
 
 from protocol.messages import Event, TokenDelta
 from proxy import sse
-from proxy.errors import EngineInternalError, GatewayTimeout, ProxyError, envelope
+from proxy.errors import EngineInternalError, GatewayTimeout, ProxyError
+from proxy.generation import Frames, Generation
 from proxy.request_log import RequestRecord
 from proxy.request_stream import DeltaRun, RequestStream
-from proxy.responses import StreamChunk, encode
 from proxy.settings import ProxySettings
-from proxy.streaming import ResponseState
 
 log = logging.getLogger(__name__)
 
@@ -121,50 +124,45 @@ class _SseOut:
         "buf",
         "closed",
         "error",
+        "frames",
+        "gen",
         "grouper",
         "last_event",
         "last_write",
         "loop",
-        "out",
-        "response",
         "writer",
     )
 
-    def __init__(self, response: ResponseState, loop: asyncio.AbstractEventLoop, interval: int) -> None:
-        self.response = response
+    def __init__(
+        self, gen: Generation, frames: Frames, loop: asyncio.AbstractEventLoop, interval: int
+    ) -> None:
+        self.gen = gen
+        self.frames = frames
         self.loop = loop
         self.grouper = TokenGrouper(interval) if interval > 1 else None
-        self.out: list[StreamChunk] = []
         self.buf: list[bytes] = []
         self.error: Exception | None = None
-        self.closed = False  # usage chunk and [DONE] are in buf
+        self.closed = False  # the closing events and terminator are in buf
         self.writer: sse.TransportWriter | None = None
         self.last_event = self.last_write = loop.time()
 
     def feed(self, events: list[Event]) -> None:
-        """Apply ``events`` and encode the chunks they make into ``buf``. The
-        error of an event (a ``RequestError``'s ``ProxyError``, or a bug) is
-        kept in ``error``, with the chunks of the events before it: the reader
-        runs this too, and must never see it raise."""
+        """Apply ``events``, the encoder appending their SSE events to ``buf``.
+        The error of an event (a ``RequestError``'s ``ProxyError``, or a bug) is
+        kept in ``error``, with the events before it: the reader runs this too,
+        and must never see it raise."""
         if self.grouper is not None:
             events = self.grouper.apply(events)
-        out = self.out
-        response = self.response
+        gen = self.gen
+        buf = self.buf
         try:
             for ev in events:
-                response.feed(ev, out)
+                gen.feed(ev, buf)
+            if gen.done and not self.closed:
+                self.closed = True
+                self.frames.close(buf)
         except Exception as e:
             self.error = e
-        if out:
-            buf = self.buf
-            for c in out:
-                buf.append(sse.event(c))
-            out.clear()
-        if response.done and self.error is None and not self.closed:
-            self.closed = True
-            if response.flags.include_usage:
-                self.buf.append(sse.event(response.usage_chunk()))
-            self.buf.append(sse.DONE)
 
     def take(self, stream: RequestStream) -> None:
         """Feed what ``stream`` holds (raises its failure, once nothing is left)."""
@@ -175,7 +173,7 @@ class _SseOut:
 
     def deliver(self, events: list[Event]) -> bool:
         """The sink (``RequestStream.attach``): feed one engine step's events and
-        write their chunks at once. False hands the stream back to the task:
+        write their SSE events at once. False hands the stream back to the task:
         the response is done or failed, or the client is not keeping up."""
         now = self.loop.time()
         self.last_event = now
@@ -196,22 +194,24 @@ async def stream_response(
     request: web.Request,
     settings: ProxySettings,
     stream: RequestStream,
-    response: ResponseState,
+    gen: Generation,
+    frames: Frames,
     record: RequestRecord,
 ) -> web.StreamResponse:
-    """Serve ``response`` as an SSE stream (module docstring). Raises
-    ``ProxyError`` only before the headers are sent."""
+    """Serve ``gen`` as an SSE stream encoded by ``frames`` (module docstring).
+    Raises ``ProxyError`` only before the headers are sent."""
     ping_s = settings.sse_ping_interval
     idle_s = settings.request_idle_timeout
     idle_after = idle_s or math.inf
     loop = asyncio.get_running_loop()
-    o = _SseOut(response, loop, settings.stream_interval)
+    gen.stream_to(frames)
+    o = _SseOut(gen, frames, loop, settings.stream_interval)
     # Before the headers: errors are still HTTP statuses (ProxyError propagates).
     deadline = o.last_event + ping_s
     silent = False
-    # A queue_progress chunk (the request waits in the worker's queue, after
+    # A queue_progress event (the request waits in the worker's queue, after
     # every check that could refuse it) is worth sending the headers for.
-    while not (response.started or response.done or o.buf):
+    while not (gen.started or gen.done or o.buf):
         now = loop.time()
         if now >= o.last_event + idle_after:
             raise idle_timeout(idle_s)
@@ -231,13 +231,16 @@ async def stream_response(
     except ConnectionResetError:
         # Gone between the last event and the headers: nothing was sent, nothing
         # failed here (aiohttp finishes an unsent response quietly).
-        log.debug("client of %s went away before the headers", response.header.id)
+        log.debug("client of %s went away before the headers", record.request_id)
         record.client_gone = True
         return resp
     assert writer is not None
     o.last_write = loop.time()  # the headers count: the first ping is due ping_s after them
+    head: list[bytes] = []
+    frames.open(head)
     if silent:
-        o.buf.append(sse.PING)
+        head.append(frames.ping)
+    o.buf[:0] = head
     try:
         o.writer = out = sse.TransportWriter(request, resp, writer)
         while True:
@@ -258,7 +261,7 @@ async def stream_response(
             if now >= o.last_event + idle_after:
                 raise idle_timeout(idle_s)
             if now >= o.last_write + ping_s:
-                o.buf.append(sse.PING)
+                o.buf.append(frames.ping)
                 continue
             if not stream.attach(o.deliver):
                 continue  # events came meanwhile: take them first
@@ -269,66 +272,69 @@ async def stream_response(
         await resp.write_eof()
     except ProxyError as e:
         record.fail(e)
-        await _write_error(resp, o.buf, e)
+        await _write_error(resp, o, e)
     except ConnectionResetError:
-        log.debug("client of %s went away", response.header.id)
+        log.debug("client of %s went away", record.request_id)
         record.client_gone = True
     except asyncio.CancelledError:
         raise
     except Exception as e:
-        log.exception("stream %s failed", response.header.id, exc_info=e)
+        log.exception("stream %s failed", record.request_id, exc_info=e)
         err = EngineInternalError(f"Internal error: {type(e).__name__}")
         record.fail(err)
-        await _write_error(resp, o.buf, err)
+        await _write_error(resp, o, err)
     return resp
 
 
-async def _write_error(resp: web.StreamResponse, buf: list[bytes], exc: ProxyError) -> None:
-    """After the headers the status is fixed: the chunks still pending, one
-    ``data: {"error": ...}`` event, then ``[DONE]``."""
-    buf.append(sse.event(envelope(exc)))
-    buf.append(sse.DONE)
+async def _write_error(resp: web.StreamResponse, o: _SseOut, exc: ProxyError) -> None:
+    """After the headers the status is fixed: the events still pending, then
+    the dialect's error event(s) and terminator."""
     try:
-        await resp.write(b"".join(buf))
+        o.frames.error(exc, o.buf)
+    except Exception:
+        log.exception("encoding the error event of %s failed", type(o.frames).__name__)
+    try:
+        await resp.write(b"".join(o.buf))
         await resp.write_eof()
     except ConnectionResetError:
         pass
 
 
 class _Collected:
-    """A non-stream response's state between its task and the reader."""
+    """A non-stream response's state between its task and the reader: the
+    events only accumulate in the ``Generation`` (no encoder)."""
 
-    __slots__ = ("error", "last_event", "loop", "response", "scratch")
+    __slots__ = ("error", "gen", "last_event", "loop", "scratch")
 
-    def __init__(self, response: ResponseState, loop: asyncio.AbstractEventLoop) -> None:
-        self.response = response
+    def __init__(self, gen: Generation, loop: asyncio.AbstractEventLoop) -> None:
+        self.gen = gen
         self.loop = loop
-        # Feeding is what assembles the response; its stream chunks are dropped.
-        self.scratch: list[StreamChunk] = []
+        self.scratch: list[bytes] = []  # stays empty: there is no encoder
         self.error: Exception | None = None
         self.last_event = loop.time()
 
     def feed(self, events: list[Event]) -> None:
         try:
             for ev in events:
-                self.response.feed(ev, self.scratch)
+                self.gen.feed(ev, self.scratch)
         except Exception as e:
             self.error = e
-        self.scratch.clear()
 
     def deliver(self, events: list[Event]) -> bool:
         self.last_event = self.loop.time()
         self.feed(events)
-        return self.error is None and not self.response.done
+        return self.error is None and not self.gen.done
 
 
-async def complete_response(stream: RequestStream, response: ResponseState, idle_s: float) -> web.Response:
-    """Serve ``response`` as one JSON body once every choice finished. Raises
-    the ``ProxyError`` of a failed request, ``GatewayTimeout`` after
-    ``idle_s`` seconds without an event (0: no limit)."""
+async def complete_response(
+    stream: RequestStream, gen: Generation, body: Callable[[], bytes], idle_s: float
+) -> web.Response:
+    """Wait until every choice of ``gen`` finished, then answer ``body()`` (the
+    dialect's JSON body). Raises the ``ProxyError`` of a failed request,
+    ``GatewayTimeout`` after ``idle_s`` seconds without an event (0: no limit)."""
     loop = asyncio.get_running_loop()
     idle_after = idle_s or math.inf
-    c = _Collected(response, loop)
+    c = _Collected(gen, loop)
     while True:
         events = stream.take()
         if events:
@@ -336,8 +342,8 @@ async def complete_response(stream: RequestStream, response: ResponseState, idle
             c.feed(events)
         if c.error is not None:
             raise c.error
-        if response.done:
-            return web.Response(body=encode(response.response()), content_type="application/json")
+        if gen.done:
+            return web.Response(body=body(), content_type="application/json")
         if loop.time() >= c.last_event + idle_after:
             raise idle_timeout(idle_s)
         if not stream.attach(c.deliver):

@@ -41,7 +41,7 @@ Envelope (OpenAI API reference, error object; ``proxy.responses.ErrorEnvelope``)
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 from aiohttp import web
 
@@ -224,11 +224,33 @@ def envelope(exc: ProxyError) -> ErrorEnvelope:
     return ErrorEnvelope(ErrorDetail(exc.message, exc.type, exc.param, exc.code))
 
 
-def error_response(exc: ProxyError) -> web.Response:
-    """A JSON response with ``exc.status``, its envelope as the body and its
+class ErrorShape(Protocol):
+    """How a dialect writes an error body (``proxy.dialects``)."""
+
+    def body(self, exc: ProxyError) -> bytes:
+        """The JSON body of ``exc``."""
+        ...
+
+
+class OpenAIErrors:
+    """OpenAI's envelope: the shape of the OpenAI dialects and of every route
+    that belongs to no dialect (probes, models, unknown routes, requests the
+    HTTP parser refuses)."""
+
+    __slots__ = ()
+
+    def body(self, exc: ProxyError) -> bytes:
+        return encode(envelope(exc))
+
+
+OPENAI_ERRORS: ErrorShape = OpenAIErrors()
+
+
+def error_response(exc: ProxyError, shape: ErrorShape = OPENAI_ERRORS) -> web.Response:
+    """A JSON response with ``exc.status``, its body in ``shape`` and its
     headers; it closes the connection when ``exc.close``."""
     resp = web.Response(
-        status=exc.status, body=encode(envelope(exc)), content_type="application/json", headers=exc.headers()
+        status=exc.status, body=shape.body(exc), content_type="application/json", headers=exc.headers()
     )
     if exc.close:
         resp.force_close()

@@ -34,7 +34,7 @@ from protocol.logs import FIELDS
 from protocol.messages import Finished
 from proxy.errors import ProxyError
 from proxy.metrics import CompletedRequest, Metrics
-from proxy.responses import Usage
+from proxy.usage import Counts
 
 log = logging.getLogger("proxy.requests")
 
@@ -56,7 +56,7 @@ class RequestRecord:
     request_id: str | None = None
     stream: bool | None = None
     error_code: str | None = None
-    usage: Usage | None = None
+    usage: Counts | None = None
     finished: tuple[Finished, ...] = ()
     first_token_at: float | None = None
     ended: float | None = None
@@ -66,8 +66,8 @@ class RequestRecord:
         """An error was sent to the client (as a status or an error event)."""
         self.error_code = exc.code or exc.type
 
-    def complete(self, usage: Usage, finished: list[Finished], first_token_at: float | None) -> None:
-        """Every choice finished; ``usage`` is what the response carries."""
+    def complete(self, usage: Counts, finished: list[Finished], first_token_at: float | None) -> None:
+        """Every choice finished; ``usage`` is what the response's usage says."""
         self.usage = usage
         self.finished = tuple(finished)
         self.first_token_at = first_token_at
@@ -78,19 +78,14 @@ class RequestRecord:
         usage, ended = self.usage, self.ended
         if usage is None or ended is None or not self.finished:
             return None
-        details = usage.completion_tokens_details
-        accepted = rejected = 0
-        if details:  # UNSET is falsy
-            accepted = details.accepted_prediction_tokens
-            rejected = details.rejected_prediction_tokens
         first = self.finished[0]
         ttft_at = self.first_token_at if self.first_token_at is not None else ended
         return CompletedRequest(
             prompt_tokens=usage.prompt_tokens,
-            cached_tokens=usage.prompt_tokens_details.cached_tokens,
+            cached_tokens=usage.cached_tokens,
             completion_tokens=usage.completion_tokens,
-            draft_accepted=accepted,
-            draft_rejected=rejected,
+            draft_accepted=usage.draft_accepted or 0,
+            draft_rejected=usage.draft_rejected or 0,
             ttft=max(0.0, ttft_at - self.arrived),
             duration=max(0.0, ended - self.arrived),
             queue=first.time_queued,
@@ -136,13 +131,12 @@ def _fields(request: web.Request, rec: RequestRecord, endpoint: str, status: int
         fields["stream"] = rec.stream
     usage = rec.usage
     if usage is not None:
-        details = usage.completion_tokens_details
         fields.update(
             prompt_tokens=usage.prompt_tokens,
-            cached_tokens=usage.prompt_tokens_details.cached_tokens,
+            cached_tokens=usage.cached_tokens,
             completion_tokens=usage.completion_tokens,
-            draft_accepted=details.accepted_prediction_tokens if details else None,
-            draft_rejected=details.rejected_prediction_tokens if details else None,
+            draft_accepted=usage.draft_accepted,
+            draft_rejected=usage.draft_rejected,
             ttft_s=round((rec.first_token_at or now) - rec.arrived, 6),
             decode_tps=_decode_tps(rec.finished),
             finish_reason=",".join(str(f.finish_reason) for f in rec.finished),

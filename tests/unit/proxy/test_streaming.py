@@ -1,7 +1,7 @@
-"""``ResponseState``: chunk rules that depend on the history of a request.
+"""``Generation`` with the chat and text encoders: chunk rules that depend on the history of a request.
 
-Chunks are checked as the JSON they encode to (``msgspec.to_builtins``: unset
-keys absent, ``None`` kept), so the assertions read like the wire format."""
+Chunks are checked as the JSON of the SSE events the encoders write (unset keys
+absent, ``None`` kept), so the assertions read like the wire format."""
 
 from __future__ import annotations
 
@@ -20,20 +20,50 @@ from protocol import (
     Started,
     TokenDelta,
 )
+from proxy.dialects.base import Header
+from proxy.dialects.chat.frames import ChatFrames, chat_body
+from proxy.dialects.completions import TextFrames
+from proxy.dialects.openai_common import usage_of
 from proxy.errors import ContextLengthExceeded, EngineInternalError, InvalidRequest
-from proxy.responses import CHAT, TEXT, ChunkHeader, ResponseFormat, StreamChunk
-from proxy.streaming import ResponseState, StreamFlags
+from proxy.generation import Generation, Options
 from tests.fakes.engine_client import completion_events
+
+HEADER = Header("resp", 1700000000, "m")
+
+
+def frames_of(
+    gen: Generation,
+    text: bool = False,
+    include_usage: bool = False,
+    continuous_usage: bool = False,
+    timings: bool = False,
+) -> ChatFrames | TextFrames:
+    cls = TextFrames if text else ChatFrames
+    obj = "text_completion" if text else "chat.completion.chunk"
+    kw = {"include_usage": include_usage, "continuous_usage": continuous_usage, "timings": timings}
+    return cls(gen, HEADER, obj, **kw)
 
 
 def run(
-    events: list[Event], *, fmt: ResponseFormat = CHAT, ids: list[str] | None = None, **flags: bool
-) -> tuple[ResponseState, list[dict[str, Any]]]:
-    state = ResponseState(ChunkHeader(fmt, "resp", 1700000000, "m"), ids or ["r"], StreamFlags(**flags))
-    out: list[StreamChunk] = []
+    events: list[Event],
+    *,
+    text: bool = False,
+    ids: list[str] | None = None,
+    progress: bool = False,
+    **flags: bool,
+) -> tuple[Generation, list[dict[str, Any]]]:
+    gen = Generation(ids or ["r"], Options(progress=progress))
+    gen.stream_to(frames_of(gen, text, **flags))
+    out: list[bytes] = []
     for ev in events:
-        state.feed(ev, out)
-    return state, [msgspec.to_builtins(c) for c in out]
+        gen.feed(ev, out)
+    return gen, [decode_event(b) for b in out]
+
+
+def decode_event(frame: bytes) -> dict[str, Any]:
+    assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
+    data: dict[str, Any] = msgspec.json.decode(frame[6:-2])
+    return data
 
 
 def progress_of(chunks: list[dict[str, Any]]) -> list[dict[str, int]]:
@@ -133,7 +163,7 @@ def test_empty_completion_still_sends_the_role() -> None:
 
 
 def test_text_completion_chunks() -> None:
-    _, chunks = run(completion_events("r", ["x", "y"], chunk=100), fmt=TEXT, progress=True)
+    _, chunks = run(completion_events("r", ["x", "y"], chunk=100), text=True, progress=True)
     assert [c["object"] for c in chunks] == ["text_completion"] * 5
     assert [c["choices"] for c in chunks] == [
         [{"index": 0, "text": "", "logprobs": None, "finish_reason": None}],
@@ -165,7 +195,7 @@ def test_final_usage_sums_choices_and_counts_the_prompt_once() -> None:
     events: list[Event] = [*(Started(f.request_id, 50, 32) for f in fin), *fin]
     state, _ = run(events, ids=["r-0", "r-1", "r-2"])
     assert state.done
-    assert msgspec.to_builtins(state.final_usage()) == {
+    assert msgspec.to_builtins(usage_of(state.final_counts())) == {
         "prompt_tokens": 50,
         "completion_tokens": 7 + 11 + 2,
         "total_tokens": 50 + 20,
@@ -175,17 +205,17 @@ def test_final_usage_sums_choices_and_counts_the_prompt_once() -> None:
         "completion_time": 3.0,
         "total_time": 4.75,
     }
-    body = state.response()
-    assert [c.finish_reason for c in body.choices] == ["stop", "length", "stop"]
+    body = msgspec.json.decode(chat_body(state, HEADER, timings=False))
+    assert [c["finish_reason"] for c in body["choices"]] == ["stop", "length", "stop"]
 
 
 def test_no_draft_details_without_drafting_and_cached_zero_present() -> None:
     state, _ = run(completion_events("r", ["a"], cached_tokens=0))
-    usage = msgspec.to_builtins(state.final_usage())
+    usage = msgspec.to_builtins(usage_of(state.final_counts()))
     assert "completion_tokens_details" not in usage
     assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
     state, _ = run(completion_events("r", ["a"], draft=(0, 0)))
-    assert msgspec.to_builtins(state.final_usage())["completion_tokens_details"] == {
+    assert msgspec.to_builtins(usage_of(state.final_counts()))["completion_tokens_details"] == {
         "accepted_prediction_tokens": 0,
         "rejected_prediction_tokens": 0,
     }
@@ -202,8 +232,9 @@ def test_no_draft_details_without_drafting_and_cached_zero_present() -> None:
 def test_request_error_raises_after_earlier_chunks(
     code: ErrorCode, exc: type[Exception], status: int
 ) -> None:
-    state = ResponseState(ChunkHeader(CHAT, "resp", 0, "m"), ["r"], StreamFlags())
-    out: list[StreamChunk] = []
+    state = Generation(["r"], Options())
+    state.stream_to(frames_of(state))
+    out: list[bytes] = []
     state.feed(Started("r", 3, 0), out)
     state.feed(TokenDelta("r", "a", 1), out)
     with pytest.raises(exc) as info:

@@ -1,4 +1,4 @@
-"""Request validation and conversion into ``protocol.Submit``."""
+"""The chat and text completions dialects: request validation and conversion into ``protocol.Submit``."""
 
 from __future__ import annotations
 
@@ -9,15 +9,23 @@ from typing import Any
 import orjson
 import pytest
 
-from protocol import ChatMessage
+from protocol import ChatMessage, Submit
+from proxy.dialects.base import Context
+from proxy.dialects.chat import ChatJob
+from proxy.dialects.chat.request import ChatCompletionRequest, parse_chat_request
+from proxy.dialects.completions import CompletionJob, CompletionRequest, parse_completion_request
 from proxy.errors import InvalidRequest
-from proxy.openai_models import (
-    parse_chat_request,
-    parse_completion_request,
-    prompt_chars,
-    to_submit,
-    to_submits,
-)
+from proxy.task import prompt_chars
+from proxy.tools import choose_format
+
+
+def to_submits(req: ChatCompletionRequest | CompletionRequest, rid: str, max_ctx: int) -> list[Submit]:
+    job = ChatJob(req) if isinstance(req, ChatCompletionRequest) else CompletionJob(req)
+    return job.submits(rid, Context(max_ctx, choose_format("auto", None), "m"))[0]
+
+
+def to_submit(req: ChatCompletionRequest | CompletionRequest, rid: str, max_ctx: int) -> Submit:
+    return to_submits(req, rid, max_ctx)[0]
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -174,7 +182,7 @@ def test_completion_prompt_forms() -> None:
 
 
 def test_unknown_fields_are_ignored_and_logged_at_debug(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.DEBUG, logger="proxy.openai_models"):
+    with caplog.at_level(logging.DEBUG, logger="proxy.dialects.openai_common"):
         req = parse_chat_request(chat(tools=[], frobnicate=1, user="u"))
     assert req.messages[0].content == "hi"
     assert any("frobnicate" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)

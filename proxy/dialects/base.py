@@ -1,0 +1,102 @@
+"""What a wire dialect provides to the core, and what the core gives it.
+
+A dialect (chat completions, text completions, the Responses API, Anthropic
+Messages) is one package under ``proxy.dialects`` that exports a ``Dialect``.
+The core (``proxy.serve``: intake, limits, admission, the engine client,
+delivery, metrics, the request log) calls it at three points and never asks
+which dialect it serves:
+
+1. ``Dialect.parse(body)`` decodes and validates the request body into a
+   ``Job`` (raises ``proxy.errors.InvalidRequest`` naming the field);
+2. ``Job.submits(request_id, context)`` converts it into the worker's
+   ``Submit``s (usually through ``proxy.task``) and fixes the ``Options`` the
+   core's ``Generation`` runs with;
+3. ``Job.frames(generation, header)`` is the stream encoder (SSE events with the
+   dialect's ``event:`` names and terminator, errors inside the stream in its
+   shape), ``Job.body(generation, header)`` the non-stream body.
+
+Errors before a stream starts are rendered with ``Dialect.errors``
+(``proxy.errors.ErrorShape``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from aiohttp import web
+
+from protocol.messages import Submit
+from proxy.errors import ErrorShape
+from proxy.generation import Frames, Generation, Options
+from proxy.tools import FormatChoice
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """What the conversion needs from the server: the worker's context size in
+    tokens, the tool-call format for the served model, and the served model name."""
+
+    max_context_tokens: int
+    tool_format: FormatChoice
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """The fields every event and the body of one response repeat: its ``id``
+    (the dialect's prefix + 32 hex digits), ``created`` (Unix seconds) and the
+    served ``model`` name."""
+
+    id: str
+    created: int
+    model: str
+
+
+class Job(Protocol):
+    """One parsed request of a dialect."""
+
+    @property
+    def stream(self) -> bool:
+        """The client asked for an SSE stream."""
+        ...
+
+    def submits(self, request_id: str, context: Context) -> tuple[list[Submit], Options]:
+        """The worker messages of this request and the core's options for its
+        ``Generation``. Raises ``InvalidRequest``."""
+        ...
+
+    def frames(self, generation: Generation, header: Header) -> Frames:
+        """The stream encoder of this request."""
+        ...
+
+    def body(self, generation: Generation, header: Header) -> bytes:
+        """The non-stream JSON body. Call when ``generation.done``."""
+        ...
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Dialect(Protocol):
+    """A wire dialect: its generation endpoint's parser, id prefix and error
+    shape, and any further routes of its own (``extra_routes``: method, path
+    relative to the generation path, handler)."""
+
+    @property
+    def name(self) -> str:
+        """Short name for logs and docs (``chat``, ``completions``, ``responses``, ``messages``)."""
+        ...
+
+    @property
+    def id_prefix(self) -> str:
+        """Prefix of response ids (``chatcmpl-``, ``cmpl-``, ``resp_``, ``msg_``)."""
+        ...
+
+    @property
+    def errors(self) -> ErrorShape: ...
+
+    def parse(self, body: bytes) -> Job: ...
+
+    def extra_routes(self) -> list[tuple[str, str, Handler]]: ...

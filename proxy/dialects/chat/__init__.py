@@ -1,0 +1,76 @@
+"""The OpenAI chat completions dialect: ``POST /v1/chat/completions``.
+
+| module | what |
+|---|---|
+| ``request`` | the request body, its validation and its ``ChatTask`` |
+| ``frames`` | ``chat.completion.chunk`` stream events and the ``chat.completion`` body |
+"""
+
+from __future__ import annotations
+
+from protocol.messages import Submit
+from proxy.dialects.base import Context, Handler, Header
+from proxy.dialects.chat.frames import ChatFrames, chat_body
+from proxy.dialects.chat.request import ChatCompletionRequest, chat_task, parse_chat_request
+from proxy.errors import OPENAI_ERRORS, ErrorShape
+from proxy.generation import Frames, Generation, Options
+from proxy.task import chat_submit, tool_plan
+
+
+class ChatJob:
+    """One chat completions request."""
+
+    __slots__ = ("req",)
+
+    def __init__(self, req: ChatCompletionRequest) -> None:
+        self.req = req
+
+    @property
+    def stream(self) -> bool:
+        return self.req.stream
+
+    def submits(self, request_id: str, context: Context) -> tuple[list[Submit], Options]:
+        req = self.req
+        task = chat_task(req)
+        plan = tool_plan(task, context.tool_format)
+        submit = chat_submit(task, request_id, context.max_context_tokens, plan)
+        options = Options(
+            progress=req.progress,
+            logprobs=req.logprobs_k() is not None,
+            tools=plan if plan is not None and plan.config.active else None,
+        )
+        return [submit], options
+
+    def frames(self, generation: Generation, header: Header) -> Frames:
+        req = self.req
+        return ChatFrames(
+            generation,
+            header,
+            "chat.completion.chunk",
+            include_usage=req.include_usage,
+            continuous_usage=req.continuous_usage,
+            timings=req.timings_per_token,
+        )
+
+    def body(self, generation: Generation, header: Header) -> bytes:
+        return chat_body(generation, header, self.req.timings_per_token)
+
+
+class ChatDialect:
+    """``POST /v1/chat/completions``."""
+
+    __slots__ = ()
+    name = "chat"
+    id_prefix = "chatcmpl-"
+    errors: ErrorShape = OPENAI_ERRORS
+
+    def parse(self, body: bytes) -> ChatJob:
+        return ChatJob(parse_chat_request(body))
+
+    def extra_routes(self) -> list[tuple[str, str, Handler]]:
+        return []
+
+
+CHAT = ChatDialect()
+
+__all__ = ["CHAT", "ChatCompletionRequest", "ChatDialect", "ChatJob", "parse_chat_request"]

@@ -1,0 +1,131 @@
+"""``POST /v1/chat/completions`` request bodies and their conversion into a ``ChatTask``.
+
+Shapes follow the OpenAI API reference for chat completions, plus the extras
+other local servers accept (``proxy.dialects.openai_common.SamplingFields``)
+and vLLM's ``add_generation_prompt``. Every validation failure raises
+``proxy.errors.InvalidRequest`` whose message and ``param`` name the field
+(``max_tokens``, ``messages[0].content``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from proxy.dialects.openai_common import (
+    ContentPart,
+    Count,
+    Refusals,
+    SamplingFields,
+    decode,
+    json_output,
+    never,
+)
+from proxy.errors import InvalidRequest
+from proxy.task import ChatTask
+from proxy.tools import HistoryMessage, ToolCall, ToolChoiceIn, ToolIn, ToolSpecError, resolve_tools
+
+
+class ChatMessageIn(msgspec.Struct, kw_only=True):
+    """One chat turn as clients send it; ``content`` may be a string, a list of
+    text parts, or ``null`` (an assistant turn that only called tools).
+    ``tool_calls`` (assistant), ``tool_call_id`` (tool) and ``name`` carry the
+    tool side of the conversation (``proxy.tools``)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    """``POST /v1/chat/completions`` body. ``max_completion_tokens`` wins over the
+    deprecated ``max_tokens``."""
+
+    messages: list[ChatMessageIn]
+    max_completion_tokens: Count | None = None
+    add_generation_prompt: bool = True
+    logprobs: bool = False
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    tools: list[ToolIn] | None = None
+    tool_choice: ToolChoiceIn | None = None
+    parallel_tool_calls: bool | None = None
+
+    def logprobs_k(self) -> int | None:
+        """``top_logprobs`` (0 when absent) when ``logprobs`` is true, else ``None``."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def completion_limit(self) -> int | None:
+        """``max_completion_tokens``, else ``max_tokens``, else ``None``."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+
+# Fields the OpenAI API defines that this server does not implement, each with
+# the values that ask for nothing.
+REFUSED: Refusals = {
+    "functions": lambda v: v == [],
+    "function_call": lambda v: v == "none",
+    "prediction": never,
+    "modalities": lambda v: v == ["text"],
+    "audio": never,
+    "web_search_options": never,
+}
+
+
+def parse_chat_request(body: bytes) -> ChatCompletionRequest:
+    """Decode and validate a chat completions body. Raises ``InvalidRequest``."""
+    req = decode(body, ChatCompletionRequest, REFUSED, "/v1/chat/completions")
+    if not req.messages:
+        raise InvalidRequest("'messages' must contain at least one message", param="messages")
+    if req.top_logprobs and not req.logprobs:
+        raise InvalidRequest("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+    return req
+
+
+def flatten_content(content: str | list[ContentPart] | None, where: str) -> str | None:
+    """A message's ``content`` as text (``None`` stays ``None``): text parts
+    joined with a newline, as vLLM does for text-only content. Raises
+    ``InvalidRequest`` naming ``where[j]`` for a part that is not text."""
+    if content is None or isinstance(content, str):
+        return content
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            param = f"{where}[{j}]"
+            problem = "a text part without 'text'" if part.type == "text" else f"type '{part.type}'"
+            raise InvalidRequest(
+                f"Only text content parts are supported; '{param}' is {problem}", param=param
+            )
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def chat_task(req: ChatCompletionRequest) -> ChatTask:
+    """The request as a ``ChatTask``. Raises ``InvalidRequest``."""
+    try:
+        tools = resolve_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    except ToolSpecError as e:
+        raise InvalidRequest(e.message, param=e.param) from None
+    messages = tuple(
+        HistoryMessage(
+            role=m.role,
+            content=flatten_content(m.content, f"messages[{i}].content"),
+            tool_calls=tuple(m.tool_calls or ()),
+            tool_call_id=m.tool_call_id,
+            name=m.name,
+        )
+        for i, m in enumerate(req.messages)
+    )
+    return ChatTask(
+        messages=messages,
+        sampling=req.sampling(req.completion_limit(), req.logprobs_k()),
+        tools=tools,
+        json_output=json_output(req.response_format),
+        n=req.n,
+        add_generation_prompt=req.add_generation_prompt,
+        parallel_asked=req.parallel_tool_calls is not None,
+    )
