@@ -110,16 +110,12 @@ class Frames(Protocol):
 
     def progress(self, ev: PrefillProgress, out: list[bytes]) -> None: ...
 
-    def text(
-        self, choice: Choice, text: str, logprobs: Logprobs, offset: int, out: list[bytes]
-    ) -> None:
+    def text(self, choice: Choice, text: str, logprobs: Logprobs, offset: int, out: list[bytes]) -> None:
         """Generated ``text`` (never empty), with the logprobs of its tokens when
         asked for; ``offset``: characters of the choice's text before it."""
         ...
 
-    def finish(
-        self, choice: Choice, reason: str, logprobs: Logprobs, out: list[bytes]
-    ) -> None:
+    def finish(self, choice: Choice, reason: str, logprobs: Logprobs, out: list[bytes]) -> None:
         """``choice`` ended with ``reason``; ``logprobs`` of its last tokens that
         added no text, if any."""
         ...

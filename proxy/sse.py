@@ -6,7 +6,9 @@
 - U+2028, U+2029 and U+0085 are escaped as ``\\u2028``/``\\u2029``/``\\u0085``:
   msgspec writes them raw, and line splitters that treat them as line breaks
   (older openai-python, any ``str.splitlines`` client) would cut the event.
-- The stream ends with ``data: [DONE]\\n\\n`` (OpenAI's terminator).
+- Chat and text completions end with ``data: [DONE]\\n\\n`` (OpenAI's
+  terminator); the Responses API and Anthropic's Messages name each event
+  (``event: <type>``) and end with their own last event (``named_event``).
 - Keep-alive is the comment frame ``: ping\\n\\n``, never an ``event:`` with data.
 
 See ``docs/http-contract.md`` ("Streaming framing") for the clients
@@ -69,6 +71,12 @@ def dumps(obj: Any) -> bytes:
 def event(obj: Any) -> bytes:
     """One complete SSE event ``data: <json>\\n\\n`` carrying ``obj``."""
     return b"data: " + escape_line_separators(_encode(obj)) + b"\n\n"
+
+
+def named_event(name: bytes, obj: Any) -> bytes:
+    """One complete SSE event with an ``event:`` name (the Responses API's and
+    Anthropic's framing): ``event: <name>\\ndata: <json>\\n\\n``."""
+    return b"event: " + name + b"\ndata: " + escape_line_separators(_encode(obj)) + b"\n\n"
 
 
 class TransportWriter:

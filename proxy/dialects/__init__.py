@@ -4,6 +4,7 @@
 |---|---|---|
 | ``chat`` | ``POST /v1/chat/completions`` | OpenAI chat completions |
 | ``completions`` | ``POST /v1/completions`` | OpenAI (legacy) text completions |
+| ``responses`` | ``POST /v1/responses`` | OpenAI Responses API (stateless) |
 
 ``base`` says what a dialect provides (``Dialect``, ``Job``) and gets
 (``Context``, ``Header``); ``openai_common`` holds what the OpenAI dialects
@@ -16,9 +17,11 @@ from __future__ import annotations
 from proxy.dialects.base import Dialect
 from proxy.dialects.chat import CHAT
 from proxy.dialects.completions import COMPLETIONS
+from proxy.dialects.responses import RESPONSES
 
 ROUTES: tuple[tuple[str, Dialect], ...] = (
     ("/v1/chat/completions", CHAT),
     ("/v1/completions", COMPLETIONS),
+    ("/v1/responses", RESPONSES),
 )
 """Each dialect's generation route."""

@@ -283,6 +283,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
 # ---------------------------------------------------------------- usage
 
+
 class PromptTokensDetails(msgspec.Struct, gc=False):
     cached_tokens: int
 
@@ -303,7 +304,6 @@ class Usage(msgspec.Struct, gc=False):
     prompt_time: float | UnsetType = UNSET
     completion_time: float | UnsetType = UNSET
     total_time: float | UnsetType = UNSET
-
 
 
 def usage_of(counts: Counts, final: bool = True) -> Usage:
@@ -443,8 +443,6 @@ class Timings(msgspec.Struct, frozen=True, gc=False):
             UNSET if draft is None else draft[0],
         )
 
-
-
     @classmethod
     def final(cls, counts: Counts) -> Timings:
         """The ``timings`` of a finished response, from its ``Counts`` (the
@@ -463,6 +461,7 @@ class Timings(msgspec.Struct, frozen=True, gc=False):
 
 
 # ---------------------------------------------------------------- progress
+
 
 class PromptProgress(msgspec.Struct, frozen=True, gc=False):
     """llama.cpp's ``prompt_progress``: tokens, and integer ms since prompt
@@ -493,9 +492,8 @@ class QueuePosition(msgspec.Struct, frozen=True, gc=False):
         return cls(ev.position, ev.queued, ev.time_ms, UNSET if ev.eta_ms is None else ev.eta_ms)
 
 
-
-
 # ---------------------------------------------------------------- chunks and bodies (chat, text)
+
 
 class Delta(msgspec.Struct, frozen=True, gc=False):
     """A chat chunk's ``delta``: ``{"role"?, "content"?, "tool_calls"?}``."""
@@ -569,7 +567,6 @@ class Completion(msgspec.Struct, gc=False):
     choices: list[ResponseChoice]
     usage: Usage
     timings: Timings | UnsetType = UNSET
-
 
 
 # ---------------------------------------------------------------- stream encoder (chat, text)

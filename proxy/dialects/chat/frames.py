@@ -78,9 +78,7 @@ class ChatFrames(ChunkFrames):
     def progress_choice(self) -> ChatDeltaChoice:
         return _PROGRESS
 
-    def text(
-        self, choice: Choice, text: str, logprobs: Logprobs, offset: int, out: list[bytes]
-    ) -> None:
+    def text(self, choice: Choice, text: str, logprobs: Logprobs, offset: int, out: list[bytes]) -> None:
         delta = Delta(role="assistant", content=text) if _first(choice) else Delta(content=text)
         out.append(sse.event(self.chunk(ChatDeltaChoice(choice.index, delta, _logprobs(logprobs)))))
 
@@ -92,9 +90,7 @@ class ChatFrames(ChunkFrames):
             delta = Delta(tool_calls=[call])
         out.append(sse.event(self.chunk(ChatDeltaChoice(choice.index, delta))))
 
-    def finish(
-        self, choice: Choice, reason: str, logprobs: Logprobs, out: list[bytes]
-    ) -> None:
+    def finish(self, choice: Choice, reason: str, logprobs: Logprobs, out: list[bytes]) -> None:
         delta = _ROLE_DELTA if _first(choice) else _EMPTY_DELTA
         out.append(sse.event(self.chunk(ChatDeltaChoice(choice.index, delta, _logprobs(logprobs), reason))))
 

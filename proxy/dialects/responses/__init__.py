@@ -1,0 +1,122 @@
+"""The OpenAI Responses API dialect: ``POST /v1/responses`` (stateless).
+
+| module | what |
+|---|---|
+| ``request`` | the request body, its items and their ``ChatTask`` |
+| ``shapes`` | the ``response`` object, output items, usage and stream events |
+| ``frames`` | the stream encoder and the non-stream body |
+
+``store`` is accepted and nothing is stored: ``previous_response_id`` is
+refused (400 naming it) and ``GET /v1/responses/{id}`` answers 404, because a
+store would keep every client's conversations in the proxy's memory; agents
+that use this API statelessly (Codex CLI, the Agents SDK) send the whole
+conversation each turn.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from protocol.messages import Submit
+from proxy.dialects.base import Context, Handler, Header
+from proxy.dialects.responses.frames import ResponsesFrames, responses_body
+from proxy.dialects.responses.request import ResponsesRequest, parse_responses_request, responses_task
+from proxy.dialects.responses.shapes import Reasoning, Response
+from proxy.errors import OPENAI_ERRORS, ErrorShape, NotFound
+from proxy.generation import Frames, Generation, Options
+from proxy.task import chat_submit, tool_plan
+
+
+class ResponsesJob:
+    """One Responses request."""
+
+    __slots__ = ("req",)
+
+    def __init__(self, req: ResponsesRequest) -> None:
+        self.req = req
+
+    @property
+    def stream(self) -> bool:
+        return self.req.stream
+
+    def submits(self, request_id: str, context: Context) -> tuple[list[Submit], Options]:
+        req = self.req
+        task = responses_task(req)
+        plan = tool_plan(task, context.tool_format)
+        submit = chat_submit(task, request_id, context.max_context_tokens, plan)
+        options = Options(
+            progress=req.stream and req.return_progress,
+            logprobs=req.logprobs_k is not None,
+            tools=plan if plan is not None and plan.config.active else None,
+        )
+        return [submit], options
+
+    def snapshot(self, header: Header) -> Any:
+        """``snapshot(status=..., output=..., ...)``: the response object with
+        this request's parameters echoed."""
+        req = self.req
+        text_format: dict[str, object] = {"type": "text"}
+        if req.text is not None and req.text.format is not None:
+            text_format = {k: v for k, v in msgspec.structs.asdict(req.text.format).items() if v is not None}
+        tools = [
+            {k: v for k, v in msgspec.structs.asdict(t).items() if v is not None} for t in req.tools or ()
+        ]
+        tool_choice: object = req.tool_choice if req.tool_choice is not None else "auto"
+
+        def build(**fields: Any) -> Response:
+            return Response(
+                id=header.id,
+                created_at=header.created,
+                model=header.model,
+                instructions=req.instructions,
+                max_output_tokens=req.max_output_tokens,
+                parallel_tool_calls=req.parallel_tool_calls is not False,
+                reasoning=Reasoning(),
+                store=False,
+                temperature=req.temperature if req.temperature is not None else 1.0,
+                text={"format": text_format},
+                tool_choice=tool_choice,
+                tools=list(tools),
+                top_p=req.top_p if req.top_p is not None else 1.0,
+                truncation=req.truncation or "disabled",
+                metadata=dict(req.metadata or {}),
+                **fields,
+            )
+
+        return build
+
+    def frames(self, generation: Generation, header: Header) -> Frames:
+        return ResponsesFrames(generation, header, self.snapshot(header), generation.options.logprobs)
+
+    def body(self, generation: Generation, header: Header) -> bytes:
+        return responses_body(generation, self.snapshot(header), generation.options.logprobs)
+
+
+async def get_response(request: Any) -> Any:
+    """``GET /v1/responses/{id}``: nothing is stored, so every id is unknown."""
+    raise NotFound(
+        "This server stores no responses ('store' is accepted and ignored); send the whole "
+        "conversation as 'input' instead of retrieving or continuing a stored response",
+        param="response_id",
+        code="response_not_found",
+    )
+
+
+class ResponsesDialect:
+    """``POST /v1/responses``; ``GET /v1/responses/{response_id}`` is a 404."""
+
+    __slots__ = ()
+    name = "responses"
+    id_prefix = "resp_"
+    errors: ErrorShape = OPENAI_ERRORS
+
+    def parse(self, body: bytes) -> ResponsesJob:
+        return ResponsesJob(parse_responses_request(body))
+
+    def extra_routes(self) -> list[tuple[str, str, Handler]]:
+        return [("GET", "/{response_id}", get_response)]
+
+
+RESPONSES = ResponsesDialect()

@@ -1,0 +1,323 @@
+"""``POST /v1/responses`` request bodies and their conversion into a ``ChatTask``.
+
+Stateless: ``input`` is a string or a list of items, and the whole conversation
+comes with every request (``previous_response_id`` and stored items need a
+response store, which this server does not keep: refused naming the field).
+
+Items (OpenAI API reference, "Create a model response", ``input``)::
+
+    {"role": "user" | "assistant" | "system" | "developer",
+     "content": str | [{"type": "input_text" | "output_text", "text": str}, ...],
+     "type"?: "message"}
+    {"type": "function_call", "call_id": str, "name": str, "arguments": str}
+    {"type": "function_call_output", "call_id": str, "output": str | [input_text parts]}
+    {"type": "reasoning", ...}           # dropped: this model writes no reasoning
+
+Consecutive ``function_call`` items join the assistant turn before them (one
+turn with its calls, as chat history has it); ``instructions`` is a system
+message in front. Fields that change nothing here (``store``, ``reasoning``,
+``include``, ``prompt_cache_key``, ``metadata``, ...) are accepted; what would
+change the output and cannot be honoured (images, files, audio, built-in tools,
+``previous_response_id``, ``background``) is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Literal
+
+import msgspec
+
+from proxy.constraints import ANY_JSON_OBJECT
+from proxy.dialects.openai_common import (
+    Count,
+    MinTokens,
+    Penalty,
+    Prob,
+    Refusals,
+    RepetitionPenalty,
+    Seed,
+    Temperature,
+    TokenId,
+    TopK,
+    TopP,
+    decode,
+    never,
+    stop_strings,
+)
+from proxy.errors import InvalidRequest
+from proxy.task import ChatTask, JsonOutput, ParamNames, Sampling
+from proxy.tools import (
+    FunctionCall,
+    FunctionIn,
+    HistoryMessage,
+    NamedToolChoiceIn,
+    ToolCall,
+    ToolChoiceIn,
+    ToolIn,
+    ToolSpecError,
+    resolve_tools,
+)
+from proxy.tools.spec import FunctionName
+
+
+class TextFormatIn(msgspec.Struct, kw_only=True):
+    """``text.format``: ``text``, ``json_object`` or ``json_schema`` (with
+    ``name``, ``schema``, ``strict``, ``description`` beside ``type``)."""
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, object] | bool | None = None
+    strict: bool | None = None
+
+
+class TextConfigIn(msgspec.Struct, kw_only=True):
+    """``text``: its ``format``; ``verbosity`` is accepted (a hint for
+    reasoning models; it changes nothing here)."""
+
+    format: TextFormatIn | None = None
+    verbosity: str | None = None
+
+
+class FunctionToolIn(msgspec.Struct, kw_only=True):
+    """``tools[i]``: ``{"type": "function", "name", "description", "parameters",
+    "strict"}``; any other ``type`` (built-in tools) is refused by name."""
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, object] | None = None
+    strict: bool | None = None
+
+
+class ToolChoiceObjectIn(msgspec.Struct, kw_only=True):
+    """``tool_choice`` as an object: ``{"type": "function", "name": str}``."""
+
+    type: str
+    name: str | None = None
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True):
+    """``POST /v1/responses`` body (module docstring), with the sampling
+    extras the chat endpoint takes (``top_k``, ``min_p``, penalties, ``seed``,
+    ``stop``) and ``return_progress``."""
+
+    model: str | None = None
+    input: str | list[dict[str, object]]
+    instructions: str | None = None
+    tools: list[FunctionToolIn] | None = None
+    tool_choice: str | ToolChoiceObjectIn | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfigIn | None = None
+    max_output_tokens: Count | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
+    include: list[str] | None = None
+    stream: bool = False
+    store: bool | None = None
+    metadata: dict[str, object] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    # Extras (vLLM's and llama.cpp's), as on /v1/chat/completions.
+    top_k: TopK | None = None
+    min_p: Prob | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    seed: Seed | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    min_tokens: MinTokens = 0
+    return_progress: bool = False
+
+    @property
+    def logprobs_k(self) -> int | None:
+        """Alternatives per token when the output text's logprobs were asked for
+        (``include`` ``message.output_text.logprobs``, or ``top_logprobs``)."""
+        if self.top_logprobs is not None or (self.include and LOGPROBS_INCLUDE in self.include):
+            return self.top_logprobs or 0
+        return None
+
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+REFUSED: Refusals = {
+    "previous_response_id": never,
+    "conversation": never,
+    "prompt": never,
+    "background": lambda v: v is False,
+    "max_tool_calls": never,
+}
+"""Fields that would change the answer and need what this server does not
+keep (a response store, prompt templates, background runs)."""
+
+NAMES = ParamNames(stop="stop", logprobs="top_logprobs", json_output="text.format", tool_choice="tool_choice")
+
+
+def parse_responses_request(body: bytes) -> ResponsesRequest:
+    """Decode and validate a Responses body. Raises ``InvalidRequest``."""
+    req = decode(body, ResponsesRequest, REFUSED, "/v1/responses")
+    if isinstance(req.input, list) and not req.input:
+        raise InvalidRequest("'input' must be a string or a non-empty list of items", param="input")
+    return req
+
+
+def _text_of(content: object, where: str, kinds: frozenset[str]) -> str:
+    """A message's or a tool output's content as text: a string, or text parts
+    (``type`` among ``kinds``) joined with a newline."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"'{where}' must be a string or a list of content parts", param=where)
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        if not isinstance(part, Mapping):
+            raise InvalidRequest(f"'{at}' must be a content part object", param=at)
+        kind = part.get("type")
+        if kind not in kinds:
+            raise InvalidRequest(
+                f"'{at}' is of type {kind!r}; only text parts ({', '.join(sorted(kinds))}) are supported "
+                "(no images, files or audio)",
+                param=at,
+            )
+        text = part.get("text") if kind != "refusal" else part.get("refusal")
+        if not isinstance(text, str):
+            raise InvalidRequest(f"'{at}' needs a string 'text'", param=at)
+        texts.append(text)
+    return "\n".join(texts)
+
+
+_MESSAGE_PARTS = frozenset({"input_text", "output_text", "text", "refusal"})
+_OUTPUT_PARTS = frozenset({"input_text", "output_text", "text"})
+_ROLES = frozenset({"user", "assistant", "system", "developer"})
+
+
+def _string(item: Mapping[str, object], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"'{where}.{key}' must be a non-empty string", param=f"{where}.{key}")
+    return value
+
+
+def history(req: ResponsesRequest) -> tuple[HistoryMessage, ...]:
+    """``instructions`` and ``input`` as chat turns (module docstring). Raises
+    ``InvalidRequest`` naming ``input[i]...``."""
+    turns: list[HistoryMessage] = []
+    if req.instructions:
+        turns.append(HistoryMessage(role="system", content=req.instructions))
+    if isinstance(req.input, str):
+        turns.append(HistoryMessage(role="user", content=req.input))
+        return tuple(turns)
+    for i, item in enumerate(req.input):
+        where = f"input[{i}]"
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in _ROLES:
+                raise InvalidRequest(
+                    f"'{where}.role' must be one of {', '.join(sorted(_ROLES))}", param=f"{where}.role"
+                )
+            assert isinstance(role, str)
+            text = _text_of(item.get("content", ""), f"{where}.content", _MESSAGE_PARTS)
+            turns.append(HistoryMessage(role=role, content=text))
+        elif kind == "function_call":
+            call = ToolCall(
+                id=_string(item, "call_id", where),
+                function=FunctionCall(_string(item, "name", where), str(item.get("arguments") or "{}")),
+            )
+            last = turns[-1] if turns else None
+            if last is not None and last.role == "assistant":
+                turns[-1] = msgspec.structs.replace(last, tool_calls=(*last.tool_calls, call))
+            else:
+                turns.append(HistoryMessage(role="assistant", content=None, tool_calls=(call,)))
+        elif kind == "function_call_output":
+            output = _text_of(item.get("output", ""), f"{where}.output", _OUTPUT_PARTS)
+            turns.append(
+                HistoryMessage(role="tool", content=output, tool_call_id=_string(item, "call_id", where))
+            )
+        elif kind == "reasoning":
+            continue  # no reasoning to replay: the served model writes none
+        else:
+            raise InvalidRequest(
+                f"'{where}' is an item of type {kind!r}; this server takes messages, function_call, "
+                "function_call_output and reasoning items (no built-in tool calls, no item references: "
+                "it stores no responses)",
+                param=where,
+            )
+    if not turns:
+        raise InvalidRequest("'input' holds no message", param="input")
+    return tuple(turns)
+
+
+def _tool_choice(choice: str | ToolChoiceObjectIn | None) -> ToolChoiceIn | None:
+    if choice is None or isinstance(choice, str):
+        return choice
+    if choice.type != "function":
+        raise InvalidRequest(
+            f"'tool_choice' of type {choice.type!r} is not supported; use 'none', 'auto', 'required' or "
+            '{"type": "function", "name": ...}',
+            param="tool_choice",
+        )
+    return NamedToolChoiceIn(type="function", function=FunctionName(name=choice.name))
+
+
+def _json_output(text: TextConfigIn | None) -> JsonOutput | None:
+    fmt = text.format if text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return JsonOutput(ANY_JSON_OBJECT, "text.format")
+    if fmt.type == "json_schema":
+        if fmt.schema is None:
+            raise InvalidRequest(
+                "'text.format' of type 'json_schema' needs 'schema'", param="text.format.schema"
+            )
+        return JsonOutput(fmt.schema, "text.format.schema", bool(fmt.strict), field="text.format")
+    raise InvalidRequest(
+        f"'text.format.type' is {fmt.type!r}; expected 'text', 'json_object' or 'json_schema'",
+        param="text.format.type",
+    )
+
+
+def responses_task(req: ResponsesRequest) -> ChatTask:
+    """The request as a ``ChatTask``. Raises ``InvalidRequest``."""
+    tools_in = [
+        ToolIn(
+            type=t.type,
+            function=FunctionIn(
+                name=t.name, description=t.description, parameters=t.parameters, strict=t.strict
+            )
+            if t.type == "function"
+            else None,
+        )
+        for t in req.tools or ()
+    ]
+    try:
+        tools = resolve_tools(tools_in, _tool_choice(req.tool_choice), req.parallel_tool_calls)
+    except ToolSpecError as e:
+        raise InvalidRequest(e.message, param=e.param) from None
+    sampling = Sampling(
+        max_tokens=req.max_output_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        seed=req.seed,
+        stop=stop_strings(req.stop),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        min_tokens=req.min_tokens,
+        logprobs=req.logprobs_k,
+    )
+    return ChatTask(
+        messages=history(req),
+        sampling=sampling,
+        tools=tools,
+        json_output=_json_output(req.text),
+        parallel_asked=req.parallel_tool_calls is not None,
+        names=NAMES,
+    )
