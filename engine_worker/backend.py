@@ -79,6 +79,17 @@ class RequestRejected(Exception):
         self.param = param
 
 
+def check_token_ids(token_ids: list[int], vocab_size: int) -> None:
+    """Raise ``RequestRejected`` (param ``tokens``) for an id outside ``0..vocab_size - 1``."""
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestRejected(
+            ErrorCode.INVALID_REQUEST,
+            f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})",
+            "tokens",
+        )
+
+
 ENGINE_FAILED_EXIT_STATUS = 3
 """Exit status of a worker whose engine failed (``EngineFailed``): not 1 (cannot load) or 2 (usage)."""
 
@@ -109,6 +120,16 @@ class Backend(Protocol):
         """Validate, template and tokenize ``submit`` once; called on another thread
         than the rest, concurrently with ``step`` (touch no engine state). Raises
         ``RequestRejected``."""
+        ...
+
+    def prompt_ids(self, prepared: Prepared) -> list[int]:
+        """The token ids of ``prepared``'s prompt (``POST /tokenize``, Anthropic's
+        ``count_tokens``); called on the prepare thread."""
+        ...
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids``, special tokens included; called on the
+        prepare thread. Raises ``RequestRejected`` for an id outside the vocabulary."""
         ...
 
     def reservation(self, prepared: Prepared) -> int:

@@ -45,16 +45,20 @@ from engine_worker.sockets import WorkerSockets
 from protocol import (
     PROTOCOL_VERSION,
     Abort,
+    Detokenize,
+    Detokenized,
     ErrorCode,
     Event,
     EventBatch,
     Finished,
     Heartbeat,
-    Hello,
+    ProxyMessage,
     QueueProgress,
     Ready,
     RequestError,
     Submit,
+    Tokenize,
+    Tokens,
     choice_ids,
     choice_seed,
 )
@@ -136,6 +140,8 @@ class EngineLoop:
         self._queued_ids: dict[str, _Queued] = {}
         self._preparing: deque[_Preparing] = deque()
         self._preparing_ids: dict[str, _Preparing] = {}
+        # Tokenize / Detokenize answers being computed on the prepare thread, in arrival order.
+        self._lookups: deque[tuple[str, Future[Event]]] = deque()
         self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="worker-prepare")
         self._queue_rate = QueueRate()
         # Seconds each running sequence spent from arrival to start (_add_wait).
@@ -175,10 +181,12 @@ class EngineLoop:
         try:
             while not stop.is_set():
                 pending: list[Event] = []
-                wait_ms = 0 if backend.active_ids() else 5 if self._preparing else 100
+                busy = self._preparing or self._lookups
+                wait_ms = 0 if backend.active_ids() else 5 if busy else 100
                 for msg in self._sockets.receive(wait_ms):
                     self._handle(msg, pending)
                 self._collect_prepared(pending)
+                self._collect_lookups(pending)
                 self._admit(pending)
                 self._update_stats()
                 if backend.active_ids():
@@ -225,9 +233,15 @@ class EngineLoop:
 
     # ---------------------------------------------------------------- messages
 
-    def _handle(self, msg: Hello | Submit | Abort, pending: list[Event]) -> None:
+    def _handle(self, msg: ProxyMessage, pending: list[Event]) -> None:
         if isinstance(msg, Submit):
             self._submit(msg, pending)
+        elif isinstance(msg, Tokenize):
+            self._lookups.append(
+                (msg.submit.request_id, self._prepare_pool.submit(self._tokenize, msg.submit))
+            )
+        elif isinstance(msg, Detokenize):
+            self._lookups.append((msg.request_id, self._prepare_pool.submit(self._detokenize, msg)))
         elif isinstance(msg, Abort):
             active = self._backend.active_ids()
             for rid in msg.request_ids:
@@ -274,6 +288,26 @@ class EngineLoop:
         self._preparing.append(entry)
         for rid in ids:
             self._preparing_ids[rid] = entry
+
+    def _tokenize(self, submit: Submit) -> Event:
+        """``Tokenize``'s answer: the prompt exactly as ``prepare`` makes it for generation."""
+        prepared = self._backend.prepare(submit)
+        return Tokens(submit.request_id, tuple(self._backend.prompt_ids(prepared)))
+
+    def _detokenize(self, msg: Detokenize) -> Event:
+        return Detokenized(msg.request_id, self._backend.detokenize(list(msg.token_ids)))
+
+    def _collect_lookups(self, pending: list[Event]) -> None:
+        """Send the ``Tokens``/``Detokenized`` answers that are ready, in arrival order."""
+        while self._lookups and self._lookups[0][1].done():
+            rid, future = self._lookups.popleft()
+            try:
+                pending.append(future.result())
+            except RequestRejected as e:
+                pending.append(RequestError(rid, e.code, e.message, e.param))
+            except Exception as e:
+                log.error("tokenizing for %s failed", rid, exc_info=e)
+                pending.append(RequestError(rid, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"))
 
     def _collect_prepared(self, pending: list[Event]) -> None:
         """Queue the requests whose preparation finished, in arrival order."""

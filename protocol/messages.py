@@ -6,10 +6,12 @@ format. Evolve it the way msgspec documents: append fields with defaults at the
 end, never reorder or remove, and only add enum values. Anything else bumps
 ``protocol.version.PROTOCOL_VERSION``.
 
-Direction proxy -> worker (``ProxyMessage``): ``Hello``, ``Submit``, ``Abort``.
+Direction proxy -> worker (``ProxyMessage``): ``Hello``, ``Submit``, ``Abort``,
+``Tokenize``, ``Detokenize``.
 Direction worker -> proxy (``WorkerMessage``): ``Ready``, ``Heartbeat``,
 ``EventBatch`` (the events of one engine step: ``QueueProgress``, ``Started``, ``PrefillProgress``,
-``TokenDelta``, ``Finished``, ``RequestError``).
+``TokenDelta``, ``Finished``, ``RequestError``; ``Tokens`` and ``Detokenized``,
+the one answer to a ``Tokenize``/``Detokenize`` unless a ``RequestError``).
 
 Per request the worker emits, in order: ``QueueProgress`` while it waits in the
 worker's queue (none when it starts at once); ``Started``; one or more
@@ -156,7 +158,24 @@ class Abort(_Msg, frozen=True, tag="abort"):
     request_ids: tuple[str, ...]
 
 
-ProxyMessage = Hello | Submit | Abort
+class Tokenize(_Msg, frozen=True, tag="tokenize"):
+    """Proxy -> worker: the prompt ``submit`` would run with (chat template,
+    tools, tokenizing exactly as for generation), answered by one ``Tokens``
+    (or a ``RequestError``) under ``submit.request_id``; nothing is queued or
+    generated."""
+
+    submit: Submit
+
+
+class Detokenize(_Msg, frozen=True, tag="detokenize"):
+    """Proxy -> worker: the text of ``token_ids``, answered by one
+    ``Detokenized`` (or a ``RequestError``) under ``request_id``."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+
+
+ProxyMessage = Hello | Submit | Abort | Tokenize | Detokenize
 
 
 # ---------------------------------------------------------------- worker -> proxy
@@ -323,7 +342,23 @@ class RequestError(_Msg, frozen=True, tag="error"):
     param: str | None = None
 
 
-Event = QueueProgress | Started | PrefillProgress | TokenDelta | Finished | RequestError
+class Tokens(_Msg, frozen=True, tag="tokens"):
+    """Worker -> proxy: the answer to ``Tokenize``: the prompt's token ids."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+
+
+class Detokenized(_Msg, frozen=True, tag="detokenized"):
+    """Worker -> proxy: the answer to ``Detokenize``."""
+
+    request_id: str
+    text: str
+
+
+Event = (
+    QueueProgress | Started | PrefillProgress | TokenDelta | Finished | RequestError | Tokens | Detokenized
+)
 
 
 class EventBatch(_Msg, frozen=True, tag="events"):

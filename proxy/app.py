@@ -1,6 +1,6 @@
 """Application factory and the server's run loop.
 
-``create_app`` wires the routes (the dialects' from ``proxy.dialects.ROUTES``,
+``create_app`` wires the routes (the dialects' from ``proxy.dialects.registry.ROUTES``,
 the others from ``proxy.handlers``), the middlewares (request record/log/metrics, then
 errors, then API keys), the ``Metrics`` and the engine client's start/close
 (``cleanup_ctx``); tests build the app from it.
@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from proxy.dialects import ROUTES
+from proxy.dialects.registry import ROUTES
 from proxy.engine_client import EngineClient
 from proxy.errors import ProxyError, error_response, from_http_exception
 from proxy.handlers import add_routes

@@ -45,6 +45,8 @@ from protocol.codec import decode_worker_message, encode
 from protocol.errors import ProtocolError, VersionMismatch
 from protocol.messages import (
     Abort,
+    Detokenize,
+    Detokenized,
     Event,
     EventBatch,
     Finished,
@@ -54,6 +56,8 @@ from protocol.messages import (
     Ready,
     RequestError,
     Submit,
+    Tokenize,
+    Tokens,
     choice_ids,
 )
 from protocol.version import PROTOCOL_VERSION
@@ -76,7 +80,8 @@ _ORPHAN_MEMORY = 4096
 SEND_HWM = 10_000
 """Messages the proxy's PUSH socket queues before sends fail with EAGAIN (503)."""
 
-_TERMINAL = (Finished, RequestError)  # a tuple: ``A | B`` would build a union per event
+# A tuple: ``A | B`` would build a union per event.
+_TERMINAL = (Finished, RequestError, Tokens, Detokenized)
 
 _STEPS_PER_PASS = 16
 """Most worker messages (engine steps) the reader routes before it delivers and
@@ -130,6 +135,12 @@ class EngineClient(Protocol):
     def abort(self, request_ids: Sequence[str]) -> None:
         """Tell the worker to drop these choices (``choice_ids``); no more events
         are routed for them."""
+        ...
+
+    def lookup(self, msg: Tokenize | Detokenize) -> RequestStream:
+        """Send a ``Tokenize``/``Detokenize``; its one answer (``Tokens``,
+        ``Detokenized`` or a ``RequestError``) arrives on the returned stream.
+        Raises as ``submit`` does."""
         ...
 
 
@@ -267,6 +278,18 @@ class ZmqEngineClient:
         stream = RequestStream(ids, self._settings.request_queue_max, ready=self._ready_streams)
         for rid in ids:
             self._routes[rid] = stream
+        return stream
+
+    def lookup(self, msg: Tokenize | Detokenize) -> RequestStream:
+        if not self._ready:
+            raise EngineNotReady(NOT_READY_MESSAGE)
+        rid = msg.submit.request_id if isinstance(msg, Tokenize) else msg.request_id
+        if not self._send(msg):
+            raise EngineUnavailable(
+                "The engine worker cannot take requests now (its input queue is full or it is not connected)"
+            )
+        stream = RequestStream([rid], self._settings.request_queue_max, ready=self._ready_streams)
+        self._routes[rid] = stream
         return stream
 
     def abort(self, request_ids: Sequence[str]) -> None:

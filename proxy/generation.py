@@ -234,7 +234,7 @@ class Generation:
         elif isinstance(ev, QueueProgress):
             if choice.index == 0 and self.options.progress and choice.started is None:
                 self._on_queue(ev, out)
-        else:
+        elif isinstance(ev, Finished):
             self._on_finished(choice, ev, out)
 
     def _on_queue(self, ev: QueueProgress, out: list[bytes]) -> None:

@@ -77,14 +77,14 @@ dialect use OpenAI's envelope)."""
 
 def add_dialect_routes(app: web.Application, routes: Sequence[tuple[str, Dialect]]) -> None:
     """Register each dialect's generation route (``path``) and its further
-    routes (under ``path``), and their error shapes in ``app[ERROR_SHAPES]``."""
+    routes, and their error shapes in ``app[ERROR_SHAPES]``."""
     shapes: dict[str, ErrorShape] = {}
     for path, dialect in routes:
         app.router.add_post(path, endpoint(dialect))
         shapes[path] = dialect.errors
-        for method, sub, handler in dialect.extra_routes():
-            app.router.add_route(method, path + sub, handler)
-            shapes[path + sub] = dialect.errors
+        for method, extra, handler in dialect.extra_routes():
+            app.router.add_route(method, extra, handler)
+            shapes[extra] = dialect.errors
     app[ERROR_SHAPES] = shapes
 
 

@@ -51,7 +51,7 @@ import torch
 from llguidance import LLMatcher
 
 from engine_worker.admission import check_prompt_fits, full_reservation, validate_sampling
-from engine_worker.backend import Backend, ModelInfo, Prepared, RequestRejected
+from engine_worker.backend import Backend, ModelInfo, Prepared, RequestRejected, check_token_ids
 from engine_worker.constraints import GrammarUnsupported, TokenConstraint, Vocabulary, compile_grammar
 from engine_worker.cpu.detokenize import IncrementalDetokenizer, StopStringMatcher
 from engine_worker.cpu.kv_cache import SequenceKV
@@ -288,6 +288,14 @@ class CpuBackend:
         elif params.logprobs is not None:
             self._load_vocabulary(self._prompt_tokenizer)  # token bytes, built here too
         return Prepared(submit, _Prompt(prompt_ids, params.grammar, matcher), len(prompt_ids), param)
+
+    def prompt_ids(self, prepared: Prepared) -> list[int]:
+        prompt: _Prompt = prepared.prompt
+        return list(prompt.ids)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        check_token_ids(token_ids, self._vocab_size)
+        return str(self._tokenizer.decode(token_ids, skip_special_tokens=False))
 
     def reservation(self, prepared: Prepared) -> int:
         """Prompt plus every completion token the sequence may produce: its KV never

@@ -127,7 +127,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine_worker.admission import check_prompt_fits
-from engine_worker.backend import EngineFailed, ModelInfo, Prepared, RequestRejected
+from engine_worker.backend import EngineFailed, ModelInfo, Prepared, RequestRejected, check_token_ids
 from engine_worker.constraints import grammar_failure
 from engine_worker.exllamav3 import logprobs as lp
 from engine_worker.exllamav3.config import PAGE_SIZE
@@ -412,6 +412,14 @@ class ExLlamaV3Backend:
             return seg
         budget = self._budget(seg)
         return _Segment(seg.prompt + budget + 1, max(1, seg.max_new - budget - 1), seg.rq)
+
+    def prompt_ids(self, prepared: Prepared) -> list[int]:
+        prompt: _Prompt = prepared.prompt
+        return [int(t) for t in prompt.ids.view(-1).tolist()]
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        check_token_ids(token_ids, self._h.vocab_size)
+        return self._h.decode(token_ids)
 
     def reservation(self, prepared: Prepared) -> int:
         """The KV a job takes when it starts, in whole pages (``_segment_tokens``): what

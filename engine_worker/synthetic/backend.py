@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 import time
+import zlib
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -48,6 +49,10 @@ STAMP_WORD = "@stamp"
 
 STAMP = re.compile(r"@([0-9]+) ")
 """One token's stamp in stamped output; group 1 is the step's microseconds."""
+
+
+SYNTHETIC_VOCAB = 50_000
+"""Size of the id space ``prompt_ids`` maps words into."""
 
 
 def strip_stamps(text: str) -> str:
@@ -116,6 +121,15 @@ class SyntheticBackend:
         words = prompt_words(submit)
         check_prompt_fits(len(words), self._info.max_context_tokens, param, "setting: max_seq_len")
         return Prepared(submit, words, len(words), param)
+
+    def prompt_ids(self, prepared: Prepared) -> list[int]:
+        """A word's id is a checksum of it (this engine has no vocabulary)."""
+        words: list[str] = prepared.prompt
+        return [zlib.crc32(w.encode()) % SYNTHETIC_VOCAB for w in words]
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """``t<id>`` per id, space-separated (ids cannot be turned back into words)."""
+        return " ".join(f"t{t}" for t in token_ids)
 
     def reservation(self, prepared: Prepared) -> int:
         max_context = self._info.max_context_tokens

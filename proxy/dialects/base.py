@@ -81,8 +81,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 class Dialect(Protocol):
     """A wire dialect: its generation endpoint's parser, id prefix and error
-    shape, and any further routes of its own (``extra_routes``: method, path
-    relative to the generation path, handler)."""
+    shape, and any further routes of its own (``extra_routes``: method, path,
+    handler; they answer errors in the dialect's shape too)."""
 
     @property
     def name(self) -> str:

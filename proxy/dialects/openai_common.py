@@ -107,6 +107,10 @@ nothing). Any other value is a 400 naming the field: a client that asked for
 something and got an answer without it could not tell it was ignored."""
 
 
+REFUSE_NOTHING: Refusals = {}
+"""For bodies with no field to refuse."""
+
+
 def never(value: object) -> bool:
     """For ``Refusals``: no value of the field is harmless."""
     return False

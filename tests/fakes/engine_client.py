@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -11,6 +12,8 @@ import msgspec
 
 from protocol import (
     PROTOCOL_VERSION,
+    Detokenize,
+    Detokenized,
     Event,
     Finished,
     FinishReason,
@@ -20,6 +23,8 @@ from protocol import (
     Started,
     Submit,
     TokenDelta,
+    Tokenize,
+    Tokens,
     choice_ids,
     choice_seed,
 )
@@ -106,6 +111,17 @@ def static_script(texts: Sequence[str], **kw: object) -> Script:
     return script
 
 
+def fake_token_ids(submit: Submit) -> tuple[int, ...]:
+    """The fake's tokenization: one id (a checksum) per whitespace-separated
+    word of the prompt, or of ``role: content`` for each message."""
+    text = (
+        submit.prompt
+        if submit.prompt is not None
+        else " ".join(f"{m.role}: {m.content}" for m in submit.messages)
+    )
+    return tuple(zlib.crc32(w.encode()) % 50_000 for w in text.split())
+
+
 def choice_submits(submit: Submit) -> list[Submit]:
     """The per-choice view of ``submit`` the worker runs: one ``Submit`` per
     ``choice_ids`` entry, ``n == 1``, seed ``choice_seed(seed, i)``."""
@@ -140,6 +156,7 @@ class FakeEngineClient:
     submits: list[Submit] = field(default_factory=list)
     choices: list[Submit] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
+    lookups: list[Tokenize | Detokenize] = field(default_factory=list)
     started: bool = False
     closed: bool = False
     _tasks: dict[str, asyncio.Task[None]] = field(default_factory=dict)
@@ -195,6 +212,22 @@ class FakeEngineClient:
             else:
                 stream.put(step)
                 await asyncio.sleep(0)
+
+    def lookup(self, msg: Tokenize | Detokenize) -> RequestStream:
+        """Answers at once: ``Tokens`` with one id per whitespace-separated word
+        of the prompt (``fake_token_ids``), ``Detokenized`` as ``t<id>`` words."""
+        if not self.is_ready:
+            raise EngineNotReady("fake not ready")
+        self.lookups.append(msg)
+        if isinstance(msg, Tokenize):
+            rid = msg.submit.request_id
+            answer: Event = Tokens(rid, fake_token_ids(msg.submit))
+        else:
+            rid = msg.request_id
+            answer = Detokenized(rid, " ".join(f"t{t}" for t in msg.token_ids))
+        stream = RequestStream([rid], self.queue_max)
+        stream.put(answer)
+        return stream
 
     def abort(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:

@@ -4,6 +4,7 @@
 |---|---|
 | ``request`` | the request body, its validation and its ``ChatTask`` |
 | ``frames`` | ``chat.completion.chunk`` stream events and the ``chat.completion`` body |
+| ``tokenize`` | vLLM's ``POST /tokenize`` and ``POST /detokenize`` (chat messages rendered as here) |
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from protocol.messages import Submit
 from proxy.dialects.base import Context, Handler, Header
 from proxy.dialects.chat.frames import ChatFrames, chat_body
 from proxy.dialects.chat.request import ChatCompletionRequest, chat_task, parse_chat_request
+from proxy.dialects.chat.tokenize import ROUTES as TOKENIZE_ROUTES
 from proxy.errors import OPENAI_ERRORS, ErrorShape
 from proxy.generation import Frames, Generation, Options
 from proxy.task import chat_submit, tool_plan
@@ -68,7 +70,7 @@ class ChatDialect:
         return ChatJob(parse_chat_request(body))
 
     def extra_routes(self) -> list[tuple[str, str, Handler]]:
-        return []
+        return list(TOKENIZE_ROUTES)
 
 
 CHAT = ChatDialect()

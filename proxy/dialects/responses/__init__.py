@@ -116,7 +116,7 @@ class ResponsesDialect:
         return ResponsesJob(parse_responses_request(body))
 
     def extra_routes(self) -> list[tuple[str, str, Handler]]:
-        return [("GET", "/{response_id}", get_response)]
+        return [("GET", "/v1/responses/{response_id}", get_response)]
 
 
 RESPONSES = ResponsesDialect()

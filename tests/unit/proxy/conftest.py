@@ -55,6 +55,19 @@ async def sse_json(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> l
     return out
 
 
+async def sse_events(
+    http: httpx.AsyncClient, url: str, body: dict[str, Any], status: int = 200
+) -> list[tuple[str, Any]]:
+    """POST ``body`` and parse the SSE reply with httpx-sse: ``(event name,
+    data as JSON)`` per event (the name is ``message`` for unnamed events)."""
+    out: list[tuple[str, Any]] = []
+    async with aconnect_sse(http, "POST", url, json=body) as source:
+        assert source.response.status_code == status
+        async for ev in source.aiter_sse():
+            out.append((ev.event, orjson.loads(ev.data)))
+    return out
+
+
 @pytest.fixture(autouse=True)
 def no_blocking_calls() -> Iterator[None]:
     """Fail a test when code of the ``proxy`` package makes a blocking call (file

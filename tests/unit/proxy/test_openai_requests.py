@@ -27,6 +27,7 @@ def to_submits(req: ChatCompletionRequest | CompletionRequest, rid: str, max_ctx
 def to_submit(req: ChatCompletionRequest | CompletionRequest, rid: str, max_ctx: int) -> Submit:
     return to_submits(req, rid, max_ctx)[0]
 
+
 MSGS = [{"role": "user", "content": "hi"}]
 
 

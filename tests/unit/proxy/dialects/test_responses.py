@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import msgspec
 import openai
 import pytest
@@ -20,25 +21,13 @@ from protocol import (
     TokenDelta,
 )
 from tests.fakes.engine_client import FakeEngineClient, Step, static_script
-from tests.unit.proxy.conftest import MakeClient
+from tests.unit.proxy.conftest import MakeClient, sse_events
 
 URL = "/v1/responses"
 
 
 def sdk(client: object) -> AsyncOpenAI:
     return AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x", max_retries=0)  # type: ignore[attr-defined]
-
-
-def sse_events(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
-    """(event name, data) of every named event; comments skipped."""
-    out = []
-    for block in raw.decode().split("\n\n"):
-        lines = [ln for ln in block.split("\n") if ln and not ln.startswith(":")]
-        if not lines:
-            continue
-        assert lines[0].startswith("event: ") and lines[1].startswith("data: "), block
-        out.append((lines[0][7:], msgspec.json.decode(lines[1][6:])))
-    return out
 
 
 async def test_create_non_stream_usage_and_text(make_client: MakeClient, fake: FakeEngineClient) -> None:
@@ -58,7 +47,9 @@ async def test_create_non_stream_usage_and_text(make_client: MakeClient, fake: F
     assert [(m.role, m.content) for m in submit.messages] == [("system", "Be brief."), ("user", "hi")]
 
 
-async def test_stream_event_sequence_and_progress(make_client: MakeClient, fake: FakeEngineClient) -> None:
+async def test_stream_event_sequence_and_progress(
+    make_client: MakeClient, fake: FakeEngineClient, http: httpx.AsyncClient
+) -> None:
     def script(s: Submit) -> list[Step]:
         rid = s.request_id
         return [
@@ -73,9 +64,7 @@ async def test_stream_event_sequence_and_progress(make_client: MakeClient, fake:
     fake.script = script
     client = await make_client()
     body = {"model": "m", "input": "x", "stream": True, "return_progress": True}
-    resp = await client.post(URL, json=body)
-    assert resp.status == 200
-    events = sse_events(await resp.read())
+    events = await sse_events(http, str(client.make_url(URL)), body)
     names = [n for n, _ in events]
     assert names == [
         "response.created",
@@ -222,7 +211,7 @@ async def test_what_cannot_be_honoured_is_a_400_naming_it(
 
 
 async def test_what_codex_sends_that_changes_nothing_is_accepted(
-    make_client: MakeClient, fake: FakeEngineClient
+    make_client: MakeClient, fake: FakeEngineClient, http: httpx.AsyncClient
 ) -> None:
     client = await make_client()
     body = {
@@ -240,16 +229,14 @@ async def test_what_codex_sends_that_changes_nothing_is_accepted(
         "metadata": {"k": "v"},
         "stream": True,
     }
-    resp = await client.post(URL, json=body)
-    assert resp.status == 200
-    names = [n for n, _ in sse_events(await resp.read())]
+    names = [n for n, _ in await sse_events(http, str(client.make_url(URL)), body)]
     assert names[-1] == "response.completed"
     (submit,) = fake.submits
     assert [(m.role, m.content) for m in submit.messages] == [("system", "rules"), ("user", "hi")]
 
 
 async def test_error_after_headers_is_response_failed(
-    make_client: MakeClient, fake: FakeEngineClient
+    make_client: MakeClient, fake: FakeEngineClient, http: httpx.AsyncClient
 ) -> None:
     def script(s: Submit) -> list[Step]:
         rid = s.request_id
@@ -261,8 +248,7 @@ async def test_error_after_headers_is_response_failed(
 
     fake.script = script
     client = await make_client()
-    resp = await client.post(URL, json={"model": "m", "input": "x", "stream": True})
-    events = sse_events(await resp.read())
+    events = await sse_events(http, str(client.make_url(URL)), {"model": "m", "input": "x", "stream": True})
     name, data = events[-1]
     assert name == "response.failed"
     assert data["response"]["error"] == {"code": "internal_error", "message": "engine exploded"}

@@ -1,0 +1,104 @@
+"""Anthropic's Messages dialect: ``POST /v1/messages`` (``?beta=true`` too) and
+``POST /v1/messages/count_tokens``.
+
+| module | what |
+|---|---|
+| ``request`` | the request body, its content blocks and their ``ChatTask`` |
+| ``frames`` | the message object, the stream events and Anthropic's error shape |
+
+``max_tokens`` is required, as Anthropic's, and is a cap: a value beyond what
+the context leaves is clamped by the worker, never a 400 (Claude Code sends
+32,000 to any model). Keys are taken from ``x-api-key`` as well as
+``Authorization`` (``proxy.intake``).
+"""
+
+from __future__ import annotations
+
+import msgspec
+from aiohttp import web
+
+from protocol.messages import Submit
+from proxy.dialects.base import Context, Handler, Header
+from proxy.dialects.messages.frames import MessagesErrors, MessagesFrames, messages_body
+from proxy.dialects.messages.request import (
+    MessagesRequest,
+    chat_task,
+    parse_count_tokens_request,
+    parse_messages_request,
+)
+from proxy.errors import ErrorShape
+from proxy.generation import Frames, Generation, Options
+from proxy.lookups import tokenize
+from proxy.responses import encode
+from proxy.serve import context_of, read_request, ready_worker
+from proxy.state import STATE
+from proxy.task import chat_submit, tool_plan
+
+
+class MessagesJob:
+    """One Messages request."""
+
+    __slots__ = ("req",)
+
+    def __init__(self, req: MessagesRequest) -> None:
+        self.req = req
+
+    @property
+    def stream(self) -> bool:
+        return self.req.stream
+
+    def submits(self, request_id: str, context: Context) -> tuple[list[Submit], Options]:
+        req = self.req
+        task = chat_task(req)
+        plan = tool_plan(task, context.tool_format)
+        submit = chat_submit(task, request_id, context.max_context_tokens, plan)
+        options = Options(
+            progress=req.stream and req.return_progress,
+            tools=plan if plan is not None and plan.config.active else None,
+        )
+        return [submit], options
+
+    def frames(self, generation: Generation, header: Header) -> Frames:
+        return MessagesFrames(generation, header)
+
+    def body(self, generation: Generation, header: Header) -> bytes:
+        return messages_body(generation, header)
+
+
+class TokenCount(msgspec.Struct, gc=False):
+    input_tokens: int
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """``POST /v1/messages/count_tokens``: ``{"input_tokens": int}``, the whole
+    prompt the same Messages request would run with (its ``input_tokens`` plus
+    ``cache_read_input_tokens``)."""
+    body = await read_request(request)
+    req = parse_count_tokens_request(body)
+    state = request.app[STATE]
+    context = context_of(state, ready_worker(state))
+    task = chat_task(req)
+    submit = chat_submit(task, "count", context.max_context_tokens, tool_plan(task, context.tool_format))
+    ids = await tokenize(request, submit)
+    return web.Response(body=encode(TokenCount(len(ids))), content_type="application/json")
+
+
+MESSAGES_ERRORS: ErrorShape = MessagesErrors()
+
+
+class MessagesDialect:
+    """``POST /v1/messages``, ``POST /v1/messages/count_tokens``."""
+
+    __slots__ = ()
+    name = "messages"
+    id_prefix = "msg_"
+    errors: ErrorShape = MESSAGES_ERRORS
+
+    def parse(self, body: bytes) -> MessagesJob:
+        return MessagesJob(parse_messages_request(body))
+
+    def extra_routes(self) -> list[tuple[str, str, Handler]]:
+        return [("POST", "/v1/messages/count_tokens", count_tokens)]
+
+
+MESSAGES = MessagesDialect()

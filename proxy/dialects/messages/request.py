@@ -1,0 +1,292 @@
+"""``POST /v1/messages`` (Anthropic Messages) request bodies and their ``ChatTask``.
+
+Shapes follow Anthropic's API reference ("Messages", "Count message tokens")::
+
+    {"model": str, "max_tokens": int,                  # required; a cap, clamped to the context
+     "system"?: str | [{"type": "text", "text": str}],
+     "messages": [{"role": "user" | "assistant", "content": str | [block, ...]}],
+     "tools"?: [{"name", "description"?, "input_schema": {JSON schema}, "type"?: "custom"}],
+     "tool_choice"?: {"type": "auto" | "any" | "tool" | "none", "name"?,
+                      "disable_parallel_tool_use"?: bool},
+     "stop_sequences"?, "temperature"? (0..1), "top_p"?, "top_k"?, "stream"?}
+
+    block: {"type": "text", "text"} | {"type": "tool_use", "id", "name", "input": {...}}
+         | {"type": "tool_result", "tool_use_id", "content": str | [text blocks], "is_error"?}
+         | {"type": "thinking" | "redacted_thinking", ...}   # dropped: no thinking to replay
+
+``tool_use`` blocks join their assistant turn as calls; ``tool_result`` blocks
+become tool turns. What changes nothing here (``thinking``,
+``context_management``, ``cache_control``, ``metadata``, ``service_tier``) is
+accepted; what would change the answer and cannot be honoured (images,
+documents, server tools, MCP servers) is a 400 naming it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Literal
+
+import msgspec
+
+from proxy.dialects.openai_common import (
+    Count,
+    Prob,
+    Refusals,
+    Seed,
+    TopK,
+    TopP,
+    decode,
+)
+from proxy.errors import InvalidRequest
+from proxy.task import ChatTask, JsonOutput, ParamNames, Sampling
+from proxy.tools import (
+    FunctionCall,
+    FunctionIn,
+    HistoryMessage,
+    NamedToolChoiceIn,
+    ToolCall,
+    ToolChoiceIn,
+    ToolIn,
+    ToolSpecError,
+    resolve_tools,
+)
+from proxy.tools.spec import FunctionName
+
+
+class ToolIn_(msgspec.Struct, kw_only=True):
+    """``tools[i]``: a client tool (``type`` absent or ``custom``) with its
+    ``input_schema``; server tools (``web_search_...``, ``bash_...``) are refused."""
+
+    name: str | None = None
+    description: str | None = None
+    input_schema: dict[str, object] | None = None
+    type: str | None = None
+
+
+class ToolChoiceIn_(msgspec.Struct, kw_only=True):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class OutputFormatIn(msgspec.Struct, kw_only=True):
+    """Structured outputs: ``{"type": "json_schema", "schema": {...}}``."""
+
+    type: str
+    schema: dict[str, object] | bool | None = None
+
+
+class OutputConfigIn(msgspec.Struct, kw_only=True):
+    """``output_config``: ``format`` is honoured (a JSON schema grammar);
+    ``effort`` is accepted (a hint for reasoning models)."""
+
+    format: OutputFormatIn | None = None
+    effort: str | None = None
+
+
+class MessageIn(msgspec.Struct, kw_only=True):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, object]]
+
+
+class MessagesRequest(msgspec.Struct, kw_only=True):
+    """``POST /v1/messages`` body (module docstring), plus ``return_progress``
+    and the sampling extras of the other endpoints (``min_p``, ``seed``)."""
+
+    model: str | None = None
+    max_tokens: Count
+    messages: list[MessageIn]
+    system: str | list[dict[str, object]] | None = None
+    tools: list[ToolIn_] | None = None
+    tool_choice: ToolChoiceIn_ | None = None
+    stop_sequences: list[str] | None = None
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    stream: bool = False
+    output_config: OutputConfigIn | None = None
+    output_format: OutputFormatIn | None = None
+    min_p: Prob | None = None
+    seed: Seed | None = None
+    return_progress: bool = False
+
+
+class CountTokensRequest(msgspec.Struct, kw_only=True):
+    """``POST /v1/messages/count_tokens`` body: a Messages body without ``max_tokens``."""
+
+    model: str | None = None
+    messages: list[MessageIn]
+    system: str | list[dict[str, object]] | None = None
+    tools: list[ToolIn_] | None = None
+    tool_choice: ToolChoiceIn_ | None = None
+    output_config: OutputConfigIn | None = None
+    output_format: OutputFormatIn | None = None
+
+
+def _empty(v: object) -> bool:
+    return v in ([], None)
+
+
+REFUSED: Refusals = {"mcp_servers": _empty, "container": _empty}
+"""Fields that would change the answer and cannot be honoured here."""
+
+NAMES = ParamNames(
+    stop="stop_sequences", logprobs="logprobs", json_output="output_config.format", tool_choice="tool_choice"
+)
+
+
+def parse_messages_request(body: bytes) -> MessagesRequest:
+    """Decode and validate a Messages body. Raises ``InvalidRequest``."""
+    req = decode(body, MessagesRequest, REFUSED, "/v1/messages")
+    if not req.messages:
+        raise InvalidRequest("'messages' must contain at least one message", param="messages")
+    return req
+
+
+def parse_count_tokens_request(body: bytes) -> CountTokensRequest:
+    """Decode and validate a count_tokens body. Raises ``InvalidRequest``."""
+    req = decode(body, CountTokensRequest, REFUSED, "/v1/messages/count_tokens")
+    if not req.messages:
+        raise InvalidRequest("'messages' must contain at least one message", param="messages")
+    return req
+
+
+def _block_text(block: Mapping[str, object], where: str) -> str:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise InvalidRequest(f"'{where}.text' must be a string", param=f"{where}.text")
+    return text
+
+
+def _text_blocks(content: object, where: str) -> str:
+    """A ``system`` or ``tool_result`` content: a string or text blocks, joined
+    with a newline."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"'{where}' must be a string or a list of text blocks", param=where)
+    texts = []
+    for j, block in enumerate(content):
+        at = f"{where}[{j}]"
+        if not isinstance(block, Mapping) or block.get("type") != "text":
+            kind = block.get("type") if isinstance(block, Mapping) else type(block).__name__
+            raise InvalidRequest(f"'{at}' is of type {kind!r}; only text blocks are supported here", param=at)
+        texts.append(_block_text(block, at))
+    return "\n".join(texts)
+
+
+_DROPPED = frozenset({"thinking", "redacted_thinking"})
+
+
+def history(system: object, messages: list[MessageIn]) -> tuple[HistoryMessage, ...]:
+    """``system`` and ``messages`` as chat turns (module docstring). Raises
+    ``InvalidRequest`` naming ``messages[i].content[j]``."""
+    turns: list[HistoryMessage] = []
+    if system:
+        turns.append(HistoryMessage(role="system", content=_text_blocks(system, "system")))
+    for i, m in enumerate(messages):
+        where = f"messages[{i}].content"
+        if isinstance(m.content, str):
+            turns.append(HistoryMessage(role=m.role, content=m.content))
+            continue
+        texts: list[str] = []
+        calls: list[ToolCall] = []
+        results: list[HistoryMessage] = []
+        for j, block in enumerate(m.content):
+            at = f"{where}[{j}]"
+            kind = block.get("type")
+            if kind == "text":
+                texts.append(_block_text(block, at))
+            elif kind == "tool_use" and m.role == "assistant":
+                tool_id, name = block.get("id"), block.get("name")
+                if not isinstance(tool_id, str) or not isinstance(name, str):
+                    raise InvalidRequest(f"'{at}' needs a string 'id' and 'name'", param=at)
+                args = msgspec.json.encode(block.get("input", {})).decode()
+                calls.append(ToolCall(id=tool_id, function=FunctionCall(name, args)))
+            elif kind == "tool_result" and m.role == "user":
+                tool_id = block.get("tool_use_id")
+                if not isinstance(tool_id, str):
+                    raise InvalidRequest(f"'{at}.tool_use_id' must be a string", param=f"{at}.tool_use_id")
+                text = _text_blocks(block.get("content", ""), f"{at}.content")
+                if block.get("is_error"):
+                    text = f"Error: {text}"
+                results.append(HistoryMessage(role="tool", content=text, tool_call_id=tool_id))
+            elif kind in _DROPPED:
+                continue  # no thinking to replay: the served model writes none
+            else:
+                raise InvalidRequest(
+                    f"'{at}' is a block of type {kind!r} in a {m.role} message; this server takes text, "
+                    "tool_use (assistant) and tool_result (user) blocks (no images, documents or server "
+                    "tools)",
+                    param=at,
+                )
+        # A user turn's results come first: they answer the assistant turn before it.
+        turns += results
+        if texts or calls or not results:
+            content = "\n".join(texts) if texts else None
+            turns.append(HistoryMessage(role=m.role, content=content, tool_calls=tuple(calls)))
+    return tuple(turns)
+
+
+def _tools(
+    tools: list[ToolIn_] | None, choice: ToolChoiceIn_ | None
+) -> tuple[list[ToolIn], ToolChoiceIn | None, bool | None]:
+    tools_in = []
+    for i, t in enumerate(tools or ()):
+        if t.type not in (None, "custom"):
+            raise InvalidRequest(
+                f"'tools[{i}]' is a server tool of type {t.type!r}; only client tools (with "
+                "'input_schema') are supported",
+                param=f"tools[{i}]",
+            )
+        fn = FunctionIn(name=t.name, description=t.description, parameters=t.input_schema)
+        tools_in.append(ToolIn(type="function", function=fn))
+    if choice is None:
+        return tools_in, None, None
+    parallel = None if choice.disable_parallel_tool_use is None else not choice.disable_parallel_tool_use
+    if choice.type == "tool":
+        named = NamedToolChoiceIn(type="function", function=FunctionName(name=choice.name))
+        return tools_in, named, parallel
+    return tools_in, {"auto": "auto", "any": "required", "none": "none"}[choice.type], parallel
+
+
+def json_output(config: OutputConfigIn | None, legacy: OutputFormatIn | None) -> JsonOutput | None:
+    """``output_config.format`` (or the older ``output_format``) as a JSON output."""
+    fmt, where = (config.format, "output_config.format") if config is not None else (None, "")
+    if fmt is None:
+        fmt, where = legacy, "output_format"
+    if fmt is None:
+        return None
+    if fmt.type != "json_schema" or fmt.schema is None:
+        raise InvalidRequest(f'\'{where}\' must be {{"type": "json_schema", "schema": {{...}}}}', param=where)
+    return JsonOutput(fmt.schema, f"{where}.schema", strict=True, field=where)
+
+
+def chat_task(req: MessagesRequest | CountTokensRequest) -> ChatTask:
+    """The request as a ``ChatTask`` (count_tokens: with 1 token to generate,
+    which the count does not depend on). Raises ``InvalidRequest``."""
+    tools_in, choice, parallel = _tools(req.tools, req.tool_choice)
+    try:
+        tools = resolve_tools(tools_in, choice, parallel)
+    except ToolSpecError as e:
+        raise InvalidRequest(e.message, param=e.param) from None
+    if isinstance(req, MessagesRequest):
+        sampling = Sampling(
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            seed=req.seed,
+            stop=tuple(req.stop_sequences or ()),
+        )
+    else:
+        sampling = Sampling(max_tokens=1)
+    return ChatTask(
+        messages=history(req.system, req.messages),
+        sampling=sampling,
+        tools=tools,
+        json_output=json_output(req.output_config, req.output_format),
+        parallel_asked=parallel is not None,
+        names=NAMES,
+    )
