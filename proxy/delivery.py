@@ -40,6 +40,12 @@ flowing wakes its task about once per ``sse_ping_interval``.
   ``sse_ping_interval`` seconds without a write (not without an event: events
   that make no chunk can keep coming).
 - ``stream_interval`` (``TokenGrouper``): tokens per content event.
+- A client that takes nothing of what waits for it for
+  ``stalled_client_timeout`` seconds, or whose unread backlog in the
+  ``RequestStream`` passes ``max_stream_buffer_mb``, is cut
+  (``StalledClient``): its connection is aborted, one log line, and the
+  handler's exit aborts its engine work and frees its slot. A non-stream body
+  the client does not take is cut after the same time.
 - Errors after the headers: the events still pending, then the dialect's error
   event(s) and terminator (``Frames.error``); ``RequestRecord.fail`` records it.
 - The end: the dialect's closing events and terminator (``Frames.close``).
@@ -56,7 +62,7 @@ from aiohttp import web
 
 from protocol.messages import Event, TokenDelta
 from proxy import sse
-from proxy.errors import EngineInternalError, GatewayTimeout, ProxyError
+from proxy.errors import EngineInternalError, GatewayTimeout, ProxyError, StalledClient
 from proxy.generation import Frames, Generation
 from proxy.request_log import RequestRecord
 from proxy.request_stream import DeltaRun, RequestStream
@@ -253,7 +259,7 @@ async def stream_response(
                 o.buf.clear()
                 o.last_write = loop.time()
                 if out.congested:
-                    await out.drain()
+                    await _drain_or_cut(out, stream, settings.stalled_client_timeout)
                     continue
             if o.closed:
                 break
@@ -270,6 +276,12 @@ async def stream_response(
             finally:
                 stream.detach()
         await resp.write_eof()
+    except StalledClient as e:
+        log.warning("cut the stream of %s: %s", record.request_id, e.message)
+        record.fail(e)
+        record.client_gone = True
+        if o.writer is not None:
+            o.writer.abort()
     except ProxyError as e:
         record.fail(e)
         await _write_error(resp, o, e)
@@ -283,6 +295,46 @@ async def stream_response(
         err = EngineInternalError(f"Internal error: {type(e).__name__}")
         record.fail(err)
         await _write_error(resp, o, err)
+    return resp
+
+
+async def _drain_or_cut(out: sse.TransportWriter, stream: RequestStream, stalled_s: float) -> None:
+    """Wait until the client took enough to be below the transport's low-water
+    mark. Raises ``StalledClient`` when it took nothing for ``stalled_s``
+    seconds (0: no limit) or its stream's unread backlog failed the stream."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + (stalled_s or math.inf)
+    while True:
+        if stream.failed:
+            stream.take()  # raises the stream's failure once nothing is pending
+        slice_s = min(_STALL_CHECK_S, deadline - loop.time())
+        if slice_s <= 0:
+            raise StalledClient(f"The client took nothing for {stalled_s:g} s (stalled_client_timeout)")
+        try:
+            await asyncio.wait_for(out.drain(), slice_s)
+            return
+        except TimeoutError:
+            continue
+
+
+_STALL_CHECK_S = 1.0
+"""How often a wait for a stalled client looks at its stream's backlog."""
+
+
+async def send_body(
+    request: web.Request, body: bytes, stalled_s: float, record: RequestRecord
+) -> web.Response:
+    """Send a non-stream JSON body, cutting the connection when the client
+    takes nothing of it for ``stalled_s`` seconds (0: no limit)."""
+    resp = web.Response(body=body, content_type="application/json")
+    await resp.prepare(request)
+    try:
+        await asyncio.wait_for(resp.write_eof(), stalled_s or None)
+    except TimeoutError:
+        log.warning("cut the response of %s: the client took nothing for %g s", record.request_id, stalled_s)
+        record.client_gone = True
+        if request.transport is not None:
+            request.transport.abort()
     return resp
 
 
@@ -328,8 +380,8 @@ class _Collected:
 
 async def complete_response(
     stream: RequestStream, gen: Generation, body: Callable[[], bytes], idle_s: float
-) -> web.Response:
-    """Wait until every choice of ``gen`` finished, then answer ``body()`` (the
+) -> bytes:
+    """Wait until every choice of ``gen`` finished, then return ``body()`` (the
     dialect's JSON body). Raises the ``ProxyError`` of a failed request,
     ``GatewayTimeout`` after ``idle_s`` seconds without an event (0: no limit)."""
     loop = asyncio.get_running_loop()
@@ -343,7 +395,7 @@ async def complete_response(
         if c.error is not None:
             raise c.error
         if gen.done:
-            return web.Response(body=body(), content_type="application/json")
+            return body()
         if loop.time() >= c.last_event + idle_after:
             raise idle_timeout(idle_s)
         if not stream.attach(c.deliver):

@@ -70,7 +70,7 @@ from proxy.errors import (
     ShuttingDown,
 )
 from proxy.request_stream import RequestStream
-from proxy.settings import ProxySettings
+from proxy.settings import MIB, ProxySettings
 
 log = logging.getLogger(__name__)
 
@@ -275,7 +275,12 @@ class ZmqEngineClient:
                     "(its input queue is full or it is not connected)"
                 )
             ids += choice_ids(submit.request_id, submit.n)
-        stream = RequestStream(ids, self._settings.request_queue_max, ready=self._ready_streams)
+        stream = RequestStream(
+            ids,
+            self._settings.request_queue_max,
+            ready=self._ready_streams,
+            max_merged_bytes=int(self._settings.max_stream_buffer_mb * MIB),
+        )
         for rid in ids:
             self._routes[rid] = stream
         return stream

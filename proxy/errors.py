@@ -18,6 +18,7 @@
      |    +-- EngineOverloaded          the worker refused the request as overloaded
      |    +-- ShuttingDown              the proxy is draining after SIGINT/SIGTERM
      +-- GatewayTimeout                 504, code "timeout": no worker event for ``request_idle_timeout``
+     +-- StalledClient                  408: the client read nothing for ``stalled_client_timeout`` (cut)
      +-- EngineInternalError            500 server_error: the worker failed the request
 
 Every exception carries its HTTP ``status``, the envelope fields ``type``,
@@ -211,6 +212,16 @@ class GatewayTimeout(ProxyError):
 
     status = 504
     default_code = "timeout"
+
+
+class StalledClient(ProxyError):
+    """The client took none of its response's bytes for ``stalled_client_timeout``
+    seconds, or its unread backlog grew past ``max_stream_buffer_mb``: its
+    connection is cut (nothing more can reach it), its engine work aborted."""
+
+    status = 408
+    type = "invalid_request_error"
+    default_code = "stalled_client"
 
 
 class EngineInternalError(ProxyError):

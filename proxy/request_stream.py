@@ -18,9 +18,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from protocol.messages import Event, PrefillProgress, QueueProgress, TokenDelta, TokenLogprob
-from proxy.errors import EngineInternalError, ProxyError
+from proxy.errors import EngineInternalError, ProxyError, StalledClient
 
 log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MERGED_BYTES = 4 * 1024 * 1024
+"""``max_merged_bytes`` unless given (``ProxySettings.max_stream_buffer_mb``'s default)."""
+
+
+_LOGPROB_BYTES = 96
+"""About what one logprob entry (token, float, bytes) costs held in memory."""
 
 
 @dataclass(slots=True)
@@ -34,13 +41,18 @@ class DeltaRun:
     num_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
 
-    def add(self, ev: TokenDelta) -> None:
+    def add(self, ev: TokenDelta) -> int:
+        """Merge ``ev``; returns about how many bytes it holds (its text's length
+        plus a string's overhead, ``_LOGPROB_BYTES`` per logprob entry and alternative)."""
         self.parts.append(ev.text)
         self.num_tokens += ev.num_tokens
+        size = len(ev.text) + 64
         if ev.logprobs is not None:
             if self.logprobs is None:
                 self.logprobs = []
             self.logprobs += ev.logprobs
+            size += sum(_LOGPROB_BYTES * (1 + len(lp.top)) for lp in ev.logprobs)
+        return size
 
     def freeze(self) -> TokenDelta:
         logprobs = tuple(self.logprobs) if self.logprobs is not None else None
@@ -74,7 +86,8 @@ class RequestStream:
     pending one), so a client that reads
     slower than the engine writes costs memory proportional to its text, not to
     its event count. ``Started``/``Finished``/``RequestError`` are never merged
-    (there are few per request).
+    (there are few per request). What merged deltas hold is bounded too: past
+    ``max_merged_bytes`` the stream fails with ``StalledClient``.
 
     ``ready``: the reader's list of streams to ``deliver`` once the current
     batch is routed (``ZmqEngineClient``); without one, a stream with a sink
@@ -85,6 +98,8 @@ class RequestStream:
         "_error",
         "_has_runs",
         "_max",
+        "_max_merged",
+        "_merged",
         "_pending",
         "_ready",
         "_scheduled",
@@ -94,10 +109,17 @@ class RequestStream:
     )
 
     def __init__(
-        self, request_ids: Sequence[str], max_pending: int, *, ready: list[RequestStream] | None = None
+        self,
+        request_ids: Sequence[str],
+        max_pending: int,
+        *,
+        ready: list[RequestStream] | None = None,
+        max_merged_bytes: int = DEFAULT_MAX_MERGED_BYTES,
     ) -> None:
         self.request_ids: tuple[str, ...] = tuple(request_ids)
         self._max = max_pending
+        self._max_merged = max_merged_bytes
+        self._merged = 0
         self._pending: list[Event | DeltaRun] = []
         self._has_runs = False
         self._error: ProxyError | None = None
@@ -147,7 +169,14 @@ class RequestStream:
                 last = pending[i] = run
                 self._has_runs = True
             if isinstance(last, DeltaRun):
-                last.add(ev)
+                self._merged += last.add(ev)
+                if self._merged > self._max_merged:
+                    self.fail(
+                        StalledClient(
+                            f"The client is not reading: over {self._max_merged // 1024} KiB of its "
+                            "stream wait unread (max_stream_buffer_mb)"
+                        )
+                    )
                 return True
         elif (isinstance(ev, QueueProgress) and isinstance(last, QueueProgress)) or (
             isinstance(ev, PrefillProgress)
@@ -176,6 +205,7 @@ class RequestStream:
     def _take(self) -> list[Event]:
         out = self._pending
         self._pending = []
+        self._merged = 0
         if self._has_runs:
             self._has_runs = False
             return [x.freeze() if isinstance(x, DeltaRun) else x for x in out]

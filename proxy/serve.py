@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from protocol.messages import Ready, Submit, choice_ids
-from proxy.delivery import complete_response, stream_response
+from proxy.delivery import complete_response, send_body, stream_response
 from proxy.dialects.base import Context, Dialect, Handler, Header
 from proxy.errors import (
     NOT_READY_MESSAGE,
@@ -133,7 +133,7 @@ async def serve(request: web.Request, dialect: Dialect) -> web.StreamResponse:
             if job.stream:
                 frames = job.frames(gen, header)
                 return await stream_response(request, settings, stream, gen, frames, record)
-            return await complete_response(
+            reply = await complete_response(
                 stream, gen, lambda: job.body(gen, header), settings.request_idle_timeout
             )
         finally:
@@ -145,6 +145,7 @@ async def serve(request: web.Request, dialect: Dialect) -> web.StreamResponse:
                 state.engine.abort(unfinished)
     finally:
         state.release()
+    return await send_body(request, reply, settings.stalled_client_timeout, record)
 
 
 def check_limits(submits: list[Submit], max_n: int, worker: Ready) -> None:

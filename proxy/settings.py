@@ -73,6 +73,18 @@ class ProxySettings(LinkSettings):
         "Events pending per request before a slow client's consecutive token deltas are merged.",
         ge=1,
     )
+    stalled_client_timeout: float = setting(
+        30.0,
+        "Seconds a client may take nothing of a response that has bytes waiting for it: then its "
+        "connection is cut, its engine work aborted and its slot freed (0 disables).",
+        ge=0,
+    )
+    max_stream_buffer_mb: float = setting(
+        4.0,
+        "MiB of merged events (text, logprobs) one stream may hold for a client that does not "
+        "keep up; beyond it the stream is cut as a stalled one.",
+        gt=0,
+    )
     heartbeat_timeout: float = setting(
         30.0, "Seconds without any worker message before the worker is declared dead.", gt=0
     )

@@ -134,6 +134,10 @@ class TransportWriter:
         t.write(data)
         return True
 
+    def abort(self) -> None:
+        """Close the connection at once, dropping what it still holds."""
+        self._transport.abort()
+
     async def drain(self) -> None:
         """Wait until the transport is below its low-water mark again. Raises
         ``ConnectionResetError`` when the connection is lost meanwhile."""
