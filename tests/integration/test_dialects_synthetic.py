@@ -29,7 +29,11 @@ async def test_counts_agree_across_dialects_and_lookups(tmp_path: Path) -> None:
             resp = (
                 await c.post(
                     "/v1/responses",
-                    json={"instructions": system["content"], "input": user["content"], "max_output_tokens": 3},
+                    json={
+                        "instructions": system["content"],
+                        "input": user["content"],
+                        "max_output_tokens": 3,
+                    },
                 )
             ).json()
             assert resp["usage"]["input_tokens"] == prompt

@@ -60,6 +60,7 @@ async def test_a_client_that_reads_nothing_is_cut_and_its_slot_freed(
         if stream:
             aborted = await fake.wait_abort(timeout_s=10)
             assert aborted  # the stalled stream's engine work was aborted
+            gate.event.set()  # later requests of the fake run through
         deadline = time.monotonic() + 10
         while True:  # the one slot is free again: another client is served
             r = await client.post(URL, json={**body, "stream": False})
