@@ -13,10 +13,10 @@ here, with the 1.6.5 source it stands for:
 - ``EngineHandle.new_sampler``: ``exllamav3.ComboSampler``
   (``generator/sampler/presets.py``, class ``ComboSampler``).
 - ``EngineHandle.new_filter``: ``exllamav3.LLGuidanceFilter``
-  (``generator/filter/llguidance.py:195``), through
+  (``generator/filter/llguidance.py:32``), through
   ``engine_worker.exllamav3.grammar.contained_filter_class``.
 - ``EngineHandle.ll_tokenizer``: ``create_ll_tokenizer``
-  (``generator/filter/llguidance.py:180-192``), the llguidance tokenizer those
+  (``generator/filter/llguidance.py:17-29``), the llguidance tokenizer those
   filters share (cached per ``Tokenizer``).
 - Token id tensors are only used through ``.shape`` and ``.tolist()``, which a
   ``torch.LongTensor`` of shape ``(1, n)`` has.

@@ -38,7 +38,7 @@ carries the chat template's source (``Ready.chat_template``), renders chat with
 ``tokenizer/tokenizer.py:830-832``, ``870-876``), builds 1.6.5's
 ``LLGuidanceFilter`` per grammar (``engine_worker.exllamav3.grammar``) and
 reaches the llguidance tokenizer those filters share (``create_ll_tokenizer``,
-``generator/filter/llguidance.py:180-192``; built on first use, for token bytes).
+``generator/filter/llguidance.py:17-29``; built on first use, for token bytes).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def _progress_bar(steps: Iterable[Any], label: str) -> None:
 
 
 def _start_moe_cpu_hosts(model: Any) -> None:
-    """What ``Model.load`` does after draining ``load_gen`` (``model/model.py:767-772``):
+    """What ``Model.load`` (``model/model.py:767-772``) does after draining ``load_gen``:
     make sure the worker processes of CPU-offloaded MoE experts are up before the first
     forward pass. ``ensure_started`` is idempotent; configs without offload have none."""
     for host in getattr(model.config, "moe_cpu_hosts", {}).values():
@@ -359,7 +359,7 @@ def load_engine(config: WorkerSettings) -> EngineHandle:
 
     def ll_tokenizer() -> Any:
         # The llguidance tokenizer LLGuidanceFilter builds and caches per Tokenizer
-        # (generator/filter/llguidance.py:180-192): token bytes for logprobs, shared with the filters.
+        # (generator/filter/llguidance.py:17-29): token bytes for logprobs, shared with the filters.
         from exllamav3.generator.filter.llguidance import create_ll_tokenizer
 
         return create_ll_tokenizer(tokenizer)

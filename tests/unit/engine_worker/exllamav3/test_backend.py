@@ -88,7 +88,7 @@ def test_repeated_prompt_reports_the_reused_prefix() -> None:
 def test_prefix_survives_a_job_that_reserved_the_whole_cache(output_chunking: bool) -> None:
     # b1 (large max_tokens) reserves all 8 pages of a 2048-token cache but writes only its
     # prompt's page and a few tokens; 1.6.5 gives the unwritten reservations back with their
-    # old content (pagetable.py:164-174). a2 reserves only the pages it can write (three, also
+    # old content (pagetable.py:166-177). a2 reserves only the pages it can write (three, also
     # with output chunking: max_rq_tokens is passed only where it reserves less), and takes an
     # empty one for its third, so a1's partial page is matchable.
     n_a, n_b = 600, 11

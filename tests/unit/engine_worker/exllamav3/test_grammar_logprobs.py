@@ -149,7 +149,7 @@ def test_each_choice_gets_its_own_filter_compiled_at_prepare() -> None:
 
 
 def test_a_grammar_that_fails_mid_generation_fails_only_its_request() -> None:
-    # An llguidance matcher error makes 1.6.5's filter raise inside iterate() (llguidance.py:273-275),
+    # An llguidance matcher error makes 1.6.5's filter raise inside iterate() (llguidance.py:110-112),
     # which would fail every request of the step. The worker's filter keeps the error; the request
     # fails alone, before any output of that step reaches the client.
     backend, rec = make_backend(script=fx.reply("ab" * 20))

@@ -364,7 +364,7 @@ def test_a_grammar_compiles_against_the_models_tokenizer(tmp_path: Path, fake_ex
     prepared = backend.prepare(submit)
     (flt,) = prepared.prompt.filters
     assert isinstance(flt, fx.LLGuidanceFilter)
-    # config.json's EOS list, as create_ll_tokenizer reads it (generator/filter/llguidance.py:186-191)
+    # config.json's EOS list, as create_ll_tokenizer reads it (generator/filter/llguidance.py:23-28)
     assert fx.create_ll_tokenizer(backend._h.generator.tokenizer).eos_tokens == [257, 259]
     with pytest.raises(RequestRejected) as e:
         backend.prepare(chat("b", "x", grammar="start: (", grammar_param="response_format"))
