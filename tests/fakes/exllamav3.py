@@ -104,8 +104,9 @@ Deliberately stricter than 1.6.5: ``Job``, ``Generator``, ``Cache`` and
 ``ComboSampler`` take exactly the 1.6.5 parameter names and no ``**kwargs``, so a
 misspelt keyword fails here instead of being ignored; features the worker does
 not use (token healing, banned strings, embeddings, ``return_logits``, loop
-detection, recurrent models) raise ``NotImplementedError``. N-gram drafting uses a plain
-longest-suffix search (suffixes up to 64 tokens) instead of a suffix automaton.
+detection, recurrent models) raise ``NotImplementedError``. N-gram drafting follows 1.6.5's
+suffix automaton (``_SuffixAutomaton``); the drafting *model* is the script, so acceptance
+rates are the fake model's, not a real one's.
 """
 
 from __future__ import annotations
@@ -1187,6 +1188,77 @@ def _allowed_by(mask: Any, vocab: int) -> set[int]:
     return {int(i) for i in np.flatnonzero(bits[:vocab])}
 
 
+class _SuffixAutomaton:
+    """The n-gram drafter's suffix automaton (``exllamav3_ext/sam.cpp``, ``BC_SAM``), built
+    token by token over a job's sequence. ``accept(seq)`` adds the tokens it has not seen and
+    returns ``(begin, end)`` (end exclusive) of the earliest earlier occurrence of the longest
+    suffix of ``seq`` that occurred before, found by a match that follows the sequence as it
+    grows (``advance_match``: a state's first end position, ``min_end``), or ``(-1, -1)``."""
+
+    def __init__(self) -> None:
+        self.link = [-1]
+        self.max_len = [0]
+        self.first_end = [2**31 - 1]
+        self.edges: list[dict[int, int]] = [{}]
+        self.last = 0
+        self.match_state = 0
+        self.match_len = 0
+        self.pos = 0
+
+    def _new_state(self, max_len: int, link: int, first_end: int, edges: dict[int, int]) -> int:
+        self.link.append(link)
+        self.max_len.append(max_len)
+        self.first_end.append(first_end)
+        self.edges.append(edges)
+        return len(self.link) - 1
+
+    def _advance_match(self, token: int) -> tuple[int, int]:
+        state, length = self.match_state, self.match_len
+        while state != 0 and token not in self.edges[state]:
+            state = self.link[state]
+            length = min(length, self.max_len[state])
+        if token in self.edges[state]:
+            state, length = self.edges[state][token], length + 1
+        else:
+            state, length = 0, 0
+        self.match_state, self.match_len = state, length
+        return state, length
+
+    def _extend(self, token: int) -> None:
+        cur = self._new_state(self.max_len[self.last] + 1, 0, self.pos, {})
+        p = self.last
+        while p != -1 and token not in self.edges[p]:
+            self.edges[p][token] = cur
+            p = self.link[p]
+        if p != -1:
+            q = self.edges[p][token]
+            if self.max_len[p] + 1 == self.max_len[q]:
+                self.link[cur] = q
+            else:
+                clone = self._new_state(self.max_len[p] + 1, self.link[q], self.first_end[q], dict(self.edges[q]))
+                while p != -1 and self.edges[p].get(token) == q:
+                    self.edges[p][token] = clone
+                    p = self.link[p]
+                self.link[q] = clone
+                self.link[cur] = clone
+        self.last = cur
+        self.pos += 1
+
+    def accept(self, seq: Sequence[int]) -> tuple[int, int]:
+        if len(seq) < self.pos:
+            self.__init__()  # type: ignore[misc]  # a rewound sequence: rebuilt (sam.cpp accept_tensor)
+        if len(seq) == self.pos:
+            return -1, -1
+        state = length = 0
+        for token in seq[self.pos :]:
+            state, length = self._advance_match(token)
+            self._extend(token)
+        if length == 0:
+            return -1, -1
+        end = self.first_end[state] + 1
+        return end - length, end
+
+
 # ---------------------------------------------------------------- jobs
 
 
@@ -1235,6 +1307,7 @@ class Job:
         self.input_ids = ids
         self.sequence_ids = list(ids)
         self.client_prompt: list[int] = rq.get("client_prompt", list(ids))
+        self.sam: _SuffixAutomaton | None = rq.get("sam")
         self.kv_position = 0
         self.page_hashes: list[Any] = []
         self.max_cached_pages: int | None = None
@@ -1533,14 +1606,14 @@ class Job:
     # -- decoding
 
     def ngram_draft(self, length: int, match_min: int) -> list[int]:
+        """``Job.get_ngram_draft`` (``job.py:1899-1920``, no corpus): the tokens after the
+        earlier occurrence of the longest suffix the job's suffix automaton matches, when that
+        suffix has ``match_min`` tokens or more."""
+        if self.sam is None:
+            self.sam = _SuffixAutomaton()
         seq = self.sequence_ids
-        n = len(seq)
-        for span in range(min(64, n - 1), match_min - 1, -1):
-            suffix = seq[n - span :]
-            for end in range(n - 1, span - 1, -1):
-                if seq[end - span : end] == suffix:
-                    return seq[end : end + length]
-        return []
+        begin, end = self.sam.accept(seq)
+        return seq[end : end + length] if end - begin >= match_min else []
 
     def receive_sample(
         self,
@@ -1732,6 +1805,7 @@ class Job:
             "prompt_tokens": self.rq_prompt_tokens or len(self.input_ids),
             "cached": self.rq_cached or self._cached(),
             "client_prompt": self.client_prompt,
+            "sam": self.sam,  # job.py:1232
         }
         serial = self.serial_number
         self.__init__(  # type: ignore[misc]

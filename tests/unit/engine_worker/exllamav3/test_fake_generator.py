@@ -476,3 +476,35 @@ def test_allocation_takes_pages_in_eviction_order_and_keeps_the_longest_prefix()
     pt.deallocate(pages)
     _, cached = pt.allocate([a0.phash, a1.phash], 0)
     assert cached == 2
+
+
+# ------------------------------------------------------------------ n-gram drafts
+
+
+def _earliest_longest_earlier_suffix(seq: list[int]) -> tuple[int, int]:
+    """By brute force: ``(begin, end)`` of the first occurrence, ending before the last
+    token, of the longest suffix of ``seq`` that has one."""
+    n = len(seq)
+    for span in range(n - 1, 0, -1):
+        for end in range(span, n):
+            if seq[end - span : end] == seq[n - span :]:
+                return end - span, end
+    return -1, -1
+
+
+def test_the_ngram_suffix_automaton_finds_the_earliest_occurrence_of_the_longest_suffix() -> None:
+    # BC_SAM (exllamav3_ext/sam.cpp) matches as the sequence grows and drafts from a state's
+    # first end position: the earliest occurrence, however long the suffix.
+    import random
+
+    for trial in range(300):
+        rnd = random.Random(trial)
+        seq = [rnd.randrange(rnd.choice([2, 3, 5])) for _ in range(rnd.randint(1, 60))]
+        sam = fx._SuffixAutomaton()
+        for i in range(1, len(seq) + 1, rnd.choice([1, 2, 7])):
+            assert sam.accept(seq[:i]) == _earliest_longest_earlier_suffix(seq[:i]), (seq[:i], trial)
+    # a passage seen twice with different continuations drafts the first one's
+    seq = [1, 2, 3, 7, 1, 2, 3, 8, 1, 2, 3]
+    job = _job(seq)
+    job.sequence_ids = seq
+    assert job.ngram_draft(4, 2) == [7, 1, 2, 3]
