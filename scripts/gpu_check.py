@@ -617,6 +617,9 @@ def phase_backend(work: Path, res: Result) -> None:
     backend = ExLlamaV3Backend(handle, settings)
     res.metrics["stop_strings"] = list(handle.stop_strings)
 
+    def add(b: ExLlamaV3Backend, s: Submit) -> None:
+        b.start(s.request_id, b.prepare(s), s.params)
+
     def chat(rid: str, text: str, **p: Any) -> Submit:
         p.setdefault("max_tokens", 32)
         p.setdefault("temperature", 0.0)
@@ -636,7 +639,7 @@ def phase_backend(work: Path, res: Result) -> None:
         times: dict[str, list[float]] = {}
         start = time.monotonic()
         for s in submits:
-            b.add(s)
+            add(b, s)
         for _ in range(limit):
             if not b.active_ids():
                 break
@@ -771,8 +774,8 @@ def phase_backend(work: Path, res: Result) -> None:
             )
 
         def aborts() -> None:
-            backend.add(chat("a-prefill", "Another long one. " + CHAT_PROMPT))
-            backend.add(raw("a-decode", "The quick brown fox", max_tokens=400))
+            add(backend, chat("a-prefill", "Another long one. " + CHAT_PROMPT))
+            add(backend, raw("a-decode", "The quick brown fox", max_tokens=400))
             aborted: set[str] = set()
             after: list[Event] = []
             for _ in range(2000):
@@ -826,7 +829,7 @@ def phase_backend(work: Path, res: Result) -> None:
                 res.check("context_length_exceeded", False)
 
         def fault() -> None:
-            backend.add(raw("f1", "The quick brown fox", max_tokens=50))
+            add(backend, raw("f1", "The quick brown fox", max_tokens=50))
             backend.step()
             rec.fail_next = RuntimeError("injected fault (gpu_check)")
             step = backend.step()

@@ -117,8 +117,8 @@ import math
 import os
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 PAGE_SIZE = 256
@@ -837,7 +837,9 @@ class _PageTable:
         that walk could not reach last, ``protected`` pages dead last."""
         order: list[_Page] = []
         emitted: set[int] = set()
-        empty = [p for p in self.pages if p.ref_count == 0 and p.kv_position == 0 and p.phash not in protected]
+        empty = [
+            p for p in self.pages if p.ref_count == 0 and p.kv_position == 0 and p.phash not in protected
+        ]
         for p in sorted(empty, key=lambda p: p.access):
             order.append(p)
             emitted.add(p.index)
@@ -1028,8 +1030,8 @@ class Filter:
         self._journal: list[tuple[int, int]] = []
 
     def feed(self, token: int) -> bool:
-        """``Filter.feed`` (``filter.py:50-70``): advance on an emitted token; True when the filter completed on
-        it and ``eos_after_completed`` is set."""
+        """``Filter.feed`` (``filter.py:50-70``): advance on an emitted token; True when the
+        filter completed on it and ``eos_after_completed`` is set."""
         if not self.is_active:
             if token == self.trigger_token:
                 self.is_active = True
@@ -1235,7 +1237,9 @@ class _SuffixAutomaton:
             if self.max_len[p] + 1 == self.max_len[q]:
                 self.link[cur] = q
             else:
-                clone = self._new_state(self.max_len[p] + 1, self.link[q], self.first_end[q], dict(self.edges[q]))
+                clone = self._new_state(
+                    self.max_len[p] + 1, self.link[q], self.first_end[q], dict(self.edges[q])
+                )
                 while p != -1 and self.edges[p].get(token) == q:
                     self.edges[p][token] = clone
                     p = self.link[p]

@@ -40,13 +40,14 @@ SOURCES = (
 """Where our ExLlamaV3 citations live (``../shared/reference`` is not ours)."""
 
 _TOKEN = re.compile(
-    r"(?P<path>[A-Za-z0-9_][A-Za-z0-9_/.]*\.py):(?P<nums>\d+(?:-\d+)?(?:,[ \t]*(?:\n[ \t]*#[ \t]*)?\d+(?:-\d+)?)*)"
+    r"(?P<path>[A-Za-z0-9_][A-Za-z0-9_/.]*\.py)"
+    r":(?P<nums>\d+(?:-\d+)?(?:,[ \t]*(?:\n[ \t]*#[ \t]*)?\d+(?:-\d+)?)*)"
     r"|(?<![\w`])`{1,2}(?P<bare>\d+(?:-\d+)?)`{1,2}(?![\w`])"
     r"|(?P<para>\n[ \t]*\n|\n(?=\|))"
 )
 """A citation, a bare backticked line number (the last citation's file), or the end of a
 paragraph (a blank line, or a new Markdown table row) after which bare numbers cite nothing."""
-_SYMBOL_BEFORE = re.compile(r"`{1,2}([A-Za-z_][\w.]*)(?:\([^`]*\))?`{1,2}:?[ \t]*\(?[ \t]*`{0,2}$")
+_SYMBOL_BEFORE = re.compile(r"`{1,2}([A-Za-z_][\w.]*)(?:\([^`]*\))?`{1,2}[:,]?[ \t]*\(?[ \t]*`{0,2}$")
 """A backticked name right before the citation: ``_check_error`` (``llguidance.py:110-112``)."""
 
 
@@ -136,7 +137,17 @@ def _download(dest: Path) -> Path:
     wheel = dest / WHEEL_NAME
     if wheel.exists():
         return wheel
-    cmd = [sys.executable, "-m", "pip", "download", f"exllamav3=={PIN}", "--no-deps", "-q", "--dest", str(dest)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        f"exllamav3=={PIN}",
+        "--no-deps",
+        "-q",
+        "--dest",
+        str(dest),
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -193,9 +204,14 @@ def test_every_exllamav3_citation_exists_in_the_pinned_wheel(wheel: Wheel) -> No
     # the parser found them all (about 450 in 1.6.5-era code), not a few
     assert len(citations) > 300
     assert {c.source.split("/")[0] for c in citations} >= {"engine_worker", "docs", "tests", "scripts"}
-    assert sum(c.symbol is not None and c.symbol in wheel.defs[wheel.resolve(c.path)[0]] for c in citations) > 5
+    assert (
+        sum(c.symbol is not None and c.symbol in wheel.defs[wheel.resolve(c.path)[0]] for c in citations) > 5
+    )
     problems = [p for c in citations for p in wheel.problems(c)]
     assert not problems, "\n".join(problems)
+
+
+LLG = "exllamav3/generator/filter/llguidance.py"
 
 
 def test_a_bad_citation_is_reported(wheel: Wheel) -> None:
@@ -220,10 +236,9 @@ def test_a_bad_citation_is_reported(wheel: Wheel) -> None:
     ]
     problems = [p for c in cits for p in wheel.problems(c)]
     assert problems == [
-        "doc.md:2: generator/filter/llguidance.py:180-192: exllamav3/generator/filter/llguidance.py has 163 lines",
-        "doc.md:2: generator/filter/llguidance.py:170: exllamav3/generator/filter/llguidance.py has 163 lines",
-        "doc.md:3: llguidance.py:146-153: `_check_error` is defined at "
-        "exllamav3/generator/filter/llguidance.py:110-112, not there",
+        f"doc.md:2: generator/filter/llguidance.py:180-192: {LLG} has 163 lines",
+        f"doc.md:2: generator/filter/llguidance.py:170: {LLG} has 163 lines",
+        f"doc.md:3: llguidance.py:146-153: `_check_error` is defined at {LLG}:110-112, not there",
         "doc.md:3: nowhere.py:3: nowhere.py is not in the wheel",
         "doc.md:4: tokenizer/tokenizer.py:99999: exllamav3/tokenizer/tokenizer.py has 931 lines",
     ]

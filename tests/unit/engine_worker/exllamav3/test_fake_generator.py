@@ -427,12 +427,14 @@ def test_a_mask_error_on_the_pool_raises_out_of_iterate() -> None:
 # ------------------------------------------------------------------ eviction order
 
 
-def _page(pt: fx._PageTable, i: int, access: int, prev: fx._Page | None = None, filled: bool = True) -> fx._Page:
+def _page(
+    pt: fx._PageTable, i: int, access: int, prev: fx._Page | None = None, filled: bool = True
+) -> fx._Page:
     page = pt.pages[i]
     tokens = [i] * fx.PAGE_SIZE
     pt.set_hash(page, fx._chain_hash(prev.phash if prev is not None else None, tokens))
     page.prev_hash = prev.phash if prev is not None else None
-    page.tokens, page.kv_position, page.access = tokens, fx.PAGE_SIZE if filled else 0, access
+    page.tokens, page.kv_position, page.access = tokens, fx.PAGE_SIZE, access
     return page
 
 
@@ -470,7 +472,7 @@ def test_allocation_takes_pages_in_eviction_order_and_keeps_the_longest_prefix()
     pt = fx._PageTable(4)
     a0 = _page(pt, 0, access=1)
     a1 = _page(pt, 1, access=2, prev=a0)
-    a2 = _page(pt, 2, access=3, prev=a1)
+    _page(pt, 2, access=3, prev=a1)
     pages, _ = pt.allocate([], 2)  # page 3 is empty; then a2, the chain's leaf
     assert [p.index for p in pages] == [3, 2]
     pt.deallocate(pages)

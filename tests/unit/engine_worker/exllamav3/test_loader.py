@@ -19,7 +19,7 @@ from engine_worker.exllamav3 import loader
 from engine_worker.settings import DraftMode, WorkerSettings
 from protocol.messages import ChatMessage, Finished, SamplingParams, Submit, TokenDelta
 from tests.fakes import exllamav3 as fx
-from tests.fakes.exllamav3_driver import chat, raw, run, text_of
+from tests.fakes.exllamav3_driver import add, chat, raw, run, text_of
 
 torch = pytest.importorskip("torch")
 
@@ -235,8 +235,8 @@ def test_loaded_backend_serves_chat_and_raw_prompts(tmp_path: Path, fake_exl3: l
     backend = loader.build_backend(WorkerSettings(backend="exllamav3", model_dir=d, warmup=False))
     g = _gen(backend)
     g.model.script = fx.reply(b"ok \xe6\x97")  # ends on a cut character, flushed via decode()
-    backend.add(chat("c", "hello"))
-    backend.add(raw("r", "<s>already has BOS"))
+    add(backend, chat("c", "hello"))
+    add(backend, raw("r", "<s>already has BOS"))
     once = fx.Tokenizer().encode("<s>already has BOS", encode_special_tokens=True)
     assert g.pending_jobs[1].input_ids == once.tolist()[0]
     events = run(backend)
