@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from engine_worker.settings import EXLLAMAV3_MAX_BATCH_SIZE
+
 
 class IdTensor(Protocol):
     """A ``(1, n)`` tensor of token ids (``torch.LongTensor`` in the real engine)."""
@@ -112,7 +114,7 @@ class EngineHandle:
     drafting: str | None
     model_id: str
     close: Callable[[], None]
-    max_batch_size: int = 32
+    max_batch_size: int = EXLLAMAV3_MAX_BATCH_SIZE
     stop_strings: tuple[str, ...] = ()
     rebuild_generator: Callable[[], GeneratorLike] | None = None
     check_device: Callable[[], None] | None = None
