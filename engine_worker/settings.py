@@ -47,12 +47,25 @@ def default_cache_dir() -> Path:
 
 BACKEND_DEFAULTS: dict[str, dict[str, Any]] = {
     "cpu": {"max_seq_len": 8192, "chunk_size": 256, "num_draft_tokens": 4, "max_batch_size": 16},
-    # max_seq_len: the model's; num_draft_tokens: what the drafter prefers;
-    # max_batch_size: 32, or 4 with recurrent layers (all resolved by the loader).
+    # max_seq_len, num_draft_tokens, max_batch_size and cache_size depend on the model:
+    # resolved by the loader through the exllamav3_* methods below.
     "exllamav3": {"chunk_size": 2048},
     "synthetic": {"max_seq_len": 8192, "chunk_size": 256, "max_batch_size": 1024},
 }
 """Defaults of the options whose default depends on ``backend``."""
+
+EXLLAMAV3_MAX_BATCH_SIZE = 32
+"""exllamav3 ``max_batch_size`` when unset, on a model without recurrent layers."""
+EXLLAMAV3_MAX_BATCH_SIZE_RECURRENT = 4
+"""... and on one with recurrent layers, whose per-sequence state is memory the KV cache
+size does not account for."""
+EXLLAMAV3_DRAFT_TOKENS = 4
+"""exllamav3 draft window when ``num_draft_tokens`` is unset: for n-gram drafting, and for a
+drafter whose ``caps`` have no ``default_draft_size``; 1.6.5's own defaults
+(``generator/generator.py:264-275``)."""
+EXLLAMAV3_MAX_SEQ_LEN = 4096
+"""exllamav3 context when neither ``max_seq_len``, ``cache_size`` nor the model's
+``max_position_embeddings`` give one."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,7 +106,11 @@ class WorkerSettings(LinkSettings):
         "or the model's MTP head.",
     )
     num_draft_tokens: int | None = setting(
-        None, "Draft length in tokens per verification (default: cpu 4, exllamav3 the drafter's own).", ge=1
+        None,
+        "Draft length in tokens per verification (default: "
+        f"cpu {BACKEND_DEFAULTS['cpu']['num_draft_tokens']}, exllamav3 the drafter's own, "
+        f"{EXLLAMAV3_DRAFT_TOKENS} for ngram).",
+        ge=1,
     )
     ngram_match_min: int = setting(
         2, "Shortest n-gram (tokens) that must match before n-gram drafting proposes tokens.", ge=1
@@ -101,8 +118,9 @@ class WorkerSettings(LinkSettings):
     heartbeat_interval: float = setting(1.0, "Seconds between worker heartbeats.", ge=0.05)
     max_batch_size: int | None = setting(
         None,
-        "Most sequences running at once; more wait in the worker's queue (default: cpu 16, "
-        "exllamav3 32, or 4 with recurrent layers).",
+        "Most sequences running at once; more wait in the worker's queue (default: "
+        f"cpu {BACKEND_DEFAULTS['cpu']['max_batch_size']}, exllamav3 {EXLLAMAV3_MAX_BATCH_SIZE}, "
+        f"or {EXLLAMAV3_MAX_BATCH_SIZE_RECURRENT} with recurrent layers).",
         ge=1,
     )
     max_queue: int = setting(
@@ -233,6 +251,47 @@ class WorkerSettings(LinkSettings):
             from engine_worker.exllamav3.config import validate
 
             validate(self)
+
+    # exllamav3 defaults that depend on the model, asked for by its loader
+
+    def exllamav3_max_seq_len(self, max_position_embeddings: int) -> int:
+        """The context: ``max_seq_len``; else the model's ``max_position_embeddings`` capped
+        by ``cache_size``; else ``EXLLAMAV3_MAX_SEQ_LEN`` (``max_position_embeddings`` 0:
+        unknown)."""
+        if self.max_seq_len:
+            return self.max_seq_len
+        if self.cache_size:
+            return (
+                min(max_position_embeddings, self.cache_size) if max_position_embeddings else self.cache_size
+            )
+        return max_position_embeddings or EXLLAMAV3_MAX_SEQ_LEN
+
+    def exllamav3_max_batch_size(self, recurrent: bool) -> int:
+        """``max_batch_size``, else the default for a model with or without recurrent layers."""
+        if self.max_batch_size is not None:
+            return self.max_batch_size
+        return EXLLAMAV3_MAX_BATCH_SIZE_RECURRENT if recurrent else EXLLAMAV3_MAX_BATCH_SIZE
+
+    def exllamav3_draft_tokens(self, drafter_default: int | None) -> int:
+        """The draft window, tokens: ``num_draft_tokens``; else, with a draft model or MTP
+        head, its ``default_draft_size`` (``drafter_default``, ``None`` when its caps have
+        none); else ``EXLLAMAV3_DRAFT_TOKENS`` when drafting; 0 without drafting."""
+        if self.draft_mode is DraftMode.NONE:
+            return 0
+        if self.num_draft_tokens is not None:
+            return self.num_draft_tokens
+        if self.draft_mode in (DraftMode.DRAFT_MODEL, DraftMode.MTP) and drafter_default is not None:
+            return drafter_default
+        return EXLLAMAV3_DRAFT_TOKENS
+
+    def exllamav3_cache_size(self, max_seq_len: int, draft_tokens: int) -> int:
+        """``cache_size``, else room for one sequence of ``max_seq_len`` plus the token being
+        sampled and the draft window, in whole 256-token pages."""
+        from engine_worker.exllamav3.config import PAGE_SIZE
+
+        if self.cache_size:
+            return self.cache_size
+        return -(-(max_seq_len + 1 + draft_tokens) // PAGE_SIZE) * PAGE_SIZE
 
     @property
     def drafting(self) -> str | None:

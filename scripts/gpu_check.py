@@ -1,39 +1,59 @@
 #!/usr/bin/env python3
-"""The ExLlamaV3 backend's check on one GPU, in two commands that fit a 10-minute lease.
+"""The ExLlamaV3 backend's check on one GPU machine, in one command that fits a 10-minute lease.
 
-Run through ``scripts/gpu_check.sh``, which installs the wheels carried in ``.whl/``
-(``scripts/gpu_check_assets.py`` prepares them) and sets the environment both
-commands share; docs/exllamav3.md ("Checking on a GPU") has the exact device calls.
+Run as ``bash scripts/gpu_check.sh all`` (docs/exllamav3.md, "Checking on a GPU"): the shell
+entry installs the wheels carried in ``.whl/`` (``scripts/gpu_check_assets.py`` prepares
+them), sets ``MAX_JOBS`` to the cores, ``TORCH_CUDA_ARCH_LIST``, ``TORCH_EXTENSIONS_DIR`` and
+``TRITON_CACHE_DIR``, and runs the phases of ``COMMANDS["all"]`` within ``--budget`` (570 s):
 
-- ``build`` (command 1, ``--budget`` 450 s): versions of torch, CUDA, nvcc and ninja;
-  the exllamav3 extension compiled by its own first import (``exllamav3/ext.py``:
-  ``torch.utils.cpp_extension.load`` over the package's .cu files) with ``MAX_JOBS``
-  and ``TORCH_CUDA_ARCH_LIST`` into ``TORCH_EXTENSIONS_DIR`` (``build/torch_extensions``,
-  git-ignored, kept on a warm machine); its build time; then a second import that must
-  reuse it. A build that cannot finish in its time is stopped and reported with the
-  objects done so far: ninja keeps them, so running command 1 again continues.
-- ``run`` (command 2, ``--budget`` 225 s): a random-weight Llama in Hugging Face format
-  (fp16 safetensors, which ExLlamaV3 loads without conversion) with the SmolLM2
-  tokenizer and chat template; the backend driven in-process (progress, prefix reuse,
-  stops, aborts, re-queues, drafts, the context limit, a fault and its recovery, the
-  longest ``iterate()`` and whether heartbeats kept their pace during it); then worker
-  and proxy as processes, through HTTP (progress, reuse, the context 400, TTFT and the
-  gap between tokens beside the in-process numbers).
+- ``env``: versions of torch, CUDA, nvcc and ninja; the environment the build needs.
+- ``restore_ext``: a library an earlier run left in pieces, carried in ``.whl/gpu-check-ext/``
+  (``CARRIED_EXT``): checked piece by piece, reassembled and installed as the module
+  ``exllamav3_ext``, when it was built for this torch, CUDA, Python, architecture list and
+  exllamav3. Nothing carried: nothing to do.
+- ``build_ext``: unless restored, the extension compiled by exllamav3's own first import
+  (``exllamav3/ext.py``: ``torch.utils.cpp_extension.load`` over the package's .cu files) into
+  ``TORCH_EXTENSIONS_DIR``, and installed as the module ``exllamav3_ext``, which exllamav3
+  imports instead of compiling (``ext.py:21-31``), as in the worker image. A build stopped at
+  its timeout leaves its objects (ninja's): the same command on the same machine goes on.
+- ``reimport``: a fresh import must load that module, compiling nothing.
+- ``pack_ext``: the built library gzip-compressed into at most ``MAX_PIECES`` pieces of under
+  16 MiB in the output folder, with a manifest, for ``restore_ext`` on a fresh machine.
+- ``model``: a random-weight Llama in Hugging Face format (fp16 safetensors, which ExLlamaV3
+  loads without conversion) over the SmolLM2 tokenizer and chat template.
+- ``warm``: the worker's load (model, cache, ``Model.warmup``, one job through the
+  generator): load time, and Triton's kernels compiled into ``TRITON_CACHE_DIR``, so that no
+  later step compiles one.
+- ``backend``: the backend driven in-process (progress, prefix reuse, stops, aborts,
+  re-queues, drafts, the context limit, a fault and its recovery, the longest ``iterate()``
+  and whether a heartbeat-like thread kept its pace during it).
+- ``proxy``: worker and proxy as processes, through HTTP (progress, reuse, the context 400,
+  TTFT and the gap between tokens beside the in-process numbers).
 
-Every phase runs as a child process with its own timeout inside the budget, so one hang
-cannot eat the lease; the parent imports nothing heavy. Each command writes
-``gpu_check_<command>.json`` (``SUMMARY_KEYS``; the summary is rewritten after every
-phase) and the phases' logs under ``--out`` (``$OUT`` on the device machine). Exit status:
-0 when every phase and check passed, 1 otherwise, 2 for bad arguments.
+Each phase is a child process with its own timeout inside the budget (and started only with
+its minimum left after reserving the later phases' minimums), so one hang cannot eat the
+lease; the parent imports nothing heavy. Under ``--out`` (``$OUT`` on the device machine)
+the command keeps, as it goes: ``gpu_check_all.json`` (``SUMMARY_KEYS``; rewritten before
+and after every phase, a phase in progress marked ``running``), ``gpu_check.log`` (every
+phase's output, appended while it runs) and, after a build, the library's pieces and
+manifest: at most 7 files, as the device tool brings back 8. Exit status: 0 when every phase
+and check passed, 1 otherwise, 2 for bad arguments.
+
+``bash scripts/gpu_check.sh all --dry-run`` runs the same phases on a machine without CUDA,
+over the stand-ins in ``tests/unit/scripts/standin/`` (an ``nvcc``, CUDA in torch, an
+``exllamav3`` over the fake engine); CI does (``tests/unit/scripts/test_gpu_check_dry_run.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
+import hashlib
 import itertools
 import json
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -45,13 +65,21 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-WORK = REPO / "build" / "gpu-check"
-TOKENIZER = REPO / ".whl" / "smollm2-tokenizer"
+WORK = Path(os.environ.get("GPU_CHECK_WORK") or REPO / "build" / "gpu-check")
+TOKENIZER = Path(os.environ.get("GPU_CHECK_TOKENIZER") or REPO / ".whl" / "smollm2-tokenizer")
+CARRIED_EXT = Path(os.environ.get("GPU_CHECK_CARRIED_EXT") or REPO / ".whl" / "gpu-check-ext")
+"""Where a later run finds the pieces an earlier one left in its output folder."""
 EXT_NAME = "exllamav3_ext"
-LOG_TAIL_BYTES = 2 * 2**20
+MANIFEST = f"{EXT_NAME}.manifest.json"
+PIECE_BYTES = int(os.environ.get("GPU_CHECK_PIECE_BYTES") or 15 * 2**20)
+"""Each piece stays under the device tool's 16 MiB per file."""
+MAX_PIECES = 4
+"""The device tool brings back 8 files, 64 MiB together: summary, log, manifest and 4 pieces."""
+LOG_NAME = "gpu_check.log"
+LOG_LIMIT_BYTES = 2 * 2**20
 SUMMARY_KEYS = ("command", "ok", "budget_s", "total_s", "started_at", "phases", "checks", "metrics")
 PHASE_KEYS = ("name", "status", "seconds", "timeout_s", "checks", "metrics", "error", "log")
-STATUSES = ("ok", "failed", "timeout", "skipped")
+STATUSES = ("ok", "failed", "timeout", "skipped", "running")
 
 
 @dataclass(frozen=True)
@@ -69,19 +97,21 @@ class Phase:
 
 
 COMMANDS: dict[str, tuple[Phase, ...]] = {
-    "build": (
-        Phase("env", 60),
-        Phase("build_ext", 420, min_s=30, needs=("env",)),
-        Phase("reimport", 90, min_s=20, needs=("build_ext",)),
-    ),
-    "run": (
-        Phase("import", 60, needs=()),
-        Phase("model", 60, needs=("import",)),
-        Phase("backend", 120, min_s=40, needs=("model",)),
-        Phase("proxy", 100, min_s=40, needs=("model",)),
+    "all": (
+        Phase("env", 45, min_s=5),
+        Phase("restore_ext", 45, min_s=5, needs=("env",)),
+        # 194 translation units; not yet timed on the H200 (an estimate from single-file compiles: 180-220 s)
+        Phase("build_ext", 390, min_s=60, needs=("env",)),
+        Phase("reimport", 60, min_s=10, needs=("build_ext",)),
+        Phase("pack_ext", 45, min_s=5, needs=("reimport",)),
+        Phase("model", 45, min_s=10),
+        Phase("warm", 90, min_s=20, needs=("reimport", "model")),
+        Phase("backend", 120, min_s=30, needs=("warm",)),
+        Phase("proxy", 100, min_s=30, needs=("warm",)),
     ),
 }
-DEFAULT_BUDGET = {"build": 450.0, "run": 225.0}
+DEFAULT_BUDGET = {"all": 570.0}
+"""Inside the device tool's 600 s per command, with time for the wheels' install."""
 
 
 # ---------------------------------------------------------------- the parent: phases under a budget
@@ -98,16 +128,23 @@ def installed_module() -> Path:
     return Path(os.environ.get("GPU_CHECK_SITE") or WORK / "site") / f"{EXT_NAME}.so"
 
 
-def count_sources() -> int | None:
-    """Translation units the extension build compiles (``.c``/``.cpp``/``.cu`` under
-    ``exllamav3_ext``, ROCm ones left out: ``util/cuda_flags.py:extension_sources``),
-    found without importing exllamav3, whose import is the build."""
+def _exllamav3_root() -> Path | None:
+    """The exllamav3 package's folder, found without importing it (its import is the build)."""
     import importlib.util
 
     spec = importlib.util.find_spec("exllamav3")
     if spec is None or not spec.submodule_search_locations:
         return None
-    root = Path(next(iter(spec.submodule_search_locations))) / EXT_NAME
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def count_sources() -> int | None:
+    """Translation units the extension build compiles (``.c``/``.cpp``/``.cu`` under
+    ``exllamav3_ext``, ROCm ones left out: ``util/cuda_flags.py:extension_sources``)."""
+    pkg = _exllamav3_root()
+    if pkg is None:
+        return None
+    root = pkg / EXT_NAME
     return sum(
         1
         for p in root.rglob("*")
@@ -141,34 +178,143 @@ def clear_stale_lock() -> bool:
 PRE_HOOKS: dict[str, Callable[[], dict[str, Any]]] = {
     "build_ext": lambda: {"stale_lock_removed": clear_stale_lock(), **build_progress()},
     "reimport": lambda: {"stale_lock_removed": clear_stale_lock()},
-    "import": lambda: {"stale_lock_removed": clear_stale_lock()},
 }
 """Run by the parent before a phase starts; what they return joins the phase's metrics."""
 TIMEOUT_HOOKS: dict[str, Callable[[], dict[str, Any]]] = {
     "build_ext": lambda: {
         **build_progress(),
-        "note": "stopped at its timeout; ninja keeps the objects built: run command 1 again to go on",
+        "note": "stopped at its timeout; ninja keeps the objects built: "
+        "the same command on this machine goes on",
     },
 }
 """Run by the parent after a phase timed out."""
+
+
+# ---------------------------------------------------------------- the built library in pieces
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def build_env() -> dict[str, str]:
+    """What the library is tied to: a module built for another torch, CUDA, Python,
+    architecture list or exllamav3 fails to load or misbehaves. Read from the packages'
+    ``version.py`` files: importing torch takes seconds, importing exllamav3 builds it."""
+    import importlib.util
+
+    def version_file(package: str) -> dict[str, Any]:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            return {}
+        path = Path(next(iter(spec.submodule_search_locations))) / "version.py"
+        found: dict[str, Any] = {}
+        if path.exists():
+            exec(compile(path.read_text(), str(path), "exec"), found)  # assignments of literals
+        return found
+
+    torch_version = version_file("torch")
+    return {
+        "torch": str(torch_version.get("__version__")),
+        "torch_cuda": str(torch_version.get("cuda")),
+        "python": f"{sys.version_info.major}.{sys.version_info.minor}",
+        "machine": platform.machine(),
+        "TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST", ""),
+        "exllamav3": str(version_file("exllamav3").get("__version__")),
+    }
+
+
+def pack_library(so: Path, out: Path, env: dict[str, str], piece_bytes: int = PIECE_BYTES) -> dict[str, Any]:
+    """Write ``so`` gzip-compressed into ``out`` as ``exllamav3_ext.so.gz.NN`` pieces of at
+    most ``piece_bytes``, then ``MANIFEST`` (sizes and SHA-256 of the library and of each
+    piece, ``env``). Returns the manifest. Raises ``ValueError``, writing nothing, when it
+    takes more than ``MAX_PIECES`` pieces."""
+    data = so.read_bytes()
+    packed = gzip.compress(data, compresslevel=6, mtime=0)
+    chunks = [packed[i : i + piece_bytes] for i in range(0, len(packed), piece_bytes)]
+    if len(chunks) > MAX_PIECES:
+        raise ValueError(
+            f"{so.name}: {len(data) / 2**20:.1f} MiB, {len(packed) / 2**20:.1f} MiB compressed, "
+            f"needs {len(chunks)} pieces of {piece_bytes / 2**20:.0f} MiB; "
+            f"the output folder holds {MAX_PIECES}"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    pieces = []
+    for i, chunk in enumerate(chunks):
+        name = f"{EXT_NAME}.so.gz.{i:02d}"
+        (out / name).write_bytes(chunk)
+        pieces.append({"name": name, "bytes": len(chunk), "sha256": _sha256(chunk)})
+    manifest = {
+        "format": 1,
+        "library": so.name,
+        "bytes": len(data),
+        "sha256": _sha256(data),
+        "compression": "gzip",
+        "pieces": pieces,
+        "built_for": env,
+    }
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+    tmp.replace(out / MANIFEST)  # last: a manifest names only pieces already written
+    return manifest
+
+
+def unpack_library(folder: Path, env: dict[str, str]) -> bytes:
+    """The library from the pieces and ``MANIFEST`` in ``folder``. Raises ``ValueError``
+    naming what does not match: a missing or altered piece, the library's checksum, or a
+    library built for another ``env`` (the keys of ``build_env``)."""
+    manifest = json.loads((folder / MANIFEST).read_text())
+    built_for = manifest.get("built_for", {})
+    differ = {k: (built_for.get(k), v) for k, v in env.items() if built_for.get(k) != v}
+    if differ:
+        raise ValueError(f"built for another setup (carried, here): {differ}")
+    packed = bytearray()
+    for piece in manifest["pieces"]:
+        path = folder / piece["name"]
+        if not path.exists():
+            raise ValueError(f"piece {piece['name']} is missing")
+        chunk = path.read_bytes()
+        if len(chunk) != piece["bytes"] or _sha256(chunk) != piece["sha256"]:
+            raise ValueError(f"piece {piece['name']} differs from the manifest")
+        packed += chunk
+    data = gzip.decompress(bytes(packed))
+    if len(data) != manifest["bytes"] or _sha256(data) != manifest["sha256"]:
+        raise ValueError("the reassembled library differs from the manifest")
+    return data
+
+
+def _restored_marker() -> Path:
+    return installed_module().with_suffix(".restored")
+
+
+def restored_module() -> bool:
+    """Whether the installed module is the one ``restore_ext`` installed (its checksum)."""
+    target, marker = installed_module(), _restored_marker()
+    return target.exists() and marker.exists() and marker.read_text().strip() == _sha256(target.read_bytes())
+
+
+# ---------------------------------------------------------------- running the phases
 
 
 def _now_iso() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
-def _tail(path: Path, limit: int = 4000) -> str:
+def _tail(path: Path, limit: int = 4000, start: int = 0) -> str:
     if not path.exists():
         return ""
-    data = path.read_bytes()[-limit:]
-    return data.decode("utf-8", errors="replace")
+    with path.open("rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(start, size - limit))
+        return f.read().decode("utf-8", errors="replace")
 
 
 def run_child(argv: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None) -> int | None:
-    """Run ``argv`` in its own process group with stdout and stderr in ``log``; the exit
-    status, or ``None`` when it was killed at ``timeout_s``."""
+    """Run ``argv`` in its own process group with stdout and stderr appended to ``log``;
+    the exit status, or ``None`` when it was killed (with its group) at ``timeout_s``. The
+    group stays in the command's session, which the device tool ends with the command."""
     with log.open("ab") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, process_group=0)
         try:
             return proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -192,6 +338,9 @@ class Runner:
     def summary_path(self) -> Path:
         return self.out / f"gpu_check_{self.command}.json"
 
+    def log_path(self) -> Path:
+        return self.out / LOG_NAME
+
     def child_argv(self, phase: Phase, result: Path) -> list[str]:
         if phase.argv is not None:
             return [*phase.argv, str(result)]
@@ -207,12 +356,15 @@ class Runner:
             str(result),
         ]
 
+    def _log(self, line: str) -> None:
+        with self.log_path().open("a") as f:
+            f.write(line + "\n")
+
     def run(self) -> dict[str, Any]:
         start = self.clock()
         self.work.mkdir(parents=True, exist_ok=True)
         self.out.mkdir(parents=True, exist_ok=True)
-        logs = self.work / "logs"
-        logs.mkdir(exist_ok=True)
+        self.log_path().unlink(missing_ok=True)
         summary: dict[str, Any] = {
             "command": self.command,
             "ok": False,
@@ -228,8 +380,6 @@ class Runner:
             elapsed = self.clock() - start
             reserve = sum(p.min_s for p in self.phases[i + 1 :])
             timeout = min(phase.timeout_s, self.budget_s - elapsed - reserve)
-            log = logs / f"{self.command}-{phase.name}.log"
-            log.unlink(missing_ok=True)
             rec: dict[str, Any] = {
                 "name": phase.name,
                 "status": "skipped",
@@ -238,34 +388,39 @@ class Runner:
                 "checks": {},
                 "metrics": {},
                 "error": None,
-                "log": log.name,
+                "log": LOG_NAME,
             }
+            summary["phases"].append(rec)
             missing = [n for n in phase.needs if n not in passed]
             if missing:
                 rec["error"] = f"needs {', '.join(missing)}, which did not pass"
             elif timeout < phase.min_s:
                 rec["error"] = f"{timeout:.0f} s of the budget left for it, it needs {phase.min_s:.0f} s"
             else:
-                self._run_phase(phase, timeout, log, rec)
+                rec["status"] = "running"
+                self._finish(summary, start)  # what a kill in this phase leaves behind
+                self._log(f"==== [gpu_check] {phase.name} (timeout {timeout:.0f} s) at {_now_iso()}")
+                self._run_phase(phase, timeout, rec)
                 if rec["status"] == "ok":
                     passed.add(phase.name)
-            summary["phases"].append(rec)
-            print(
-                f"[gpu_check] {phase.name}: {rec['status']} in {rec['seconds']} s {rec['error'] or ''}",
-                flush=True,
-            )
+            line = f"[gpu_check] {phase.name}: {rec['status']} in {rec['seconds']} s {rec['error'] or ''}"
+            print(line, flush=True)
+            self._log(line)
             self._finish(summary, start)
-        self._copy_logs(logs)
+        self._trim_log()
         return summary
 
-    def _run_phase(self, phase: Phase, timeout: float, log: Path, rec: dict[str, Any]) -> None:
+    def _run_phase(self, phase: Phase, timeout: float, rec: dict[str, Any]) -> None:
         pre = PRE_HOOKS.get(phase.name)
         if pre is not None:
             rec["metrics"].update(pre())
         result = self.work / f"{self.command}-{phase.name}.result.json"
         result.unlink(missing_ok=True)
+        log = self.log_path()
+        offset = log.stat().st_size if log.exists() else 0
+        env = {**os.environ, "GPU_CHECK_OUT": str(self.out), "PYTHONUNBUFFERED": "1"}
         t0 = self.clock()
-        rc = run_child(self.child_argv(phase, result), log, timeout)
+        rc = run_child(self.child_argv(phase, result), log, timeout, env)
         rec["seconds"] = round(self.clock() - t0, 1)
         data: dict[str, Any] = {}
         if result.exists():
@@ -285,7 +440,7 @@ class Runner:
                 rec["metrics"].update(post())
         elif rc != 0 or data.get("error"):
             rec["status"] = "failed"
-            rec["error"] = data.get("error") or f"exit status {rc}: {_tail(log, 1500)}"
+            rec["error"] = data.get("error") or f"exit status {rc}: {_tail(log, 1500, offset)}"
         else:
             rec["status"] = "ok" if all(rec["checks"].values()) else "failed"
             if rec["status"] == "failed":
@@ -306,12 +461,11 @@ class Runner:
         tmp.write_text(json.dumps(summary, indent=2, sort_keys=False) + "\n")
         tmp.replace(self.summary_path())
 
-    def _copy_logs(self, logs: Path) -> None:
-        """The logs' tails into ``out`` (the device tool brings back 8 files, the summary
-        included)."""
-        for log in sorted(logs.glob(f"{self.command}-*.log"))[:7]:
-            data = log.read_bytes()[-LOG_TAIL_BYTES:]
-            (self.out / log.name).write_bytes(data)
+    def _trim_log(self) -> None:
+        """The log's last ``LOG_LIMIT_BYTES`` (a file comes back only under 16 MiB)."""
+        log = self.log_path()
+        if log.exists() and log.stat().st_size > LOG_LIMIT_BYTES:
+            log.write_bytes(_tail(log, LOG_LIMIT_BYTES).encode())
 
 
 def compare_latency(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -361,10 +515,16 @@ def phase_env(work: Path, res: Result) -> None:
             "torch_cuda": torch.version.cuda,
             "TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST"),
             "MAX_JOBS": os.environ.get("MAX_JOBS"),
+            "cores": len(os.sched_getaffinity(0)),
             "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR"),
+            "TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR"),
             "sources": count_sources(),
         }
     )
+    # The build runs MAX_JOBS compilers at once; Triton writes its kernels where this says.
+    res.check("max_jobs_is_cores", os.environ.get("MAX_JOBS") == str(len(os.sched_getaffinity(0))))
+    res.check("arch_list_set", bool(os.environ.get("TORCH_CUDA_ARCH_LIST")))
+    res.check("triton_cache_dir_set", bool(os.environ.get("TRITON_CACHE_DIR")))
     cuda = torch.cuda.is_available()
     res.check("cuda_available", cuda)
     if cuda:
@@ -386,8 +546,32 @@ def phase_env(work: Path, res: Result) -> None:
     res.check("exllamav3_installed", count_sources() is not None)
 
 
+def phase_restore_ext(work: Path, res: Result) -> None:
+    """A library an earlier run packed (``pack_ext``), carried in ``CARRIED_EXT``: checked,
+    reassembled and installed as the module, so that ``build_ext`` has nothing to do."""
+    marker = _restored_marker()
+    marker.unlink(missing_ok=True)
+    if not (CARRIED_EXT / MANIFEST).exists():
+        res.metrics.update({"carried": False, "carried_dir": str(CARRIED_EXT)})
+        return
+    t0 = time.monotonic()
+    data = unpack_library(CARRIED_EXT, build_env())  # ValueError: the phase fails, the build runs
+    target = installed_module()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(target)
+    marker.write_text(_sha256(data))
+    res.metrics.update({"carried": True, "restore_s": round(time.monotonic() - t0, 1)})
+    res.check("restored", restored_module(), restored_bytes=len(data), module_path=str(target))
+
+
 def phase_build_ext(work: Path, res: Result) -> None:
     target = installed_module()
+    if restored_module():
+        res.metrics.update({"build_s": 0.0, "restored": True, **build_progress()})
+        res.check("installed_as_module", True, module_path=str(target))
+        return
     if target.exists():
         target.unlink()  # else exllamav3 would load it instead of building (ext.py:30-31)
     t0 = time.monotonic()
@@ -400,11 +584,12 @@ def phase_build_ext(work: Path, res: Result) -> None:
     took = round(time.monotonic() - t0, 1)
     print(f"extension build (import exllamav3.ext): {took} s", flush=True)
     progress = build_progress()
-    res.metrics.update({"build_s": took, **progress})
+    res.metrics.update({"build_s": took, "restored": False, **progress})
     res.check("extension_built", progress["extension_built"], import_error=error)
     res.check("import_ok", error is None)
     built = sorted(extension_dir().glob(f"{EXT_NAME}*.so"))
     if built:
+        target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(built[-1], target)
     res.check("installed_as_module", target.exists(), module_path=str(target))
 
@@ -414,7 +599,7 @@ def phase_reimport(work: Path, res: Result) -> None:
     (no compiler run, nothing written)."""
     if not installed_module().exists():
         # Importing would start a build of several minutes inside a short phase.
-        raise RuntimeError(f"no {installed_module()}: run command 1 (build) first")
+        raise RuntimeError(f"no {installed_module()}: the build_ext phase did not install it")
     t0 = time.monotonic()
     import exllamav3
     import exllamav3.ext
@@ -427,16 +612,35 @@ def phase_reimport(work: Path, res: Result) -> None:
     res.check("exllamav3_is_1.6.5", __version__ == "1.6.5")
 
 
-def phase_import(work: Path, res: Result) -> None:
-    phase_reimport(work, res)
+def phase_pack_ext(work: Path, res: Result) -> None:
+    """The built library in pieces in the output folder (``pack_library``), for a later
+    run on a fresh machine; nothing new when it was restored from pieces."""
+    if restored_module():
+        res.metrics.update({"packed": False, "note": "restored from carried pieces"})
+        return
+    out = Path(os.environ.get("GPU_CHECK_OUT") or WORK / "out")
+    t0 = time.monotonic()
+    manifest = pack_library(installed_module(), out, build_env())
+    res.metrics.update(
+        {
+            "packed": True,
+            "pack_s": round(time.monotonic() - t0, 1),
+            "library_bytes": manifest["bytes"],
+            "pieces": [p["name"] for p in manifest["pieces"]],
+            "packed_bytes": sum(p["bytes"] for p in manifest["pieces"]),
+        }
+    )
+    res.check("pieces_under_16_mib", all(p["bytes"] < 16 * 2**20 for p in manifest["pieces"]))
 
 
 # ---------------------------------------------------------------- the model
 
 
 CHAT_PROMPT = "Summarise these notes. " + " ".join(
-    f"Note {i}: the sidecar streams prefill progress and reports cache reuse." for i in range(110)
+    f"Note {i}: the sidecar streams prefill progress and reports cache reuse."
+    for i in range(int(os.environ.get("GPU_CHECK_PROMPT_NOTES") or 110))
 )
+"""About 1,500 tokens of SmolLM2's tokenizer (the dry run's byte tokenizer asks for fewer notes)."""
 
 
 def phase_model(work: Path, res: Result, tokenizer_dir: Path = TOKENIZER) -> None:
@@ -577,11 +781,51 @@ def lifecycle_problems(events: list[Any], rid: str) -> list[str]:
     return problems
 
 
+def _settings(work: Path) -> Any:
+    """The worker settings of the in-process phases (the proxy phase passes the same as flags)."""
+    from engine_worker.settings import WorkerSettings
+
+    return WorkerSettings(
+        backend="exllamav3",
+        model_dir=work / "model",
+        draft_mode="ngram",
+        max_seq_len=4096,
+        cache_size=16384,
+        chunk_size=256,
+        max_batch_size=8,
+    )
+
+
+def _files_under(path: str | None) -> int:
+    return sum(1 for p in Path(path).rglob("*") if p.is_file()) if path and Path(path).is_dir() else 0
+
+
+def phase_warm(work: Path, res: Result) -> None:
+    """The worker's load with warm-up, timed: Triton compiles its kernels into
+    ``TRITON_CACHE_DIR`` here, not inside a later step (whose length the heartbeat check
+    watches)."""
+    from engine_worker.exllamav3.loader import load_engine
+
+    triton = os.environ.get("TRITON_CACHE_DIR")
+    before = _files_under(triton)
+    t0 = time.monotonic()
+    handle = load_engine(_settings(work))
+    res.metrics.update(
+        {
+            "load_s": round(time.monotonic() - t0, 1),
+            "generator_warmup_s": round(handle.warmup_s, 2),
+            "triton_cache_files_before": before,
+            "triton_cache_files": _files_under(triton),
+        }
+    )
+    handle.close()
+    res.check("triton_cache_dir_set", bool(triton))
+
+
 def phase_backend(work: Path, res: Result) -> None:
     from engine_worker.backend import RequestRejected
     from engine_worker.exllamav3.backend import ExLlamaV3Backend
     from engine_worker.exllamav3.loader import load_engine
-    from engine_worker.settings import WorkerSettings
     from protocol.messages import (
         ChatMessage,
         ErrorCode,
@@ -596,15 +840,7 @@ def phase_backend(work: Path, res: Result) -> None:
         TokenDelta,
     )
 
-    settings = WorkerSettings(
-        backend="exllamav3",
-        model_dir=work / "model",
-        draft_mode="ngram",
-        max_seq_len=4096,
-        cache_size=16384,
-        chunk_size=256,
-        max_batch_size=8,
-    )
+    settings = _settings(work)
     t0 = time.monotonic()
     handle = load_engine(settings)
     res.metrics.update(
@@ -616,6 +852,9 @@ def phase_backend(work: Path, res: Result) -> None:
     handle = dataclasses.replace(handle, generator=rec)
     backend = ExLlamaV3Backend(handle, settings)
     res.metrics["stop_strings"] = list(handle.stop_strings)
+
+    def add(b: ExLlamaV3Backend, s: Submit) -> None:
+        b.start(s.request_id, b.prepare(s), s.params)
 
     def chat(rid: str, text: str, **p: Any) -> Submit:
         p.setdefault("max_tokens", 32)
@@ -636,7 +875,7 @@ def phase_backend(work: Path, res: Result) -> None:
         times: dict[str, list[float]] = {}
         start = time.monotonic()
         for s in submits:
-            b.add(s)
+            add(b, s)
         for _ in range(limit):
             if not b.active_ids():
                 break
@@ -771,8 +1010,8 @@ def phase_backend(work: Path, res: Result) -> None:
             )
 
         def aborts() -> None:
-            backend.add(chat("a-prefill", "Another long one. " + CHAT_PROMPT))
-            backend.add(raw("a-decode", "The quick brown fox", max_tokens=400))
+            add(backend, chat("a-prefill", "Another long one. " + CHAT_PROMPT))
+            add(backend, raw("a-decode", "The quick brown fox", max_tokens=400))
             aborted: set[str] = set()
             after: list[Event] = []
             for _ in range(2000):
@@ -826,7 +1065,7 @@ def phase_backend(work: Path, res: Result) -> None:
                 res.check("context_length_exceeded", False)
 
         def fault() -> None:
-            backend.add(raw("f1", "The quick brown fox", max_tokens=50))
+            add(backend, raw("f1", "The quick brown fox", max_tokens=50))
             backend.step()
             rec.fail_next = RuntimeError("injected fault (gpu_check)")
             step = backend.step()
@@ -1026,14 +1265,19 @@ def phase_proxy(work: Path, res: Result, worker_args: list[str] | None = None) -
         for out in outs:
             out.close()
         shutil.rmtree(rundir, ignore_errors=True)
+        for name in ("worker", "proxy"):
+            # into this phase's output, which is the command's log in the output folder
+            print(f"---- {name} (last 8 KiB)\n{_tail(logs / f'run-proxy-{name}.log', 8192)}", flush=True)
 
 
 PHASE_FUNCS: dict[str, Callable[[Path, Result], None]] = {
     "env": phase_env,
+    "restore_ext": phase_restore_ext,
     "build_ext": phase_build_ext,
     "reimport": phase_reimport,
-    "import": phase_import,
+    "pack_ext": phase_pack_ext,
     "model": phase_model,
+    "warm": phase_warm,
     "backend": phase_backend,
     "proxy": phase_proxy,
 }
@@ -1073,7 +1317,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
         p.add_argument("--work", type=Path, default=WORK, help="Model, logs and results (git-ignored).")
         p.add_argument(
-            "--only", default=None, help="Comma-separated phases to run (their needs are then not checked)."
+            "--only",
+            default=None,
+            help="Comma-separated phases to run (needs on phases left out are not checked).",
         )
     ph = sub.add_parser("phase", help="(internal) run one phase in this process")
     ph.add_argument("name", choices=sorted(PHASE_FUNCS))
@@ -1097,7 +1343,10 @@ def select(command: str, only: list[str] | None) -> tuple[Phase, ...]:
     phases = COMMANDS[command]
     if only is None:
         return phases
-    return tuple(Phase(p.name, p.timeout_s, p.min_s, (), p.argv) for p in phases if p.name in only)
+    kept = [p for p in phases if p.name in only]
+    return tuple(
+        Phase(p.name, p.timeout_s, p.min_s, tuple(n for n in p.needs if n in only), p.argv) for p in kept
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

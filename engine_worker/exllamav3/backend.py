@@ -432,10 +432,6 @@ class ExLlamaV3Backend:
     def kv_reserved(self) -> int:
         return sum(r.reservation for r in self._requests.values())
 
-    def add(self, submit: Submit) -> None:
-        """``prepare`` and ``start`` one sequence under ``submit.request_id`` (tests)."""
-        self.start(submit.request_id, self.prepare(submit), submit.params)
-
     def start(self, request_id: str, prepared: Prepared, params: SamplingParams) -> None:
         """Validate the sampling ``params`` and enqueue one job; a later choice of a
         ``prepared`` whose first choice is still before its first token is held back

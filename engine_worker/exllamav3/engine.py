@@ -13,10 +13,10 @@ here, with the 1.6.5 source it stands for:
 - ``EngineHandle.new_sampler``: ``exllamav3.ComboSampler``
   (``generator/sampler/presets.py``, class ``ComboSampler``).
 - ``EngineHandle.new_filter``: ``exllamav3.LLGuidanceFilter``
-  (``generator/filter/llguidance.py:195``), through
+  (``generator/filter/llguidance.py:32``), through
   ``engine_worker.exllamav3.grammar.contained_filter_class``.
 - ``EngineHandle.ll_tokenizer``: ``create_ll_tokenizer``
-  (``generator/filter/llguidance.py:180-192``), the llguidance tokenizer those
+  (``generator/filter/llguidance.py:17-29``), the llguidance tokenizer those
   filters share (cached per ``Tokenizer``).
 - Token id tensors are only used through ``.shape`` and ``.tolist()``, which a
   ``torch.LongTensor`` of shape ``(1, n)`` has.
@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from engine_worker.settings import EXLLAMAV3_MAX_BATCH_SIZE
 
 
 class IdTensor(Protocol):
@@ -112,7 +114,7 @@ class EngineHandle:
     drafting: str | None
     model_id: str
     close: Callable[[], None]
-    max_batch_size: int = 32
+    max_batch_size: int = EXLLAMAV3_MAX_BATCH_SIZE
     stop_strings: tuple[str, ...] = ()
     rebuild_generator: Callable[[], GeneratorLike] | None = None
     check_device: Callable[[], None] | None = None

@@ -4,11 +4,11 @@
 ``LLMatcher.grammar_from_json_schema``). 1.6.5's filter takes it as
 ``llg_grammar``, which ``grammar_from("llguidance", text)`` passes through
 unchanged to an ``LLMatcher`` that reads either form
-(``generator/filter/llguidance.py:240-260``). Its constructor compiles and
+(``generator/filter/llguidance.py:77-97``). Its constructor compiles and
 validates the grammar against the model's llguidance tokenizer
 (``create_ll_tokenizer``, built from ``tokenizer.json`` with the EOS ids of
-``config.eos_token_id_list``, ``llguidance.py:180-192``) and raises
-``ValueError("Invalid grammar: ...")`` (``255-258``): ``compile_filter`` turns
+``config.eos_token_id_list``, ``llguidance.py:17-29``) and raises
+``ValueError("Invalid grammar: ...")`` (``92-95``): ``compile_filter`` turns
 that into a ``RequestRejected`` naming the request field, on the prepare thread.
 
 What 1.6.5 does with a filter attached to a ``Job`` (``filters=[...]``; there is
@@ -16,7 +16,7 @@ no ``filter_prefer_eos`` in 1.6.5):
 
 - the filter is attached and reset when the job starts (``Job.activate``,
   ``job.py:1764-1773``) and keeps its state over re-queues (``job.py:1250``);
-- its packed bitmask (bit set = allowed, ``llguidance.py:309-316``) is applied
+- its packed bitmask (bit set = allowed, ``llguidance.py:146-153``) is applied
   to the logits before the sampler stack (``sampler/custom.py:1247-1258``);
 - every sampled token is fed to it (``job.py:807-811``); with
   ``eos_after_completed`` a completed grammar (``LLMatcher.is_stopped``) ends the
@@ -31,7 +31,7 @@ no ``filter_prefer_eos`` in 1.6.5):
   acceptance drops where the grammar overrides the model.
 
 A matcher error (an llguidance parser limit reached mid-generation) makes 1.6.5
-raise ``RuntimeError`` from ``_check_error`` (``llguidance.py:273-275``) inside
+raise ``RuntimeError`` from ``_check_error`` (``llguidance.py:110-112``) inside
 ``iterate()``, which would fail every request of the step. The filter class
 used here records it instead (``failure``): the errored matcher masks all but
 EOS and reports itself stopped, so the job ends at once, and the backend fails

@@ -5,31 +5,36 @@ exllamav3 compiles its CUDA extension, so nothing here may run at import time
 of the worker package (the proxy and the tests import it without a GPU).
 
 The load order follows ExLlamaV3's own ``model_init.py`` (1.6.5), with the
-tokenizer first:
+tokenizer first; ``load_engine`` runs one function per step:
 
-0. ``Config.from_directory``, ``Tokenizer.from_config`` (which extends
+0. ``load_text``: ``Config.from_directory``, ``Tokenizer.from_config`` (which extends
    ``config.eos_token_id_list`` from ``tokenizer_config.json``/``generation_config.json``,
    ``tokenizer/tokenizer.py:199-215``) and the chat template
    (``engine_worker.exllamav3.chat_template``): a model that cannot render chat
    stops the worker before any weight is read. The template's turn-end text
    becomes a stop string, and its token a stop token when it is one.
-1. ``Model.from_config`` (``model_init.py:283``); an MTP head is
+1. ``create_models``: ``Model.from_config`` (``model_init.py:283``); an MTP head is
    ``Model.from_config(config, component="mtp")`` (``model_init.py:284-288``,
    ``model/model.py:171-194``).
-2. The caches, BEFORE any ``load()``: cache tensors are allocated by the loader
+2. ``plan_sizes``: context, batch, draft window and cache size; what ``config`` leaves
+   unset is resolved for the model by ``WorkerSettings.exllamav3_*``, where every
+   default lives.
+3. ``create_caches``, BEFORE any ``load()``: cache tensors are allocated by the loader
    for caches already attached (``cache/cache.py:143-147``). A draft cache has
    the main cache's size (``generator/generator.py:257``); ``max_history``
    covers the draft window for recurrent models (``model_init.py:291-297``).
    When cache and weights will not fit the free VRAM, a warning says so
    (``warn_if_cache_exceeds_vram``).
-3. The drafter's ``load`` before the main model's, which gets ``draft_model=``
-   for its split (``model_init.py:379-405``). ``Model.load_gen`` yields
+4. ``load_weights``: the drafter's ``load`` before the main model's, which gets
+   ``draft_model=`` for its split (``model_init.py:379-405``). ``Model.load_gen`` yields
    ``(modules_done, modules_total)`` (``model/model_ls.py:140``,
-   ``model/model_tp.py:615``): that drives the console progress bar.
-4. ``Model.warmup`` before a generator owns the cache (``model/model.py:203``, ``232-233``).
-5. ``Generator``: every keyword passed exists in ``Generator.__init__``
-   (``generator/generator.py:41-73``), which would silently swallow a typo.
-   With warm-up on, one short job runs through it (``_warm_generator``).
+   ``model/model_tp.py:615``): that drives the console progress bar. Then
+   ``Model.warmup`` before a generator owns the cache (``model/model.py:203``, ``232-233``).
+5. ``generator_kwargs`` and ``LoadedEngine``: the ``Generator``; every keyword passed
+   exists in ``Generator.__init__`` (``generator/generator.py:41-73``), which would
+   silently swallow a typo. With warm-up on, one short job runs through it
+   (``_warm_generator``).
+6. ``LoadedEngine.handle``: the ``EngineHandle``, its callables the engine's methods.
 
 The handle can rebuild the generator over the same model and cache and probe
 the GPU, which the backend uses to recover from a fault in a step. It also
@@ -38,7 +43,7 @@ carries the chat template's source (``Ready.chat_template``), renders chat with
 ``tokenizer/tokenizer.py:830-832``, ``870-876``), builds 1.6.5's
 ``LLGuidanceFilter`` per grammar (``engine_worker.exllamav3.grammar``) and
 reaches the llguidance tokenizer those filters share (``create_ll_tokenizer``,
-``generator/filter/llguidance.py:180-192``; built on first use, for token bytes).
+``generator/filter/llguidance.py:17-29``; built on first use, for token bytes).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import logging
 import sys
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,14 +65,7 @@ from engine_worker.settings import DraftMode, WorkerSettings
 
 log = logging.getLogger(__name__)
 
-DEFAULT_NGRAM_DRAFT_TOKENS = 4
-"""Draft window when none is configured (``generator/generator.py:275``)."""
-
 GIB = 1024**3
-
-
-def _round_up_pages(n: int) -> int:
-    return -(-n // PAGE_SIZE) * PAGE_SIZE
 
 
 def _cache_kwargs(ex: Any, mode: CacheMode) -> dict[str, Any]:
@@ -90,7 +89,7 @@ def _progress_bar(steps: Iterable[Any], label: str) -> None:
 
 
 def _start_moe_cpu_hosts(model: Any) -> None:
-    """What ``Model.load`` does after draining ``load_gen`` (``model/model.py:767-772``):
+    """What ``Model.load`` (``model/model.py:767-772``) does after draining ``load_gen``:
     make sure the worker processes of CPU-offloaded MoE experts are up before the first
     forward pass. ``ensure_started`` is idempotent; configs without offload have none."""
     for host in getattr(model.config, "moe_cpu_hosts", {}).values():
@@ -185,26 +184,25 @@ def _warm_generator(ex: Any, generator: Any, tokenizer: Any, new_tokens: int) ->
     return time.monotonic() - t0
 
 
-def load_engine(config: WorkerSettings) -> EngineHandle:
-    """Load tokenizer and chat template, model, drafter, caches and generator as
-    ``config`` says.
+@dataclass(frozen=True)
+class Text:
+    """What start-up learns before any weight is read: the ExLlamaV3 config and tokenizer,
+    the Hugging Face tokenizer that renders the chat template, and the stops."""
 
-    Shows a progress bar per model load on stderr. Raises ``RuntimeError`` without
-    CUDA, ``ValueError`` for a configuration the model cannot serve (no MTP head,
-    no usable chat template: ``ChatTemplateError``, before any weight is read), and
-    whatever ExLlamaV3 raises for an unreadable model directory or too little VRAM.
-    """
-    import torch
+    ex_config: Any
+    tokenizer: Any
+    hf_tokenizer: Any
+    eos_ids: tuple[int, ...]
+    stop_strings: tuple[str, ...]
 
-    if not torch.cuda.is_available():
-        raise RuntimeError("the exllamav3 backend needs a CUDA GPU (torch.cuda.is_available() is False)")
-    import exllamav3 as ex
 
-    mode = config.draft_mode
+def load_text(ex: Any, config: WorkerSettings) -> Text:
+    """Step 0: ``Config``, ``Tokenizer`` and the chat template, checked by rendering a short
+    conversation (raises ``ChatTemplateError``). The template's turn-end text becomes a stop
+    string, and its token a stop token when it is one."""
     model_dir = config.model_dir
     assert model_dir is not None  # checked by exllamav3.config.validate
     ex_config = ex.Config.from_directory(str(model_dir))
-
     tokenizer = ex.Tokenizer.from_config(ex_config)
     hf_tokenizer = chat_template.load_hf_tokenizer(model_dir, trust_remote_code=config.trust_remote_code)
     render = chat_template.check(hf_tokenizer, model_dir)
@@ -218,168 +216,246 @@ def load_engine(config: WorkerSettings) -> EngineHandle:
         ids = _id_list(tokenizer.encode(turn_end, encode_special_tokens=True))
         if len(ids) == 1 and ids[0] not in eos_ids:
             eos_ids.append(ids[0])
-    log.info(
-        "exllamav3: chat template loaded; a turn ends with %r; stop tokens %s",
-        turn_end,
-        eos_ids,
-    )
+    log.info("exllamav3: chat template loaded; a turn ends with %r; stop tokens %s", turn_end, eos_ids)
+    return Text(ex_config, tokenizer, hf_tokenizer, tuple(eos_ids), stop_strings)
 
-    mpe = int(getattr(ex_config, "max_position_embeddings", 0) or 0)
+
+@dataclass(frozen=True)
+class Models:
+    """Step 1: the main model and the drafter (draft model or MTP head), created, not loaded."""
+
+    model: Any
+    draft_model: Any
+    draft_label: str
+
+
+def create_models(ex: Any, config: WorkerSettings, text: Text) -> Models:
+    """``Model.from_config`` for the main model and, by ``draft_mode``, the draft model's own
+    ``Config``/``Model`` or the MTP head (``component="mtp"``). Raises ``ValueError`` for
+    ``mtp`` on a model without a head."""
+    ex_config = text.ex_config
     if config.max_seq_len:
-        max_seq_len = config.max_seq_len
         # A no-op in 1.6.5 (model/config.py:337-343); kept because later versions use it to pick
         # the RoPE factors of models with two sets (Phi) before the model is created.
-        ex_config.override_dynamic_seq_len(max_seq_len)
-    elif config.cache_size:
-        max_seq_len = min(mpe, config.cache_size) if mpe else config.cache_size
-    else:
-        max_seq_len = mpe or 4096
+        ex_config.override_dynamic_seq_len(config.max_seq_len)
     model = ex.Model.from_config(ex_config)
-    recurrent = bool(model.caps.get("recurrent_states"))
-    max_batch = config.max_batch_size or (4 if recurrent else 32)
-
-    draft_model: Any = None
-    draft_label = ""
-    if mode is DraftMode.DRAFT_MODEL:
+    if config.draft_mode is DraftMode.DRAFT_MODEL:
         assert config.draft_model_dir is not None  # checked by exllamav3.config.validate
         draft_config = ex.Config.from_directory(str(config.draft_model_dir))
-        draft_model = ex.Model.from_config(draft_config)
-        draft_label = f"draft model {config.draft_model_dir.name}"
-    elif mode is DraftMode.MTP:
+        return Models(model, ex.Model.from_config(draft_config), f"draft model {config.draft_model_dir.name}")
+    if config.draft_mode is DraftMode.MTP:
         if "mtp" not in getattr(ex_config, "model_classes", {}):
             raise ValueError(
-                f"draft_mode=mtp: {model_dir} ({ex_config.architecture}) has no MTP head in ExLlamaV3"
+                f"draft_mode=mtp: {config.model_dir} ({ex_config.architecture}) has no MTP head in ExLlamaV3"
             )
-        draft_model = ex.Model.from_config(ex_config, component="mtp")
-        draft_label = "MTP head"
+        return Models(model, ex.Model.from_config(ex_config, component="mtp"), "MTP head")
+    return Models(model, None, "")
 
-    if config.num_draft_tokens is not None:
-        draft_window = config.num_draft_tokens
-    elif draft_model is not None:
-        draft_window = int(draft_model.caps.get("default_draft_size", DEFAULT_NGRAM_DRAFT_TOKENS))
-    elif mode is DraftMode.NGRAM:
-        draft_window = DEFAULT_NGRAM_DRAFT_TOKENS
-    else:
-        draft_window = 0
-    cache_size = config.cache_size or _round_up_pages(max_seq_len + 1 + draft_window)
 
-    cache = ex.Cache(
-        model,
-        max_num_tokens=cache_size,
-        max_batch_size=max_batch,
-        max_history=draft_window,
-        **_cache_kwargs(ex, CacheMode.parse(config.cache_mode)),
+@dataclass(frozen=True)
+class Sizes:
+    """Step 2: the token counts the caches and the generator are built with."""
+
+    max_position_embeddings: int
+    """The model's trained context, 0 when its config has none."""
+    max_seq_len: int
+    max_batch_size: int
+    draft_tokens: int
+    """The draft window: the cache's ``max_history``, 0 without drafting."""
+    cache_size: int
+
+
+def plan_sizes(config: WorkerSettings, text: Text, models: Models) -> Sizes:
+    """The sizes ``config`` asks for, its unset ones resolved for these models
+    (``WorkerSettings.exllamav3_*``)."""
+    mpe = int(getattr(text.ex_config, "max_position_embeddings", 0) or 0)
+    max_seq_len = config.exllamav3_max_seq_len(mpe)
+    recurrent = bool(models.model.caps.get("recurrent_states"))
+    drafter_default = None
+    if models.draft_model is not None:
+        size = models.draft_model.caps.get("default_draft_size")
+        drafter_default = None if size is None else int(size)
+    draft_tokens = config.exllamav3_draft_tokens(drafter_default)
+    return Sizes(
+        max_position_embeddings=mpe,
+        max_seq_len=max_seq_len,
+        max_batch_size=config.exllamav3_max_batch_size(recurrent),
+        draft_tokens=draft_tokens,
+        cache_size=config.exllamav3_cache_size(max_seq_len, draft_tokens),
     )
-    draft_cache = None
-    if draft_model is not None:
-        draft_cache = ex.Cache(
-            draft_model,
-            max_num_tokens=cache_size,
-            max_batch_size=max_batch,
-            max_history=draft_window,
-            **_cache_kwargs(ex, CacheMode.parse(config.draft_cache_mode, "draft_cache_mode")),
+
+
+def create_caches(ex: Any, config: WorkerSettings, models: Models, sizes: Sizes) -> tuple[Any, Any]:
+    """Step 3: the main cache and the drafter's (same size, ``generator/generator.py:257``),
+    built BEFORE any ``load()``: the loader allocates tensors for caches already attached
+    (``cache/cache.py:143-147``). Then the VRAM check (``warn_if_cache_exceeds_vram``)."""
+
+    def cache(model: Any, mode: str, setting: str) -> Any:
+        return ex.Cache(
+            model,
+            max_num_tokens=sizes.cache_size,
+            max_batch_size=sizes.max_batch_size,
+            max_history=sizes.draft_tokens,
+            **_cache_kwargs(ex, CacheMode.parse(mode, setting)),
         )
 
-    gpu_split = parse_split(config.gpu_split, "gpu_split")
-    split = list(gpu_split) if gpu_split else None
-    draft_gpu_split = parse_split(config.draft_gpu_split, "draft_gpu_split")
-    draft_split = list(draft_gpu_split) if draft_gpu_split else None
+    main = cache(models.model, config.cache_mode, "cache_mode")
+    draft = None
+    if models.draft_model is not None:
+        draft = cache(models.draft_model, config.draft_cache_mode, "draft_cache_mode")
+    _warn_about_vram(config, main, draft, sizes.cache_size)
+    return main, draft
+
+
+def _warn_about_vram(config: WorkerSettings, cache: Any, draft_cache: Any, cache_size: int) -> None:
+    assert config.model_dir is not None
     kv_bytes = _cache_bytes(cache)
     if kv_bytes is not None and draft_cache is not None:
         draft_kv = _cache_bytes(draft_cache)
         kv_bytes = None if draft_kv is None else kv_bytes + draft_kv
-    weights = _weights_bytes(model_dir)
-    if mode is DraftMode.DRAFT_MODEL and config.draft_model_dir is not None:
+    weights = _weights_bytes(config.model_dir)
+    if config.draft_mode is DraftMode.DRAFT_MODEL and config.draft_model_dir is not None:
         weights += _weights_bytes(config.draft_model_dir)
-    budget_split = None if split is None else [a + b for a, b in _zip_longest(split, draft_split or [])]
+    split, draft_split = _splits(config)
+    budget = None if split is None else [a + b for a, b in _zip_longest(split, draft_split or [])]
     warn_if_cache_exceeds_vram(
-        kv_bytes, weights, _free_vram_bytes(budget_split), cache_size, defaulted=not config.cache_size
+        kv_bytes, weights, _free_vram_bytes(budget), cache_size, defaulted=not config.cache_size
     )
 
+
+def _splits(config: WorkerSettings) -> tuple[list[float] | None, list[float] | None]:
+    """``gpu_split`` and ``draft_gpu_split``, GB per GPU, ``None`` for an automatic split."""
+    main = parse_split(config.gpu_split, "gpu_split")
+    draft = parse_split(config.draft_gpu_split, "draft_gpu_split")
+    return (list(main) if main else None), (list(draft) if draft else None)
+
+
+def load_weights(config: WorkerSettings, models: Models, cache: Any, sizes: Sizes) -> None:
+    """Step 4: the drafter's weights, then the main model's with ``draft_model=`` for its
+    split (``model_init.py:379-405``), a progress bar each; then, with ``warmup``,
+    ``Model.warmup`` before a generator owns the cache (``model/model.py:203``, ``232-233``)."""
+    import torch
+
+    assert config.model_dir is not None
+    split, draft_split = _splits(config)
     with torch.inference_mode():
-        if draft_model is not None:
+        if models.draft_model is not None:
             # use_per_device counts on top of what is already allocated (model/model.py:522-526):
             # reusing gpu_split here would let drafter + model take about twice the split.
             _progress_bar(
-                draft_model.load_gen(use_per_device=draft_split, max_chunk_size=config.chunk_size),
-                f"Loading {draft_label}",
+                models.draft_model.load_gen(use_per_device=draft_split, max_chunk_size=config.chunk_size),
+                f"Loading {models.draft_label}",
             )
-            _start_moe_cpu_hosts(draft_model)
+            _start_moe_cpu_hosts(models.draft_model)
         _progress_bar(
-            model.load_gen(
+            models.model.load_gen(
                 use_per_device=split,
                 tensor_p=config.tensor_parallel,
                 tp_backend=config.tensor_parallel_backend,
                 max_chunk_size=config.chunk_size,
-                draft_model=draft_model,
+                draft_model=models.draft_model,
             ),
-            f"Loading {model_dir.name}",
+            f"Loading {config.model_dir.name}",
         )
-        _start_moe_cpu_hosts(model)
+        _start_moe_cpu_hosts(models.model)
     if config.warmup:
         log.info("exllamav3: warming up (kernel compilation and tuning)")
-        failed = model.warmup(cache=cache, max_chunk_size=config.chunk_size, max_batch_size=max_batch)
+        failed = models.model.warmup(
+            cache=cache, max_chunk_size=config.chunk_size, max_batch_size=sizes.max_batch_size
+        )
         # warmup() reports a failing pass and goes on; it returns their labels (model/model.py:252-253).
         if failed:
             log.warning(
                 "exllamav3: warmup passes failed (first use will compile them): %s", ", ".join(failed)
             )
 
-    gen_kwargs: dict[str, Any] = {
-        "model": model,
-        "cache": cache,
-        "tokenizer": tokenizer,
-        "max_batch_size": max_batch,
+
+def generator_kwargs(
+    config: WorkerSettings, text: Text, models: Models, caches: tuple[Any, Any], sizes: Sizes
+) -> dict[str, Any]:
+    """Step 5: the ``Generator`` keywords; every one exists in ``Generator.__init__``
+    (``generator/generator.py:41-73``), which would silently swallow a typo."""
+    mode = config.draft_mode
+    return {
+        "model": models.model,
+        "cache": caches[0],
+        "tokenizer": text.tokenizer,
+        "max_batch_size": sizes.max_batch_size,
         "max_chunk_size": config.chunk_size,
-        "draft_model": draft_model,
-        "draft_cache": draft_cache,
+        "draft_model": models.draft_model,
+        "draft_cache": caches[1],
         "num_draft_tokens": config.num_draft_tokens if mode is not DraftMode.NONE else None,
         "ngram_match_min": config.ngram_match_min if mode is DraftMode.NGRAM else 0,
     }
-    generator = ex.Generator(**gen_kwargs)
-    warmup_s = 0.0
-    if config.warmup:
-        warmup_s = _warm_generator(ex, generator, tokenizer, int(generator.max_draft_tokens) + 4)
-        log.info("exllamav3: generator warm-up (sampling and draft passes) took %.1f s", warmup_s)
-    bos_ok = _wants_bos(tokenizer)
-    bos_text = getattr(tokenizer, "bos_token", None) or None
 
-    def encode(text: str, add_bos: bool) -> Any:
+
+class LoadedEngine:
+    """Step 6: the loaded model, its cache and generator, and the calls the backend makes on
+    them (``EngineHandle``'s callables are this object's methods)."""
+
+    def __init__(
+        self, ex: Any, config: WorkerSettings, text: Text, models: Models, gen_kwargs: dict[str, Any]
+    ):
+        self.ex, self.config, self.text, self.models = ex, config, text, models
+        self.gen_kwargs = gen_kwargs
+        self.generator = ex.Generator(**gen_kwargs)
+        tokenizer = text.tokenizer
+        self.bos_ok = _wants_bos(tokenizer)
+        self.bos_text: str | None = getattr(tokenizer, "bos_token", None) or None
+
+    def warm(self) -> float:
+        """One short job through the generator (``_warm_generator``); seconds taken."""
+        seconds = _warm_generator(
+            self.ex, self.generator, self.text.tokenizer, int(self.generator.max_draft_tokens) + 4
+        )
+        log.info("exllamav3: generator warm-up (sampling and draft passes) took %.1f s", seconds)
+        return seconds
+
+    def encode(self, text: str, add_bos: bool) -> Any:
         # A prompt that already starts with the BOS text (a pre-rendered template) gets no second one.
-        bos = add_bos and bos_ok and not (bos_text and text.startswith(bos_text))
-        return tokenizer.encode(text, add_bos=bos, encode_special_tokens=True)
+        bos = add_bos and self.bos_ok and not (self.bos_text and text.startswith(self.bos_text))
+        return self.text.tokenizer.encode(text, add_bos=bos, encode_special_tokens=True)
 
     def encode_chat(
-        messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[Any] | None
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[Any] | None
     ) -> Any:
         # hf_chat_template passes extra keywords to apply_chat_template (tokenizer/tokenizer.py:830-832,
         # 870-876), whose `tools` the template reads.
         extra = {} if tools is None else {"tools": tools}
-        return tokenizer.hf_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
+        return self.text.tokenizer.hf_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, **extra
+        )
 
-    def ll_tokenizer() -> Any:
+    def decode(self, ids: list[int]) -> str:
+        import torch
+
+        return str(
+            self.text.tokenizer.decode(torch.tensor(ids, dtype=torch.long), decode_special_tokens=True)
+        )
+
+    def ll_tokenizer(self) -> Any:
         # The llguidance tokenizer LLGuidanceFilter builds and caches per Tokenizer
-        # (generator/filter/llguidance.py:180-192): token bytes for logprobs, shared with the filters.
+        # (generator/filter/llguidance.py:17-29): token bytes for logprobs, shared with the filters.
         from exllamav3.generator.filter.llguidance import create_ll_tokenizer
 
-        return create_ll_tokenizer(tokenizer)
+        return create_ll_tokenizer(self.text.tokenizer)
 
-    def decode(ids: list[int]) -> str:
-        return str(tokenizer.decode(torch.tensor(ids, dtype=torch.long), decode_special_tokens=True))
+    def rebuild_generator(self) -> Any:
+        import torch
 
-    def rebuild_generator() -> Any:
-        nonlocal generator
         try:
-            generator.close()
+            self.generator.close()
         except Exception:
             log.exception("exllamav3: closing the faulted generator failed")
         # Blocks freed by an out-of-memory fault go back to the driver before the new
         # generator's buffers are allocated.
         torch.cuda.empty_cache()
-        generator = ex.Generator(**gen_kwargs)
-        return generator
+        self.generator = self.ex.Generator(**self.gen_kwargs)
+        return self.generator
 
-    def check_device() -> None:
+    def check_device(self) -> None:
+        import torch
+
         # A sticky CUDA error (illegal address, ECC) fails every later call in the
         # process; a synchronize and a tiny kernel on each device show it.
         for i in range(torch.cuda.device_count()):
@@ -389,40 +465,68 @@ def load_engine(config: WorkerSettings) -> EngineHandle:
                 if float((probe * 2).sum().item()) != 16.0:
                     raise RuntimeError(f"cuda:{i} computes wrong results")
 
-    def close() -> None:
-        generator.close()
-        model.unload()
-        if draft_model is not None:
-            draft_model.unload()
+    def close(self) -> None:
+        self.generator.close()
+        self.models.model.unload()
+        if self.models.draft_model is not None:
+            self.models.draft_model.unload()
 
-    return EngineHandle(
-        generator=generator,
-        new_job=ex.Job,
-        new_sampler=ex.ComboSampler,
-        encode=encode,
-        encode_chat=encode_chat,
-        decode=decode,
-        pieces=tokenizer.get_id_to_piece_list(True),
-        eos_token_ids=tuple(eos_ids),
-        vocab_size=int(tokenizer.actual_vocab_size),
-        max_position_embeddings=mpe or max_seq_len,
-        cache_tokens=int(generator.max_total_tokens),
-        max_draft_tokens=int(generator.max_draft_tokens),
-        drafting=config.drafting,
-        model_id=model_dir.name,
-        close=close,
-        max_batch_size=max_batch,
-        stop_strings=stop_strings,
-        rebuild_generator=rebuild_generator,
-        check_device=check_device,
-        warmup_s=warmup_s,
-        chat_template=chat_template.source(hf_tokenizer),
-        rq_boundary=int(generator.recurrent_checkpoint_interval)
-        if getattr(generator, "recurrent_cache", None) is not None
-        else PAGE_SIZE,
-        new_filter=filter_factory(contained_filter_class(ex.LLGuidanceFilter), tokenizer),
-        ll_tokenizer=ll_tokenizer,
-    )
+    def handle(self, sizes: Sizes, warmup_s: float) -> EngineHandle:
+        tokenizer, generator = self.text.tokenizer, self.generator
+        assert self.config.model_dir is not None
+        return EngineHandle(
+            generator=generator,
+            new_job=self.ex.Job,
+            new_sampler=self.ex.ComboSampler,
+            encode=self.encode,
+            encode_chat=self.encode_chat,
+            decode=self.decode,
+            pieces=tokenizer.get_id_to_piece_list(True),
+            eos_token_ids=self.text.eos_ids,
+            vocab_size=int(tokenizer.actual_vocab_size),
+            max_position_embeddings=sizes.max_position_embeddings or sizes.max_seq_len,
+            cache_tokens=int(generator.max_total_tokens),
+            max_draft_tokens=int(generator.max_draft_tokens),
+            drafting=self.config.drafting,
+            model_id=self.config.model_dir.name,
+            close=self.close,
+            max_batch_size=sizes.max_batch_size,
+            stop_strings=self.text.stop_strings,
+            rebuild_generator=self.rebuild_generator,
+            check_device=self.check_device,
+            warmup_s=warmup_s,
+            chat_template=chat_template.source(self.text.hf_tokenizer),
+            rq_boundary=int(generator.recurrent_checkpoint_interval)
+            if getattr(generator, "recurrent_cache", None) is not None
+            else PAGE_SIZE,
+            new_filter=filter_factory(contained_filter_class(self.ex.LLGuidanceFilter), tokenizer),
+            ll_tokenizer=self.ll_tokenizer,
+        )
+
+
+def load_engine(config: WorkerSettings) -> EngineHandle:
+    """Load tokenizer and chat template, model, drafter, caches and generator as
+    ``config`` says, in the steps above.
+
+    Shows a progress bar per model load on stderr. Raises ``RuntimeError`` without
+    CUDA, ``ValueError`` for a configuration the model cannot serve (no MTP head,
+    no usable chat template: ``ChatTemplateError``, before any weight is read), and
+    whatever ExLlamaV3 raises for an unreadable model directory or too little VRAM.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("the exllamav3 backend needs a CUDA GPU (torch.cuda.is_available() is False)")
+    import exllamav3 as ex
+
+    text = load_text(ex, config)
+    models = create_models(ex, config, text)
+    sizes = plan_sizes(config, text, models)
+    caches = create_caches(ex, config, models, sizes)
+    load_weights(config, models, caches[0], sizes)
+    engine = LoadedEngine(ex, config, text, models, generator_kwargs(config, text, models, caches, sizes))
+    warmup_s = engine.warm() if config.warmup else 0.0
+    return engine.handle(sizes, warmup_s)
 
 
 def _zip_longest(a: list[float], b: list[float]) -> list[tuple[float, float]]:

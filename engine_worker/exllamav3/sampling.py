@@ -2,7 +2,7 @@
 
 Every keyword produced here exists in the exllamav3 1.6.5 signatures
 (``ComboSampler.__init__`` has no ``**kwargs`` and would raise ``TypeError`` on
-a typo, ``generator/sampler/presets.py:84-104``; ``Job.__init__`` and
+a typo, ``generator/sampler/presets.py:86-106``; ``Job.__init__`` and
 ``Generator.__init__`` silently accept unknown names, so a typo there would
 simply do nothing):
 

@@ -24,9 +24,9 @@ choosing tokens instead of a network:
   with the same predecessor (``job.py:1459-1499``), counted in ``cached_tokens``.
   Unreferenced pages keep their content until evicted. Pages a job reserves
   for new tokens are backed up and, if the job never writes them, restored on
-  release (``pagetable.py:112-127``, ``151-174``); any prefill or decode write
+  release (``pagetable.py:112-127``, ``153-177``); any prefill or decode write
   clears that (``job.py:1435,1497,1662``, ``generator.py:1678``). A page missing by
-  hash is cleared with no backup (``pagetable.py:139-149``). A completed page
+  hash is cleared with no backup (``pagetable.py:140-150``). A completed page
   whose hash another page holds takes over that page if referenced, else clears
   it (``job.py:652-697``).
 - MTP (a drafter with ``caps["mtp_draft"]``): the page holding the last prompt
@@ -104,17 +104,21 @@ Deliberately stricter than 1.6.5: ``Job``, ``Generator``, ``Cache`` and
 ``ComboSampler`` take exactly the 1.6.5 parameter names and no ``**kwargs``, so a
 misspelt keyword fails here instead of being ignored; features the worker does
 not use (token healing, banned strings, embeddings, ``return_logits``, loop
-detection, recurrent models) raise ``NotImplementedError``. N-gram drafting uses a plain
-longest-suffix search (suffixes up to 64 tokens) instead of a suffix automaton.
+detection, recurrent models) raise ``NotImplementedError``. N-gram drafting follows 1.6.5's
+suffix automaton (``_SuffixAutomaton``); the drafting *model* is the script, so acceptance
+rates are the fake model's, not a real one's.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 PAGE_SIZE = 256
@@ -206,7 +210,7 @@ class Tokenizer:
     @property
     def tokenizer(self) -> Any:
         """The ``tokenizers.Tokenizer`` of ``tokenizer.json`` (``tokenizer/tokenizer.py:96``): what
-        ``create_ll_tokenizer`` serializes for llguidance (``generator/filter/llguidance.py:192``).
+        ``create_ll_tokenizer`` serializes for llguidance (``generator/filter/llguidance.py:29``).
         Here the byte-level vocabulary of ``write_hf_tokenizer``."""
         return _hf_tokenizer()
 
@@ -801,11 +805,11 @@ class _PageTable:
     referenced or not (``pagetable.py:553-680``).
 
     Reserved pages keep a backup: a page taken for new tokens (``add_ref_unique``,
-    ``pagetable.py:151-162``) is restored to its previous hash, tokens and position when
+    ``pagetable.py:153-164``) is restored to its previous hash, tokens and position when
     its last job releases it without having written it (``sub_ref``,
-    ``pagetable.py:164-174``). Every prefill or decode write clears ``can_revert``
+    ``pagetable.py:166-177``). Every prefill or decode write clears ``can_revert``
     (``job.py:1435,1497,1662``, ``generator.py:1678``, ``job.py:697``). A page missing
-    by hash is cleared with no backup (``add_ref_clear``, ``pagetable.py:139-149``)."""
+    by hash is cleared with no backup (``add_ref_clear``, ``pagetable.py:140-150``)."""
 
     def __init__(self, max_pages: int) -> None:
         self.pages = [_Page(i) for i in range(max_pages)]
@@ -824,22 +828,65 @@ class _PageTable:
         self.serial += 1
         return self.serial
 
-    def _next_evictable(self, protected: set[Any]) -> _Page:
-        """Least valuable unreferenced page (``pagetable.py:411-520``): empty pages first, then
-        cached chains least recently used first, each eaten from its tail. The page keeps its
-        content here; the caller clears or backs it up."""
-        by_content = {p.phash: p for p in self.pages}
+    def build_eviction_order(self, protected: set[Any]) -> deque[_Page]:
+        """``PageTable.build_eviction_order`` (``pagetable.py:411-520``, the default "tree"
+        policy): the unreferenced pages, least valuable first. Empty pages oldest first; then
+        orphaned trees (a chain whose first page's ``prev_hash`` no longer names a page) and
+        then rooted trees, each tree least recently used root first and eaten leaf-first, the
+        oldest leaf first (a page in use or in ``protected`` blocks its ancestors); whatever
+        that walk could not reach last, ``protected`` pages dead last."""
+        order: list[_Page] = []
+        emitted: set[int] = set()
+        empty = [
+            p for p in self.pages if p.ref_count == 0 and p.kv_position == 0 and p.phash not in protected
+        ]
+        for p in sorted(empty, key=lambda p: p.access):
+            order.append(p)
+            emitted.add(p.index)
+        by_hash = {p.phash: p for p in self.pages}
+        children: dict[int, list[_Page]] = {p.index: [] for p in self.pages}
+        parent_of: dict[int, _Page] = {}
+        roots: list[_Page] = []
+        orphans: list[_Page] = []
+        for p in self.pages:
+            if p.prev_hash is None:
+                roots.append(p)
+                continue
+            parent = by_hash.get(p.prev_hash)
+            if parent is None or parent is p:
+                orphans.append(p)
+            else:
+                children[parent.index].append(p)
+                parent_of[p.index] = parent
 
-        def rank(p: _Page) -> tuple[int, int, int]:
-            if p.kv_position == 0:
-                return (0, p.access, 0)
-            root, depth = p, 0
-            while root.prev_hash is not None and root.prev_hash in by_content and depth < len(self.pages):
-                root, depth = by_content[root.prev_hash], depth + 1
-            return (1, root.access, -depth)
+        def prune(root: _Page) -> None:
+            remaining: dict[int, int] = {}
+            heap: list[tuple[int, int, _Page]] = []
+            stack = [root]
+            while stack:
+                p = stack.pop()
+                remaining[p.index] = len(children[p.index])
+                if not children[p.index]:
+                    heapq.heappush(heap, (p.access, p.index, p))
+                stack.extend(children[p.index])
+            while heap:
+                _, _, p = heapq.heappop(heap)
+                if p.index not in emitted:
+                    if p.ref_count > 0 or p.phash in protected:
+                        continue
+                    order.append(p)
+                    emitted.add(p.index)
+                parent = parent_of.get(p.index)
+                if parent is not None:
+                    remaining[parent.index] -= 1
+                    if remaining[parent.index] == 0:
+                        heapq.heappush(heap, (parent.access, parent.index, parent))
 
-        free = [p for p in self.pages if p.ref_count == 0]
-        return min(free, key=lambda p: (p.phash in protected, *rank(p)))
+        for root in sorted(orphans, key=lambda p: p.access) + sorted(roots, key=lambda p: p.access):
+            prune(root)
+        rest = [p for p in self.pages if p.ref_count == 0 and p.index not in emitted]
+        order += sorted(rest, key=lambda p: (p.phash in protected, p.access))
+        return deque(order)
 
     def set_hash(self, page: _Page, h: Any) -> None:
         if self.by_hash.get(page.phash) is page:
@@ -860,8 +907,22 @@ class _PageTable:
         page.prev_hash, page.kv_position, page.tokens, page.can_revert = None, 0, [], False
 
     def allocate(self, page_hashes: list[Any], new_unique_pages: int) -> tuple[list[_Page], int]:
-        """``PageTable.allocate_pages`` (``pagetable.py:553-680``) without the CPU tier."""
+        """``PageTable.allocate_pages`` (``pagetable.py:553-680``) without the CPU tier. The
+        eviction order is built once, at the first page not found by hash, and pages claimed
+        by hash since are skipped (``next_evictable``, ``pagetable.py:577-587``); ``protected``
+        is the job's own prompt hashes (``job.py:1705-1708``)."""
         protected = set(page_hashes)
+        available: deque[_Page] | None = None
+
+        def next_evictable() -> _Page:
+            nonlocal available
+            if available is None:
+                available = self.build_eviction_order(protected)
+            else:
+                while available[0].ref_count:
+                    available.popleft()
+            return available.popleft()
+
         out: list[_Page] = []
         for h in page_hashes:
             tick = self._tick()
@@ -870,8 +931,8 @@ class _PageTable:
                 # add_ref (pagetable.py:130-137)
                 page.access = max(tick, page.access)
             else:
-                # add_ref_clear (pagetable.py:139-149)
-                page = self._next_evictable(protected)
+                # add_ref_clear (pagetable.py:140-150)
+                page = next_evictable()
                 self.set_hash(page, h)
                 page.tokens, page.kv_position, page.prev_hash = [], 0, None
                 page.access = tick
@@ -880,8 +941,8 @@ class _PageTable:
             out.append(page)
         for _ in range(new_unique_pages):
             tick = self._tick()
-            # add_ref_unique (pagetable.py:151-162)
-            page = self._next_evictable(protected)
+            # add_ref_unique (pagetable.py:153-164)
+            page = next_evictable()
             page.backup()
             self.make_unique(page)
             page.tokens, page.kv_position, page.prev_hash = [], 0, None
@@ -899,7 +960,7 @@ class _PageTable:
         return out, cached
 
     def deallocate(self, pages: list[_Page]) -> None:
-        """``sub_ref`` per page (``pagetable.py:164-174``): the last release of a reserved page
+        """``sub_ref`` per page (``pagetable.py:166-177``): the last release of a reserved page
         nobody wrote restores its previous content, under a fresh hash if another page has
         taken that content hash meanwhile."""
         for p in pages:
@@ -943,7 +1004,7 @@ def _partial_strings_match(text: str, strings: Sequence[str]) -> int:
 
 # ---------------------------------------------------------------- filters
 
-# Filter journal entry types (generator/filter/filter.py:10-13).
+# Filter journal entry types (generator/filter/filter.py:8-11).
 FJ_PASS, FJ_TRIGGER, FJ_ACCEPT, FJ_COMPLETE = 0, 1, 2, 3
 
 
@@ -969,8 +1030,8 @@ class Filter:
         self._journal: list[tuple[int, int]] = []
 
     def feed(self, token: int) -> bool:
-        """``filter.py:52-72``: advance on an emitted token; True when the filter completed on
-        it and ``eos_after_completed`` is set."""
+        """``Filter.feed`` (``filter.py:50-70``): advance on an emitted token; True when the
+        filter completed on it and ``eos_after_completed`` is set."""
         if not self.is_active:
             if token == self.trigger_token:
                 self.is_active = True
@@ -1003,7 +1064,7 @@ class Filter:
         return True
 
     def attach(self, job: Job) -> None:
-        """``filter.py:157-164``: runs when the job starts (``Job.activate``)."""
+        """``Filter.attach`` (``filter.py:155-162``): runs when the job starts (``Job.activate``)."""
         self.job = job
         self.generator = job.generator
         assert job.generator is not None
@@ -1015,7 +1076,7 @@ _LL_TOKENIZERS: dict[int, Any] = {}
 
 
 def create_ll_tokenizer(tokenizer: Tokenizer) -> Any:
-    """``generator/filter/llguidance.py:180-192``: an ``LLTokenizer`` from the serialized HF
+    """``generator/filter/llguidance.py:17-29``: an ``LLTokenizer`` from the serialized HF
     tokenizer, EOS from ``config.eos_token_id_list`` or else ``eos_token_id``; cached per
     tokenizer object (an ``lru_cache`` there)."""
     key = id(tokenizer)
@@ -1033,12 +1094,12 @@ def create_ll_tokenizer(tokenizer: Tokenizer) -> Any:
 
 
 class LLGuidanceFilter(Filter):
-    """``exllamav3.LLGuidanceFilter`` (``generator/filter/llguidance.py:195-326``), line for line
-    over the real ``llguidance``: exactly one grammar source (``248-249``), compiled and
+    """``exllamav3.LLGuidanceFilter`` (``generator/filter/llguidance.py:32-163``), line for line
+    over the real ``llguidance``: exactly one grammar source (``85-86``), compiled and
     validated in the constructor, ``ValueError("Invalid grammar: ...")`` when it does not
-    (``255-258``); every matcher call checked by ``_check_error``, which raises ``RuntimeError``
-    (``273-275``); masks are packed int32 bitmasks, bit set = allowed (``309-316``);
-    ``is_completed`` is the matcher's ``is_stopped`` (``318-319``)."""
+    (``92-95``); every matcher call checked by ``_check_error``, which raises ``RuntimeError``
+    (``110-112``); masks are packed int32 bitmasks, bit set = allowed (``146-153``);
+    ``is_completed`` is the matcher's ``is_stopped`` (``155-156``)."""
 
     def __init__(
         self,
@@ -1122,11 +1183,84 @@ class LLGuidanceFilter(Filter):
 
 def _allowed_by(mask: Any, vocab: int) -> set[int]:
     """Token ids whose bit is set in a packed int32 mask of shape ``(1, words)``; tokens past
-    the mask's width count as masked out (``filter.py:134-142``)."""
+    the mask's width count as masked out (``filter.py:132-140``)."""
     import numpy as np
 
     bits = np.unpackbits(np.ascontiguousarray(mask).reshape(-1).view(np.uint8), bitorder="little")
     return {int(i) for i in np.flatnonzero(bits[:vocab])}
+
+
+class _SuffixAutomaton:
+    """The n-gram drafter's suffix automaton (``exllamav3_ext/sam.cpp``, ``BC_SAM``), built
+    token by token over a job's sequence. ``accept(seq)`` adds the tokens it has not seen and
+    returns ``(begin, end)`` (end exclusive) of the earliest earlier occurrence of the longest
+    suffix of ``seq`` that occurred before, found by a match that follows the sequence as it
+    grows (``advance_match``: a state's first end position, ``min_end``), or ``(-1, -1)``."""
+
+    def __init__(self) -> None:
+        self.link = [-1]
+        self.max_len = [0]
+        self.first_end = [2**31 - 1]
+        self.edges: list[dict[int, int]] = [{}]
+        self.last = 0
+        self.match_state = 0
+        self.match_len = 0
+        self.pos = 0
+
+    def _new_state(self, max_len: int, link: int, first_end: int, edges: dict[int, int]) -> int:
+        self.link.append(link)
+        self.max_len.append(max_len)
+        self.first_end.append(first_end)
+        self.edges.append(edges)
+        return len(self.link) - 1
+
+    def _advance_match(self, token: int) -> tuple[int, int]:
+        state, length = self.match_state, self.match_len
+        while state != 0 and token not in self.edges[state]:
+            state = self.link[state]
+            length = min(length, self.max_len[state])
+        if token in self.edges[state]:
+            state, length = self.edges[state][token], length + 1
+        else:
+            state, length = 0, 0
+        self.match_state, self.match_len = state, length
+        return state, length
+
+    def _extend(self, token: int) -> None:
+        cur = self._new_state(self.max_len[self.last] + 1, 0, self.pos, {})
+        p = self.last
+        while p != -1 and token not in self.edges[p]:
+            self.edges[p][token] = cur
+            p = self.link[p]
+        if p != -1:
+            q = self.edges[p][token]
+            if self.max_len[p] + 1 == self.max_len[q]:
+                self.link[cur] = q
+            else:
+                clone = self._new_state(
+                    self.max_len[p] + 1, self.link[q], self.first_end[q], dict(self.edges[q])
+                )
+                while p != -1 and self.edges[p].get(token) == q:
+                    self.edges[p][token] = clone
+                    p = self.link[p]
+                self.link[q] = clone
+                self.link[cur] = clone
+        self.last = cur
+        self.pos += 1
+
+    def accept(self, seq: Sequence[int]) -> tuple[int, int]:
+        if len(seq) < self.pos:
+            self.__init__()  # type: ignore[misc]  # a rewound sequence: rebuilt (sam.cpp accept_tensor)
+        if len(seq) == self.pos:
+            return -1, -1
+        state = length = 0
+        for token in seq[self.pos :]:
+            state, length = self._advance_match(token)
+            self._extend(token)
+        if length == 0:
+            return -1, -1
+        end = self.first_end[state] + 1
+        return end - length, end
 
 
 # ---------------------------------------------------------------- jobs
@@ -1177,6 +1311,7 @@ class Job:
         self.input_ids = ids
         self.sequence_ids = list(ids)
         self.client_prompt: list[int] = rq.get("client_prompt", list(ids))
+        self.sam: _SuffixAutomaton | None = rq.get("sam")
         self.kv_position = 0
         self.page_hashes: list[Any] = []
         self.max_cached_pages: int | None = None
@@ -1196,6 +1331,10 @@ class Job:
         # job.py:289; a re-queued job keeps the same filter objects and their state (job.py:1250)
         self.filters: list[Filter] = list(filters) if filters is not None else []
         self.logit_mask: set[int] | None = None
+        # One entry per active filter, the position's mask (job.py:411-434): a future from the
+        # generator's filter pool, or None, and the mask computed inline, or None.
+        self.filter_futures: list[Future[Any] | None] = []
+        self.logit_masks: list[Any] = []
         self.stop_tokens: set[int] = set(rq.get("stop_tokens", set()))
         self.stop_strings: set[str] = set(rq.get("stop_strings", set()))
         if stop_conditions is not None:
@@ -1318,17 +1457,24 @@ class Job:
     def prepare_logit_mask(self) -> None:
         """``job.py:411-486`` for the masks the fake models: the active filters' bitmasks ANDed,
         stop tokens blocked before ``min_new_tokens`` (``job.py:461-462``). ``logit_mask`` is the
-        set of allowed ids, ``None`` when nothing is masked."""
+        set of allowed ids, ``None`` when nothing is masked. The masks were started by
+        ``Generator._launch_filters``; a background filter's is waited for here, on the
+        engine thread, which re-raises whatever ``get_next_logit_mask`` raised on the pool
+        (``job.py:423-434``)."""
         gen = self.generator
         assert gen is not None
         allowed: set[int] | None = None
+        i = 0
         for f in self.filters:
-            if f.is_active:
-                # 1.6.5 computes the first position's masks on the filter pool before the forward
-                # pass and each later one after a draft token is accepted (generator.py:1703-1712,
-                # 1969-1983): the filter state is the same as here, after the previous token.
-                bits = _allowed_by(f.get_next_logit_mask(), gen.padded_vocab_size)
-                allowed = bits if allowed is None else allowed & bits
+            if not f.is_active:
+                continue
+            future = self.filter_futures[i]
+            mask = future.result() if future is not None else self.logit_masks[i]
+            i += 1
+            bits = _allowed_by(mask, gen.padded_vocab_size)
+            allowed = bits if allowed is None else allowed & bits
+        self.filter_futures.clear()
+        self.logit_masks.clear()
         if self.new_tokens < self.min_new_tokens and self.stop_tokens:
             if allowed is None:
                 allowed = set(range(gen.padded_vocab_size))
@@ -1464,14 +1610,14 @@ class Job:
     # -- decoding
 
     def ngram_draft(self, length: int, match_min: int) -> list[int]:
+        """``Job.get_ngram_draft`` (``job.py:1899-1920``, no corpus): the tokens after the
+        earlier occurrence of the longest suffix the job's suffix automaton matches, when that
+        suffix has ``match_min`` tokens or more."""
+        if self.sam is None:
+            self.sam = _SuffixAutomaton()
         seq = self.sequence_ids
-        n = len(seq)
-        for span in range(min(64, n - 1), match_min - 1, -1):
-            suffix = seq[n - span :]
-            for end in range(n - 1, span - 1, -1):
-                if seq[end - span : end] == suffix:
-                    return seq[end : end + length]
-        return []
+        begin, end = self.sam.accept(seq)
+        return seq[end : end + length] if end - begin >= match_min else []
 
     def receive_sample(
         self,
@@ -1663,6 +1809,7 @@ class Job:
             "prompt_tokens": self.rq_prompt_tokens or len(self.input_ids),
             "cached": self.rq_cached or self._cached(),
             "client_prompt": self.client_prompt,
+            "sam": self.sam,  # job.py:1232
         }
         serial = self.serial_number
         self.__init__(  # type: ignore[misc]
@@ -1766,6 +1913,8 @@ class Generator:
         self.job_serial = 0
         self.pending_jobs: list[Job] = []
         self.active_jobs: list[Job] = []
+        # Filter masks run here, off the thread that calls iterate() (generator.py:318-320).
+        self.filter_pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="exllamav3-filter")
         self.closed = False
         self.fail_next_iterate: Exception | None = None
         self.iterations = 0
@@ -1795,8 +1944,10 @@ class Generator:
 
     def close(self) -> None:
         """``generator.py:839-871``: releases host buffers; model and cache stay loaded for a
-        replacement generator. Stricter here: a closed generator refuses ``iterate``."""
+        replacement generator; the filter pool is shut down without waiting (``871``).
+        Stricter here: a closed generator refuses ``iterate``."""
         self.closed = True
+        self.filter_pool.shutdown(wait=False)
 
     def _reap(self, job: Job, error: Exception, results: list[dict[str, Any]]) -> None:
         job.deallocate_pages()
@@ -1892,6 +2043,22 @@ class Generator:
         self._decode(results)
         return results
 
+    def _launch_filters(self, job: Job) -> None:
+        """Start the masks of the job's next position: on the filter pool for filters that
+        ``use_background_worker()`` (every ``LLGuidanceFilter``), inline for the others
+        (``generator.py:1703-1712``, ``1743-1751`` for the first position; ``1969-1979``
+        after each accepted draft token). ``Job.prepare_logit_mask`` collects them."""
+        assert not job.filter_futures and not job.logit_masks
+        for f in job.filters:
+            if not f.is_active:
+                continue
+            if f.use_background_worker():
+                job.filter_futures.append(self.filter_pool.submit(f.get_next_logit_mask))
+                job.logit_masks.append(None)
+            else:
+                job.filter_futures.append(None)
+                job.logit_masks.append(f.get_next_logit_mask())
+
     def _sample(self, job: Job) -> tuple[int, int]:
         """``(sampled token, the model's own choice)``. The script's choice stands for the
         largest raw logit (``raw_probs``). The logit mask (``Job.prepare_logit_mask``: filters,
@@ -1947,6 +2114,8 @@ class Generator:
             if job.time_first_token is None:
                 job.time_first_token = time.time()
         drafts = self._drafts(batch)
+        for job in batch:
+            self._launch_filters(job)  # "GPU workload is scheduled here"
         completed: list[Job] = []
         requeuing: list[Job] = []
         for job in batch:
@@ -1987,6 +2156,7 @@ class Generator:
                         job.rejected_draft_tokens += width - 1 - i
                         break
                     job.accepted_draft_tokens += 1
+                    self._launch_filters(job)
         for job in completed + requeuing:
             job.deallocate_pages()
             self.active_jobs.remove(job)

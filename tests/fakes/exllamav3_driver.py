@@ -54,6 +54,12 @@ class RecordingGenerator:
         return [r for b in self.batches for r in b]
 
 
+def add(backend: ExLlamaV3Backend, submit: Submit) -> None:
+    """``prepare`` and ``start`` one request under its own id, as the worker loop does
+    with a request it admits at once."""
+    backend.start(submit.request_id, backend.prepare(submit), submit.params)
+
+
 def make_backend(
     config: WorkerSettings | None = None, **handle_kwargs: Any
 ) -> tuple[ExLlamaV3Backend, RecordingGenerator]:

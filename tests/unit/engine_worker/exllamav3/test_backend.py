@@ -30,6 +30,7 @@ from protocol.messages import (
 from tests.fakes import exllamav3 as fx
 from tests.fakes.exllamav3_driver import (
     RecordingGenerator,
+    add,
     chat,
     check_lifecycle,
     finished,
@@ -55,7 +56,7 @@ def _letters(n: int) -> str:
 def test_progress_of_a_fresh_prompt_follows_prefill_chunks() -> None:
     n, chunk = 1001, 256
     backend, _ = make_backend(script=fx.reply("Hi"), max_chunk_size=chunk)
-    backend.add(raw("a", _letters(n)))
+    add(backend, raw("a", _letters(n)))
     events = run(backend)
     check_lifecycle(events, "a")
     started = of(events, "a")[0]
@@ -72,9 +73,9 @@ def test_progress_of_a_fresh_prompt_follows_prefill_chunks() -> None:
 def test_repeated_prompt_reports_the_reused_prefix() -> None:
     n = 700
     backend, _ = make_backend(script=fx.reply("Hi"), max_chunk_size=256)
-    backend.add(raw("first", _letters(n)))
+    add(backend, raw("first", _letters(n)))
     run(backend)
-    backend.add(raw("second", _letters(n)))
+    add(backend, raw("second", _letters(n)))
     events = run(backend)
     check_lifecycle(events, "second")
     # whole pages by hash plus the token-level match inside the last, partial page
@@ -88,20 +89,20 @@ def test_repeated_prompt_reports_the_reused_prefix() -> None:
 def test_prefix_survives_a_job_that_reserved_the_whole_cache(output_chunking: bool) -> None:
     # b1 (large max_tokens) reserves all 8 pages of a 2048-token cache but writes only its
     # prompt's page and a few tokens; 1.6.5 gives the unwritten reservations back with their
-    # old content (pagetable.py:164-174). a2 reserves only the pages it can write (three, also
+    # old content (pagetable.py:166-177). a2 reserves only the pages it can write (three, also
     # with output chunking: max_rq_tokens is passed only where it reserves less), and takes an
     # empty one for its third, so a1's partial page is matchable.
     n_a, n_b = 600, 11
     cfg = dataclasses.replace(CFG, output_chunking=output_chunking)
     backend, rec = make_backend(cfg, script=fx.reply("Hi"), cache_tokens=2048, max_chunk_size=256)
-    backend.add(raw("a1", _letters(n_a), max_tokens=4))
+    add(backend, raw("a1", _letters(n_a), max_tokens=4))
     run(backend)
-    backend.add(raw("b1", "z" * (n_b - 1), max_tokens=2000))
+    add(backend, raw("b1", "z" * (n_b - 1), max_tokens=2000))
     backend.step()
     (job,) = rec.inner.active_jobs
     assert len(job.allocated_pages) == 2048 // PAGE_SIZE
     run(backend)
-    backend.add(raw("a2", _letters(n_a), max_tokens=4))
+    add(backend, raw("a2", _letters(n_a), max_tokens=4))
     events = backend.step()
     (job,) = rec.inner.active_jobs
     assert len(job.allocated_pages) == 3
@@ -118,9 +119,9 @@ def test_a_long_request_with_output_chunking_reserves_one_window_at_a_time() -> 
     # in the worker is the same.
     n_a = 600
     backend, rec = make_backend(script=fx.reply("Hi"), cache_tokens=8192, max_chunk_size=256)
-    backend.add(raw("a1", _letters(n_a), max_tokens=4))
+    add(backend, raw("a1", _letters(n_a), max_tokens=4))
     run(backend)
-    backend.add(raw("a2", _letters(n_a), max_tokens=6000))
+    add(backend, raw("a2", _letters(n_a), max_tokens=6000))
     events = backend.step()
     (job,) = rec.inner.active_jobs
     assert len(job.allocated_pages) * PAGE_SIZE == -(-(n_a - 1 + 2048) // PAGE_SIZE) * PAGE_SIZE
@@ -132,10 +133,10 @@ def test_a_long_request_with_output_chunking_reserves_one_window_at_a_time() -> 
 def test_fully_cached_prompt_without_engine_prefill_still_gets_progress() -> None:
     n = PAGE_SIZE + 1
     backend, rec = make_backend(script=fx.reply("Hi"))
-    backend.add(raw("first", _letters(n)))
+    add(backend, raw("first", _letters(n)))
     run(backend)
     rec.batches.clear()
-    backend.add(raw("second", _letters(n)))
+    add(backend, raw("second", _letters(n)))
     events = run(backend)
     assert not any(r["stage"] == "prefill" for r in rec.results), "the engine emitted no prefill event"
     check_lifecycle(events, "second")
@@ -149,7 +150,7 @@ def test_sibling_jobs_of_one_prompt_share_its_prefill() -> None:
     cfg = dataclasses.replace(CFG, max_rq_tokens=256)
     backend, _ = make_backend(cfg, script=fx.reply("same"), max_chunk_size=512)
     for i in range(2):
-        backend.add(raw(f"req-{i}", _letters(n)))
+        add(backend, raw(f"req-{i}", _letters(n)))
     events = run(backend)
     for i in range(2):
         check_lifecycle(events, f"req-{i}")
@@ -226,7 +227,7 @@ def test_held_choices_survive_a_fault_of_the_first() -> None:
 @pytest.mark.parametrize("special_pieces", [True, False])
 def test_held_text_is_flushed_when_a_stop_token_ends_the_job(special_pieces: bool) -> None:
     backend, rec = make_backend(script=fx.reply("abcEN"), special_pieces=special_pieces)
-    backend.add(raw("a", "x", stop=("END",)))
+    add(backend, raw("a", "x", stop=("END",)))
     events = run(backend)
     eos = rec.results[-1]
     assert eos["eos_reason"] == "stop_token" and "text" not in eos  # the engine dropped it
@@ -247,7 +248,7 @@ def test_special_tokens_that_are_not_stop_conditions_are_streamed_as_text(specia
     # decodes special tokens on their own (tokenizer/tokenizer.py:704-725)
     ids = [*b"ab", fx.IM_START, *b"cd", fx.IM_END]
     backend, rec = make_backend(script=fx.reply(ids), special_pieces=special_pieces)
-    backend.add(raw("a", "x"))
+    add(backend, raw("a", "x"))
     events = run(backend)
     (job,) = {id(r["job"]): r["job"] for r in rec.results}.values()
     assert job.decode_special_tokens is True
@@ -260,8 +261,8 @@ def test_the_templates_turn_end_stops_also_when_spelled_out() -> None:
     backend, _ = make_backend(
         script=fx.reply("done<|im_end|>and more", then=fx.EOS), stop_strings=("<|im_end|>",)
     )
-    backend.add(chat("a", "hi"))
-    backend.add(raw("b", "hi", ignore_eos=True, max_tokens=30))
+    add(backend, chat("a", "hi"))
+    add(backend, raw("b", "hi", ignore_eos=True, max_tokens=30))
     events = run(backend)
     assert text_of(events, "a") == "done"
     assert finished(events, "a").finish_reason is FinishReason.STOP
@@ -270,7 +271,7 @@ def test_the_templates_turn_end_stops_also_when_spelled_out() -> None:
 
 def test_flushed_held_text_keeps_multibyte_characters_whole() -> None:
     backend, _ = make_backend(script=fx.reply("a日".encode()))
-    backend.add(raw("a", "x", stop=("日本",)))
+    add(backend, raw("a", "x", stop=("日本",)))
     events = run(backend)
     assert text_of(events, "a") == "a日"
     assert "\ufffd" not in text_of(events, "a")
@@ -279,14 +280,14 @@ def test_flushed_held_text_keeps_multibyte_characters_whole() -> None:
 def test_character_cut_by_a_stop_token_is_decoded_once() -> None:
     cut = "日".encode()[:2]
     backend, _ = make_backend(script=fx.reply(b"a" + cut))
-    backend.add(raw("a", "x"))
+    add(backend, raw("a", "x"))
     events = run(backend)
     assert text_of(events, "a") == (b"a" + cut).decode("utf-8", errors="replace")
 
 
 def test_stop_string_is_removed_and_finish_is_stop() -> None:
     backend, _ = make_backend(script=fx.reply("one two three"))
-    backend.add(raw("a", "x", stop=(" two",)))
+    add(backend, raw("a", "x", stop=(" two",)))
     events = run(backend)
     assert text_of(events, "a") == "one"
     assert finished(events, "a").finish_reason is FinishReason.STOP
@@ -294,7 +295,7 @@ def test_stop_string_is_removed_and_finish_is_stop() -> None:
 
 def test_max_tokens_gives_length() -> None:
     backend, _ = make_backend(script=fx.reply("abcdefgh"))
-    backend.add(raw("a", "x", max_tokens=3))
+    add(backend, raw("a", "x", max_tokens=3))
     events = run(backend)
     assert text_of(events, "a") == "abc"
     fin = finished(events, "a")
@@ -306,7 +307,7 @@ def test_context_end_clamps_the_completion_and_gives_length() -> None:
     cfg = dataclasses.replace(CFG, max_seq_len=ctx)
     backend, _ = make_backend(cfg, script=fx.reply("x" * 100))
     assert backend.info.max_context_tokens == ctx
-    backend.add(raw("a", _letters(n), max_tokens=1000))
+    add(backend, raw("a", _letters(n), max_tokens=1000))
     events = run(backend)
     fin = finished(events, "a")
     assert fin.finish_reason is FinishReason.LENGTH and fin.completion_tokens == ctx - n
@@ -314,14 +315,14 @@ def test_context_end_clamps_the_completion_and_gives_length() -> None:
 
 def test_ignore_eos_runs_to_max_tokens() -> None:
     backend, _ = make_backend(script=fx.reply("ab"))
-    backend.add(raw("a", "x", max_tokens=5, ignore_eos=True))
+    add(backend, raw("a", "x", max_tokens=5, ignore_eos=True))
     fin = finished(run(backend), "a")
     assert fin.finish_reason is FinishReason.LENGTH and fin.completion_tokens == 5
 
 
 def test_min_tokens_defers_the_stop_token() -> None:
     backend, _ = make_backend(script=fx.reply(""))
-    backend.add(raw("a", "x", min_tokens=3))
+    add(backend, raw("a", "x", min_tokens=3))
     events = run(backend)
     fin = finished(events, "a")
     assert fin.completion_tokens == 4 and text_of(events, "a") == "   "
@@ -331,7 +332,7 @@ def test_output_is_not_lost_across_requeues() -> None:
     answer = "".join(chr(0x41 + i % 26) for i in range(300))
     cfg = dataclasses.replace(CFG, max_rq_tokens=1)
     backend, rec = make_backend(cfg, script=fx.reply(answer))
-    backend.add(raw("a", _letters(PAGE_SIZE - 1), max_tokens=400))
+    add(backend, raw("a", _letters(PAGE_SIZE - 1), max_tokens=400))
     events = run(backend)
     assert sum(1 for r in rec.results if r.get("requeue")) == 2
     check_lifecycle(events, "a")
@@ -347,7 +348,7 @@ def test_ngram_draft_counters_reach_finished() -> None:
     answer = "na " * 30
     backend, rec = make_backend(script=fx.reply(answer), drafting="ngram", num_draft_tokens=4)
     assert backend.info.drafting == "ngram"
-    backend.add(raw("a", "x", max_tokens=200))
+    add(backend, raw("a", "x", max_tokens=200))
     events = run(backend)
     eos = rec.results[-1]
     fin = finished(events, "a")
@@ -363,7 +364,7 @@ def test_ngram_draft_counters_reach_finished() -> None:
 
 def test_drafting_with_nothing_drafted_reports_zero_not_none() -> None:
     backend, _ = make_backend(script=fx.reply("z"), drafting="ngram")
-    backend.add(raw("a", "xy"))
+    add(backend, raw("a", "xy"))
     fin = finished(run(backend), "a")
     assert (fin.draft_accepted, fin.draft_rejected) == (0, 0)
 
@@ -372,7 +373,7 @@ def test_draft_model_counters() -> None:
     target = "abcdefghij"
     draft = fx.reply("abcXefghij")  # wrong at one position
     backend, _ = make_backend(script=fx.reply(target), drafting="draft_model", draft_script=draft)
-    backend.add(raw("a", "x", max_tokens=50))
+    add(backend, raw("a", "x", max_tokens=50))
     events = run(backend)
     fin = finished(events, "a")
     assert text_of(events, "a") == target
@@ -385,8 +386,8 @@ def test_draft_model_counters() -> None:
 
 def test_engine_error_fails_only_its_request() -> None:
     backend, rec = make_backend(script=fx.reply("fine"), fail_prefill=lambda p: b"boom" in bytes(p[1:]))
-    backend.add(raw("bad", "boom"))
-    backend.add(raw("good", "calm"))
+    add(backend, raw("bad", "boom"))
+    add(backend, raw("good", "calm"))
     events = run(backend)
     errors = [r for r in rec.results if r["stage"] == "error"]
     assert len(errors) == 1 and "identifier" not in errors[0]
@@ -401,7 +402,7 @@ def test_engine_error_fails_only_its_request() -> None:
 def test_prompt_longer_than_the_context_is_rejected() -> None:
     backend, rec = make_backend(dataclasses.replace(CFG, max_seq_len=100))
     with pytest.raises(RequestRejected) as e:
-        backend.add(raw("a", _letters(100)))
+        add(backend, raw("a", _letters(100)))
     assert e.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and e.value.param == "prompt"
     assert "100" in e.value.message and "max_seq_len" in e.value.message
     assert len(backend.active_ids()) == 0 and rec.num_remaining_jobs() == 0
@@ -414,7 +415,7 @@ def test_engine_assertion_on_enqueue_becomes_context_length_exceeded() -> None:
     h = dataclasses.replace(backend._h, cache_tokens=4096)
     backend = ExLlamaV3Backend(h, CFG)
     with pytest.raises(RequestRejected) as e:
-        backend.add(chat("a", _letters(1000)))
+        add(backend, chat("a", _letters(1000)))
     assert e.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and e.value.param == "messages"
     assert "Job requires" in e.value.message and "cache_size" in e.value.message
     assert len(backend.active_ids()) == 0
@@ -443,7 +444,7 @@ def test_engine_assertion_on_enqueue_becomes_context_length_exceeded() -> None:
 def test_parameters_the_engine_cannot_honour_are_rejected(params: dict[str, Any], param: str) -> None:
     backend, rec = make_backend()
     with pytest.raises(RequestRejected) as e:
-        backend.add(raw("a", "x", **params))
+        add(backend, raw("a", "x", **params))
     assert e.value.code is ErrorCode.INVALID_REQUEST and e.value.param == param
     assert rec.num_remaining_jobs() == 0
 
@@ -453,7 +454,7 @@ def test_logit_bias_at_the_float32_limits_and_minus_inf_reach_the_sampler() -> N
     (f32_max,) = struct.unpack("<f", (0x7F7FFFFF).to_bytes(4, "little"))
     bias = {5: f32_max, 6: -f32_max, 7: float("-inf"), 8: 2.5}
     backend, rec = make_backend()
-    backend.add(raw("a", "x", logit_bias=bias))
+    add(backend, raw("a", "x", logit_bias=bias))
     (job,) = rec.inner.pending_jobs
     assert job.sampler.settings["logit_bias"] == bias
 
@@ -462,7 +463,7 @@ def test_chat_template_failure_is_invalid_request() -> None:
     backend, _ = make_backend()
     bad = Submit("a", SamplingParams(max_tokens=4), messages=(ChatMessage("wizard", "hi"),))
     with pytest.raises(RequestRejected) as e:
-        backend.add(bad)
+        add(backend, bad)
     assert e.value.code is ErrorCode.INVALID_REQUEST and "wizard" in e.value.message
 
 
@@ -483,7 +484,7 @@ def test_sampling_parameters_reach_the_sampler_and_job() -> None:
         min_tokens=2,
         logit_bias={65: -100.0, 66: 2.5},
     )
-    backend.add(Submit("a", params, prompt="hi"))
+    add(backend, Submit("a", params, prompt="hi"))
     job = rec.inner.pending_jobs[0]
     assert job.sampler.settings == {
         "rep_p": 1.1,
@@ -503,8 +504,8 @@ def test_sampling_parameters_reach_the_sampler_and_job() -> None:
 def test_chat_messages_use_the_model_template() -> None:
     backend, rec = make_backend()
     msgs = (ChatMessage("system", "Be brief."), ChatMessage("user", "Hi"))
-    backend.add(Submit("a", SamplingParams(max_tokens=4), messages=msgs))
-    backend.add(Submit("b", SamplingParams(max_tokens=4), messages=msgs, add_generation_prompt=False))
+    add(backend, Submit("a", SamplingParams(max_tokens=4), messages=msgs))
+    add(backend, Submit("b", SamplingParams(max_tokens=4), messages=msgs, add_generation_prompt=False))
     rendered = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
     expect_b = fx.Tokenizer().encode(rendered, encode_special_tokens=True).tolist()[0]
     expect_a = fx.Tokenizer().encode(rendered + "<|im_start|>assistant\n", encode_special_tokens=True)
@@ -514,17 +515,17 @@ def test_chat_messages_use_the_model_template() -> None:
 
 def test_raw_prompt_gets_bos_unless_disabled() -> None:
     backend, rec = make_backend()
-    backend.add(raw("a", "hello"))
+    add(backend, raw("a", "hello"))
     assert rec.inner.pending_jobs[0].input_ids == [fx.BOS, *b"hello"]
     backend2, rec2 = make_backend(dataclasses.replace(CFG, add_bos=False))
-    backend2.add(raw("a", "hello"))
+    add(backend2, raw("a", "hello"))
     assert rec2.inner.pending_jobs[0].input_ids == list(b"hello")
 
 
 def test_empty_raw_prompt_is_rejected() -> None:
     backend, _ = make_backend(dataclasses.replace(CFG, add_bos=False))
     with pytest.raises(RequestRejected) as e:
-        backend.add(raw("a", ""))
+        add(backend, raw("a", ""))
     assert e.value.code is ErrorCode.INVALID_REQUEST
 
 
@@ -533,8 +534,8 @@ def test_empty_raw_prompt_is_rejected() -> None:
 
 def test_abort_frees_the_pages_and_silences_the_request() -> None:
     backend, rec = make_backend(script=fx.reply("x" * 50), max_chunk_size=256)
-    backend.add(raw("a", _letters(1000)))
-    backend.add(raw("b", "other"))
+    add(backend, raw("a", _letters(1000)))
+    add(backend, raw("b", "other"))
     events = backend.step()
     backend.abort("a")
     backend.abort("never-seen")
@@ -548,8 +549,8 @@ def test_abort_frees_the_pages_and_silences_the_request() -> None:
 
 def test_queued_job_gets_started_when_the_engine_starts_it() -> None:
     backend, _ = make_backend(script=fx.reply("ab"), max_batch_size=1)
-    backend.add(raw("a", "one"))
-    backend.add(raw("b", "two"))
+    add(backend, raw("a", "one"))
+    add(backend, raw("b", "two"))
     first = backend.step()
     assert [type(e) for e in of(first, "b")] == []  # waiting for a batch slot
     events = first + run(backend)
@@ -559,7 +560,7 @@ def test_queued_job_gets_started_when_the_engine_starts_it() -> None:
 
 def test_calls_from_another_thread_are_refused() -> None:
     backend, _ = make_backend()
-    backend.add(raw("a", "x"))
+    add(backend, raw("a", "x"))
     caught: list[BaseException] = []
 
     def other() -> None:
@@ -595,11 +596,11 @@ def _step_until(backend: ExLlamaV3Backend, done: Any, limit: int = 200) -> list[
 def test_a_fault_fails_the_started_jobs_and_carries_the_queued_ones_to_a_new_generator() -> None:
     backend, rec = _faulty()
     first = rec.inner
-    backend.add(raw("decoding", "x", max_tokens=50))
-    backend.add(raw("prefilling", _letters(1000)))
+    add(backend, raw("decoding", "x", max_tokens=50))
+    add(backend, raw("prefilling", _letters(1000)))
     events = _step_until(backend, lambda ev: any(isinstance(e, TokenDelta) for e in ev))
     # enqueued right before the step that faults: still in the engine's queue then
-    backend.add(raw("waiting", "y", max_tokens=5))
+    add(backend, raw("waiting", "y", max_tokens=5))
     assert [j.identifier for j in first.pending_jobs] == ["waiting"]
     first.fail_next_iterate = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
     events = backend.step()
@@ -617,20 +618,20 @@ def test_a_fault_fails_the_started_jobs_and_carries_the_queued_ones_to_a_new_gen
 def test_non_finite_logits_fail_the_batch_as_internal_errors() -> None:
     backend, rec = _faulty()
     rec.inner.model.nonfinite = lambda prompt: b"poison" in bytes(t for t in prompt if t < 256)
-    backend.add(raw("good", "hello", max_tokens=3))
-    backend.add(raw("bad", "poison", max_tokens=3))
+    add(backend, raw("good", "hello", max_tokens=3))
+    add(backend, raw("bad", "poison", max_tokens=3))
     events = run(backend)
     errors = {e.request_id: e for e in events if isinstance(e, RequestError)}
     # the exception escapes iterate(): the batch's results of that call are lost
     assert sorted(errors) == ["bad", "good"]
     assert all(e.code is ErrorCode.INTERNAL and "NonFiniteLogits" in e.message for e in errors.values())
-    backend.add(raw("after", "hello", max_tokens=3))
+    add(backend, raw("after", "hello", max_tokens=3))
     assert text_of(run(backend), "after") == "fin"
 
 
 def test_a_gpu_that_no_longer_runs_work_gives_up() -> None:
     backend, rec = _faulty()
-    backend.add(raw("a", "x"))
+    add(backend, raw("a", "x"))
     rec.inner.model.device_error = RuntimeError("CUDA error: an illegal memory access was encountered")
     with pytest.raises(EngineFailed, match=r"no longer runs work.*illegal memory access"):
         backend.step()
@@ -638,11 +639,11 @@ def test_a_gpu_that_no_longer_runs_work_gives_up() -> None:
 
 def test_repeated_faults_within_the_window_give_up() -> None:
     backend, rec = _faulty(max_engine_faults=2, engine_fault_window=60.0)
-    backend.add(raw("a", "x"))
+    add(backend, raw("a", "x"))
     backend.step()
     rec.inner.fail_next_iterate = RuntimeError("boom 1")
     assert [type(e) for e in backend.step()] == [RequestError]
-    backend.add(raw("b", "x"))
+    add(backend, raw("b", "x"))
     backend.step()
     rec.inner.fail_next_iterate = RuntimeError("boom 2")
     with pytest.raises(EngineFailed, match=r"2 engine faults within 60 s.*boom 2"):
@@ -652,7 +653,7 @@ def test_repeated_faults_within_the_window_give_up() -> None:
 def test_faults_older_than_the_window_are_forgotten() -> None:
     backend, rec = _faulty(max_engine_faults=2, engine_fault_window=0.05)
     for i in range(3):
-        backend.add(raw(f"r{i}", "x"))
+        add(backend, raw(f"r{i}", "x"))
         backend.step()
         rec.inner.fail_next_iterate = RuntimeError(f"boom {i}")
         assert [type(e) for e in backend.step()] == [RequestError]
@@ -664,7 +665,7 @@ def test_a_requeued_job_waiting_in_the_engine_fails_rather_than_restarting() -> 
     # streamed text; starting it over would repeat that text.
     backend, rec = _faulty(max_rq_tokens=256)
     rec.inner.model.script = fx.reply("z" * 600)
-    backend.add(raw("long", "x", max_tokens=600))
+    add(backend, raw("long", "x", max_tokens=600))
     _step_until(backend, lambda ev: any(r.get("requeue") for r in rec.results), limit=1000)
     assert [j.identifier for j in rec.inner.pending_jobs] == ["long"]
     rec.inner.fail_next_iterate = RuntimeError("boom")
@@ -675,7 +676,7 @@ def test_a_requeued_job_waiting_in_the_engine_fails_rather_than_restarting() -> 
 
 def test_close_cancels_and_releases() -> None:
     backend, rec = make_backend()
-    backend.add(raw("a", "x"))
+    add(backend, raw("a", "x"))
     backend.close()
     assert rec.inner.closed and rec.num_remaining_jobs() == 0 and len(backend.active_ids()) == 0
 
@@ -747,7 +748,7 @@ def test_prefill_after_requeue_or_first_token_is_not_progress() -> None:
             [_stream("C", **eos)],
         ]
     )
-    backend.add(raw("a", _letters(600)))
+    add(backend, raw("a", _letters(600)))
     events = run(backend)
     check_lifecycle(events, "a")
     assert progress(events, "a") == [0, 599, 600]
@@ -766,7 +767,7 @@ def test_empty_text_tokens_are_credited_to_the_next_delta() -> None:
             [_stream("xy", eos=True, eos_reason="stop_string", new_tokens=4, cached_tokens=0)],
         ]
     )
-    backend.add(raw("a", "q"))
+    add(backend, raw("a", "q"))
     events = run(backend)
     deltas = [e for e in events if isinstance(e, TokenDelta)]
     assert deltas == [TokenDelta("a", "xy", 4)]
@@ -777,14 +778,14 @@ def test_results_of_unknown_serials_are_ignored() -> None:
     backend = _canned_backend(
         [[{"stage": "started", "serial": 0, "eos": False}, _stream("x"), {**_stream("y"), "serial": 1}]]
     )
-    backend.add(raw("a", "q"))
+    add(backend, raw("a", "q"))
     backend._h.generator.jobs.append(object())  # type: ignore[attr-defined]
     assert isinstance(backend.step()[0], Started)
 
 
 def test_progress_events_carry_milliseconds_since_start() -> None:
     backend, _ = make_backend(script=fx.reply("Hi"), max_chunk_size=256)
-    backend.add(raw("a", _letters(600)))
+    add(backend, raw("a", _letters(600)))
     events = run(backend)
     prog = [e for e in of(events, "a") if isinstance(e, PrefillProgress)]
     assert prog[0].time_ms == 0
@@ -836,7 +837,7 @@ def test_the_engine_allocates_what_the_worker_reserves(
     # takes the sequence so far plus a new window, and the reservation follows it.
     cfg = dataclasses.replace(CFG, max_rq_tokens=256, output_chunking=output_chunking)
     backend, rec = make_backend(cfg, script=fx.reply("ab" * 600), drafting=drafting, cache_tokens=8192)
-    backend.add(raw("a", _letters(300), max_tokens=max_tokens))
+    add(backend, raw("a", _letters(300), max_tokens=max_tokens))
     seen = 0
     for _ in range(2000):
         if not backend.active_ids():
@@ -872,8 +873,8 @@ def test_a_requeued_segment_that_finds_no_pages_waits_in_the_engine_and_is_count
     cfg = dataclasses.replace(CFG, max_rq_tokens=256)
     reply = "q" * 1500
     backend, rec = make_backend(cfg, script=fx.reply(reply), cache_tokens=2048, max_chunk_size=256)
-    backend.add(raw("a", _letters(200), max_tokens=1500))
-    backend.add(raw("b", _letters(199) + "!", max_tokens=1500))
+    add(backend, raw("a", _letters(200), max_tokens=1500))
+    add(backend, raw("b", _letters(199) + "!", max_tokens=1500))
     events: list[Any] = []
     waited: list[str] = []
     requeued: set[str] = set()  # re-queued in the last step; started by the next iterate() if it fits

@@ -379,3 +379,134 @@ def test_probabilities_held_at_a_stop_token_are_in_held() -> None:
     held = eos["held"]
     assert held["token_ids"].tolist() == [[0xC3, fx.IM_END]]
     assert held["token_probs"].shape == (1, 2)  # job.py:949-961
+
+
+class _ThreadRecordingFilter(fx.LLGuidanceFilter):
+    def __init__(self, *a: Any, fail: bool = False, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.threads: list[str] = []
+        self.fail = fail
+
+    def get_next_logit_mask(self) -> Any:
+        import threading
+
+        self.threads.append(threading.current_thread().name)
+        if self.fail:
+            raise RuntimeError("llguidance matcher error: parser too complex")
+        return super().get_next_logit_mask()
+
+
+def test_filter_masks_are_computed_on_the_filter_pool_not_the_iterate_thread() -> None:
+    # 1.6.5 submits get_next_logit_mask to a 16-thread pool before the forward pass and
+    # after each accepted draft token (generator.py:319, 1703-1712, 1969-1979); the engine
+    # thread only waits for the result (job.py:423-434).
+    import threading
+
+    g = _gen(script=fx.reply("yes"), drafting="ngram")
+    flt = _ThreadRecordingFilter(fx.Tokenizer(), llg_grammar='start: "yes" | "no"', eos_after_completed=True)
+    g.enqueue(_job(_prompt(5), filters=[flt]))
+    out = _drain(g)
+    assert [r["eos_reason"] for r in out if r.get("eos")] == ["end_filter"]
+    assert len(flt.threads) == 3  # one mask per sampled position: "y", "e", "s"
+    assert all(t.startswith("exllamav3-filter") for t in flt.threads)
+    assert threading.current_thread().name not in flt.threads
+    g.close()
+    with pytest.raises(RuntimeError):
+        g.filter_pool.submit(int)  # shut down with the generator (generator.py:871)
+
+
+def test_a_mask_error_on_the_pool_raises_out_of_iterate() -> None:
+    g = _gen(script=fx.reply("yes"))
+    flt = _ThreadRecordingFilter(fx.Tokenizer(), llg_grammar='start: "yes"', fail=True)
+    g.enqueue(_job(_prompt(5), filters=[flt]))
+    with pytest.raises(RuntimeError, match="matcher error"):
+        _drain(g)
+    assert flt.threads and flt.threads[0].startswith("exllamav3-filter")
+
+
+# ------------------------------------------------------------------ eviction order
+
+
+def _page(
+    pt: fx._PageTable, i: int, access: int, prev: fx._Page | None = None, filled: bool = True
+) -> fx._Page:
+    page = pt.pages[i]
+    tokens = [i] * fx.PAGE_SIZE
+    pt.set_hash(page, fx._chain_hash(prev.phash if prev is not None else None, tokens))
+    page.prev_hash = prev.phash if prev is not None else None
+    page.tokens, page.kv_position, page.access = tokens, fx.PAGE_SIZE, access
+    return page
+
+
+def test_eviction_takes_empty_pages_then_orphaned_chains_then_rooted_ones_each_from_its_leaves() -> None:
+    # PageTable.build_eviction_order (pagetable.py:411-520): empty pages oldest first, then
+    # trees whose root's predecessor is gone, then rooted trees, least recently used root
+    # first, each pruned oldest leaf first so that the longest prefix survives.
+    pt = fx._PageTable(10)
+    lost = _page(pt, 9, access=1)
+    a0 = _page(pt, 0, access=10)
+    a1 = _page(pt, 1, access=11, prev=a0)
+    a2 = _page(pt, 2, access=12, prev=a1)
+    b1 = _page(pt, 3, access=5, prev=a1)  # a branch off a1, a leaf older than a2
+    o1 = _page(pt, 4, access=50, prev=lost)
+    o2 = _page(pt, 5, access=51, prev=o1)
+    pt.clear(lost)  # o1's predecessor is gone: o1..o2 is orphaned, though used after a0..a2
+    r0 = _page(pt, 6, access=20)
+    r1 = _page(pt, 7, access=21, prev=r0)
+    r1.ref_count = 1  # in use: r0 below it is not evictable by the tree walk
+    empty = pt.pages[8]
+    empty.access = 30
+    order = list(pt.build_eviction_order(set()))
+    assert [p.index for p in order] == [
+        lost.index,  # empty (cleared): oldest first
+        empty.index,
+        o2.index, o1.index,  # the orphaned tree, leaf first
+        b1.index, a2.index, a1.index, a0.index,  # oldest rooted tree, oldest leaf first
+        r0.index,  # left over by the walk: last
+    ]  # fmt: skip
+    # protected pages (the allocating job's own prompt) go dead last
+    assert [p.index for p in pt.build_eviction_order({o2.phash, a0.phash})][-2:] == [a0.index, o2.index]
+
+
+def test_allocation_takes_pages_in_eviction_order_and_keeps_the_longest_prefix() -> None:
+    pt = fx._PageTable(4)
+    a0 = _page(pt, 0, access=1)
+    a1 = _page(pt, 1, access=2, prev=a0)
+    _page(pt, 2, access=3, prev=a1)
+    pages, _ = pt.allocate([], 2)  # page 3 is empty; then a2, the chain's leaf
+    assert [p.index for p in pages] == [3, 2]
+    pt.deallocate(pages)
+    _, cached = pt.allocate([a0.phash, a1.phash], 0)
+    assert cached == 2
+
+
+# ------------------------------------------------------------------ n-gram drafts
+
+
+def _earliest_longest_earlier_suffix(seq: list[int]) -> tuple[int, int]:
+    """By brute force: ``(begin, end)`` of the first occurrence, ending before the last
+    token, of the longest suffix of ``seq`` that has one."""
+    n = len(seq)
+    for span in range(n - 1, 0, -1):
+        for end in range(span, n):
+            if seq[end - span : end] == seq[n - span :]:
+                return end - span, end
+    return -1, -1
+
+
+def test_the_ngram_suffix_automaton_finds_the_earliest_occurrence_of_the_longest_suffix() -> None:
+    # BC_SAM (exllamav3_ext/sam.cpp) matches as the sequence grows and drafts from a state's
+    # first end position: the earliest occurrence, however long the suffix.
+    import random
+
+    for trial in range(300):
+        rnd = random.Random(trial)
+        seq = [rnd.randrange(rnd.choice([2, 3, 5])) for _ in range(rnd.randint(1, 60))]
+        sam = fx._SuffixAutomaton()
+        for i in range(1, len(seq) + 1, rnd.choice([1, 2, 7])):
+            assert sam.accept(seq[:i]) == _earliest_longest_earlier_suffix(seq[:i]), (seq[:i], trial)
+    # a passage seen twice with different continuations drafts the first one's
+    seq = [1, 2, 3, 7, 1, 2, 3, 8, 1, 2, 3]
+    job = _job(seq)
+    job.sequence_ids = seq
+    assert job.ngram_draft(4, 2) == [7, 1, 2, 3]

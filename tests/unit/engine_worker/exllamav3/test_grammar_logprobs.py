@@ -28,6 +28,7 @@ from protocol.messages import (
 )
 from tests.fakes import exllamav3 as fx
 from tests.fakes.exllamav3_driver import (
+    add,
     check_lifecycle,
     finished,
     make_backend,
@@ -70,7 +71,7 @@ def _check_logprobs(events: list[Event], rid: str) -> list[TokenLogprob]:
 
 def test_a_grammar_request_attaches_a_filter_with_that_grammar() -> None:
     backend, rec = make_backend(script=fx.reply('{"a": 12}'))
-    backend.add(_grammar(JSON_GRAMMAR))
+    add(backend, _grammar(JSON_GRAMMAR))
     events = backend.step()
     (job,) = rec.inner.active_jobs
     (flt,) = job.filters
@@ -88,7 +89,7 @@ def test_a_grammar_request_attaches_a_filter_with_that_grammar() -> None:
 
 def test_the_fake_model_obeys_the_mask() -> None:
     backend, _ = make_backend(script=fx.reply("maybe"))
-    backend.add(_grammar('start: "yes" | "no"'))
+    add(backend, _grammar('start: "yes" | "no"'))
     events = run(backend)
     # "m" is forbidden: the next choice is the lowest allowed id, "n"; then "o" is forced
     assert text_of(events, "g") == "no"
@@ -97,7 +98,7 @@ def test_the_fake_model_obeys_the_mask() -> None:
 
 def test_without_a_grammar_the_same_script_runs_free() -> None:
     backend, _ = make_backend(script=fx.reply("maybe"))
-    backend.add(raw("free", "Answer:"))
+    add(backend, raw("free", "Answer:"))
     assert text_of(run(backend), "free") == "maybe"
 
 
@@ -109,11 +110,11 @@ def test_drafts_are_verified_under_the_mask(drafting: str) -> None:
     grammar = "start: /(ab){5}c/"
     script = fx.reply("ab" * 20)
     plain, _ = make_backend(script=script)
-    plain.add(_grammar(grammar))
+    add(plain, _grammar(grammar))
     expected = text_of(run(plain), "g")
     assert expected == "abababababc"
     backend, rec = make_backend(script=script, drafting=drafting, draft_script=fx.reply("ab" * 20))
-    backend.add(_grammar(grammar))
+    add(backend, _grammar(grammar))
     events = run(backend)
     assert text_of(events, "g") == expected
     fin = finished(events, "g")
@@ -149,12 +150,12 @@ def test_each_choice_gets_its_own_filter_compiled_at_prepare() -> None:
 
 
 def test_a_grammar_that_fails_mid_generation_fails_only_its_request() -> None:
-    # An llguidance matcher error makes 1.6.5's filter raise inside iterate() (llguidance.py:273-275),
+    # An llguidance matcher error makes 1.6.5's filter raise inside iterate() (llguidance.py:110-112),
     # which would fail every request of the step. The worker's filter keeps the error; the request
     # fails alone, before any output of that step reaches the client.
     backend, rec = make_backend(script=fx.reply("ab" * 20))
-    backend.add(_grammar("start: /(ab)+c/"))
-    backend.add(raw("other", "hello", max_tokens=10))
+    add(backend, _grammar("start: /(ab)+c/"))
+    add(backend, raw("other", "hello", max_tokens=10))
     events = backend.step() + backend.step()
     (flt,) = next(j for j in rec.inner.active_jobs if j.identifier == "g").filters
     flt._matcher.consume_token(ord("z"))  # what a parser limit reached mid-way looks like: an error state
@@ -170,9 +171,9 @@ def test_a_grammar_that_fails_mid_generation_fails_only_its_request() -> None:
 
 def test_a_queued_grammar_job_keeps_its_filter_through_a_fault() -> None:
     backend, rec = make_backend(script=fx.reply("maybe"))
-    backend.add(raw("a", "x", max_tokens=20))
+    add(backend, raw("a", "x", max_tokens=20))
     backend.step()
-    backend.add(_grammar('start: "yes" | "no"'))
+    add(backend, _grammar('start: "yes" | "no"'))
     rec.inner.fail_next_iterate = RuntimeError("CUDA out of memory")
     backend.step()
     assert sorted(backend.active_ids()) == ["g"]
@@ -190,7 +191,7 @@ def _expected(choice: int, token: int) -> float:
 def test_logprobs_are_the_models_raw_probabilities_and_join_to_the_text() -> None:
     reply = "Hi there"
     backend, _ = make_backend(script=fx.reply(reply))
-    backend.add(raw("a", "x", logprobs=3, temperature=0.5, top_k=5))
+    add(backend, raw("a", "x", logprobs=3, temperature=0.5, top_k=5))
     events = run(backend)
     entries = _check_logprobs(events, "a")
     assert "".join(e.token for e in entries) == reply
@@ -205,7 +206,7 @@ def test_logprobs_are_the_models_raw_probabilities_and_join_to_the_text() -> Non
 
 def test_no_logprobs_unless_asked() -> None:
     backend, rec = make_backend(script=fx.reply("Hi"))
-    backend.add(raw("a", "x"))
+    add(backend, raw("a", "x"))
     events = run(backend)
     assert all(d.logprobs is None for d in _deltas(events, "a"))
     assert all("token_probs" not in r for r in rec.results)
@@ -213,7 +214,7 @@ def test_no_logprobs_unless_asked() -> None:
 
 def test_zero_alternatives_still_give_the_tokens_logprob() -> None:
     backend, rec = make_backend(script=fx.reply("Hi"))
-    backend.add(raw("a", "x", logprobs=0))
+    add(backend, raw("a", "x", logprobs=0))
     entries = _check_logprobs(run(backend), "a")
     assert [e.token for e in entries] == ["H", "i"] and all(e.top == () for e in entries)
     assert all("top_k_tokens" not in r for r in rec.results)
@@ -221,7 +222,7 @@ def test_zero_alternatives_still_give_the_tokens_logprob() -> None:
 
 def test_a_grammar_forced_token_reports_what_the_model_gave_it() -> None:
     backend, _ = make_backend(script=fx.reply("maybe"))
-    backend.add(_grammar('start: "yes" | "no"', logprobs=2))
+    add(backend, _grammar('start: "yes" | "no"', logprobs=2))
     entries = _check_logprobs(run(backend), "g")
     assert [e.token for e in entries] == ["n", "o"]
     # "n" replaced the model's "m"; 1.6.5 reports its raw probability (before the mask)
@@ -231,7 +232,7 @@ def test_a_grammar_forced_token_reports_what_the_model_gave_it() -> None:
 
 def test_text_held_for_a_stop_string_comes_with_its_entries() -> None:
     backend, _ = make_backend(script=fx.reply("abcEND tail"))
-    backend.add(raw("a", "x", stop=["END"], logprobs=1))
+    add(backend, raw("a", "x", stop=["END"], logprobs=1))
     events = run(backend)
     entries = _check_logprobs(events, "a")
     assert text_of(events, "a") == "abc"
@@ -246,7 +247,7 @@ def test_a_token_cut_by_a_stop_string_shows_its_shown_part() -> None:
 
 def test_text_held_at_a_stop_token_is_flushed_with_its_entries() -> None:
     backend, _ = make_backend(script=fx.reply("It ends with EN"))
-    backend.add(raw("a", "x", stop=["END"], logprobs=2))
+    add(backend, raw("a", "x", stop=["END"], logprobs=2))
     events = run(backend)
     entries = _check_logprobs(events, "a")
     assert text_of(events, "a") == "It ends with EN"
@@ -257,7 +258,7 @@ def test_text_held_at_a_stop_token_is_flushed_with_its_entries() -> None:
 def test_split_utf8_characters_go_to_the_token_that_completes_them() -> None:
     reply = "né ☃!"
     backend, _ = make_backend(script=fx.reply(reply))
-    backend.add(raw("a", "x", logprobs=1))
+    add(backend, raw("a", "x", logprobs=1))
     events = run(backend)
     entries = _check_logprobs(events, "a")
     data = reply.encode()
@@ -269,7 +270,7 @@ def test_split_utf8_characters_go_to_the_token_that_completes_them() -> None:
 def test_logprobs_with_drafting_cover_every_accepted_token() -> None:
     reply = "abcabcabcabcabcabc"
     backend, _ = make_backend(script=fx.reply(reply), drafting="ngram")
-    backend.add(raw("a", "x", logprobs=1, max_tokens=len(reply)))
+    add(backend, raw("a", "x", logprobs=1, max_tokens=len(reply)))
     events = run(backend)
     entries = _check_logprobs(events, "a")
     assert "".join(e.token for e in entries) == reply
@@ -281,7 +282,7 @@ def test_logprobs_survive_a_requeue() -> None:
     reply = "xy" * 400
     cfg = dataclasses.replace(CFG, max_rq_tokens=256)
     backend, rec = make_backend(cfg, script=fx.reply(reply))
-    backend.add(raw("a", "x", logprobs=1, max_tokens=len(reply)))
+    add(backend, raw("a", "x", logprobs=1, max_tokens=len(reply)))
     events = run(backend)
     assert any(r.get("requeue") for r in rec.results)
     entries = _check_logprobs(events, "a")

@@ -19,7 +19,7 @@ from engine_worker.exllamav3 import loader
 from engine_worker.settings import DraftMode, WorkerSettings
 from protocol.messages import ChatMessage, Finished, SamplingParams, Submit, TokenDelta
 from tests.fakes import exllamav3 as fx
-from tests.fakes.exllamav3_driver import chat, raw, run, text_of
+from tests.fakes.exllamav3_driver import add, chat, raw, run, text_of
 
 torch = pytest.importorskip("torch")
 
@@ -235,8 +235,8 @@ def test_loaded_backend_serves_chat_and_raw_prompts(tmp_path: Path, fake_exl3: l
     backend = loader.build_backend(WorkerSettings(backend="exllamav3", model_dir=d, warmup=False))
     g = _gen(backend)
     g.model.script = fx.reply(b"ok \xe6\x97")  # ends on a cut character, flushed via decode()
-    backend.add(chat("c", "hello"))
-    backend.add(raw("r", "<s>already has BOS"))
+    add(backend, chat("c", "hello"))
+    add(backend, raw("r", "<s>already has BOS"))
     once = fx.Tokenizer().encode("<s>already has BOS", encode_special_tokens=True)
     assert g.pending_jobs[1].input_ids == once.tolist()[0]
     events = run(backend)
@@ -364,7 +364,7 @@ def test_a_grammar_compiles_against_the_models_tokenizer(tmp_path: Path, fake_ex
     prepared = backend.prepare(submit)
     (flt,) = prepared.prompt.filters
     assert isinstance(flt, fx.LLGuidanceFilter)
-    # config.json's EOS list, as create_ll_tokenizer reads it (generator/filter/llguidance.py:186-191)
+    # config.json's EOS list, as create_ll_tokenizer reads it (generator/filter/llguidance.py:23-28)
     assert fx.create_ll_tokenizer(backend._h.generator.tokenizer).eos_tokens == [257, 259]
     with pytest.raises(RequestRejected) as e:
         backend.prepare(chat("b", "x", grammar="start: (", grammar_param="response_format"))
@@ -504,3 +504,45 @@ def test_the_handle_rebuilds_its_generator_over_the_same_cache(tmp_path: Path, f
     handle.check_device()  # no CUDA device here: nothing to probe
     handle.close()
     assert new.closed
+
+
+def _sizes(mpe: int, caps: dict[str, Any], drafter: dict[str, Any] | None, **cfg: Any) -> loader.Sizes:
+    config = WorkerSettings(backend="exllamav3", model_dir=Path("/m"), **cfg)
+    text = loader.Text(SimpleNamespace(max_position_embeddings=mpe), None, None, (), ())
+    draft = None if drafter is None else SimpleNamespace(caps=drafter)
+    return loader.plan_sizes(config, text, loader.Models(SimpleNamespace(caps=caps), draft, ""))
+
+
+@pytest.mark.parametrize(
+    ("mpe", "caps", "drafter", "cfg", "expected"),
+    [
+        # (max_seq_len, max_batch_size, draft_tokens, cache_size): the model's context, 32
+        # sequences, a window of 4 for n-gram, and a cache of the context + 1 + 4 in pages
+        (2048, {}, None, {"draft_mode": "ngram"}, (2048, 32, 4, 2304)),
+        (2048, {"recurrent_states": True}, None, {}, (2048, 4, 0, 2304)),
+        (2048, {}, {"default_draft_size": 6}, {"draft_mode": "mtp"}, (2048, 32, 6, 2304)),
+        (2048, {}, {}, {"draft_mode": "mtp"}, (2048, 32, 4, 2304)),
+        (
+            2048,
+            {},
+            {"default_draft_size": 6},
+            {"draft_mode": "mtp", "num_draft_tokens": 2},
+            (2048, 32, 2, 2304),
+        ),
+        (2048, {}, None, {"num_draft_tokens": 3}, (2048, 32, 0, 2304)),  # not drafting: no window
+        (8192, {}, None, {"cache_size": 4096}, (4096, 32, 0, 4096)),
+        (8192, {}, None, {"cache_size": 4096, "max_seq_len": 6000, "max_batch_size": 7}, (6000, 7, 0, 4096)),
+        (0, {}, None, {}, (4096, 32, 0, 4352)),  # no context in the config
+        (0, {}, None, {"cache_size": 1024}, (1024, 32, 0, 1024)),
+    ],
+)
+def test_unset_sizes_are_resolved_for_the_model(
+    mpe: int,
+    caps: dict[str, Any],
+    drafter: dict[str, Any] | None,
+    cfg: dict[str, Any],
+    expected: tuple[int, int, int, int],
+) -> None:
+    s = _sizes(mpe, caps, drafter, **cfg)
+    assert (s.max_seq_len, s.max_batch_size, s.draft_tokens, s.cache_size) == expected
+    assert s.max_position_embeddings == mpe

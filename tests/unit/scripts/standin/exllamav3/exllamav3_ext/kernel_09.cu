@@ -1,0 +1,1 @@
+// stand-in translation unit 09
