@@ -152,6 +152,10 @@ def test_serve_restarts_a_hung_worker_and_clears_what_it_held(tmp_path: Path) ->
         assert "worker hung" in log.read_text()
         _wait_for(lambda: _children(proc.pid) not in ([], [worker]), 20, "a new worker", log)
         _wait_for(lambda: (ready() or {}).get("worker_active_requests") == 0, 30, "the new worker", log)
+        print(
+            f"heartbeat_timeout {timeout:g} s: SIGSTOP -> killed {killed:.1f} s, -> serving again "
+            f"{time.monotonic() - stopped:.1f} s"
+        )
         assert hb_file.exists()
         assert httpx.get(url + "/health", timeout=2).status_code == 200
     finally:
