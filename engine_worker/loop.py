@@ -30,6 +30,7 @@ import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 
@@ -62,6 +63,7 @@ from protocol import (
     choice_ids,
     choice_seed,
 )
+from protocol.liveness import Beat, write_beat
 from protocol.messages import QUEUE_PROGRESS_INTERVAL_S, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -118,7 +120,9 @@ class EngineLoop:
 
     ``heartbeat_interval``: seconds between heartbeats. ``max_queue``: requests
     that may wait for admission. ``parent_pid``: stop when this process is gone
-    (checked every heartbeat; ``serve`` passes its own pid).
+    (checked every heartbeat; ``serve`` passes its own pid). ``heartbeat_file``:
+    where each heartbeat is also written (``protocol.liveness``), for probes
+    that need no ZeroMQ peer.
     """
 
     def __init__(
@@ -129,12 +133,14 @@ class EngineLoop:
         heartbeat_interval: float,
         max_queue: int,
         parent_pid: int | None = None,
+        heartbeat_file: Path | None = None,
     ) -> None:
         self._backend = backend
         self._sockets = sockets
         self._heartbeat_interval = heartbeat_interval
         self._max_queue = max_queue
         self._parent_pid = parent_pid
+        self._heartbeat_file = heartbeat_file
         self.worker_id = uuid.uuid4().hex
         self._queue: deque[_Queued] = deque()
         self._queued_ids: dict[str, _Queued] = {}
@@ -149,6 +155,9 @@ class EngineLoop:
         # Written by the loop thread only, read by the heartbeat thread.
         self._waiting = 0
         self._running = 0
+        self._running_requests = 0
+        # Request id of each started choice id, to count requests, not sequences.
+        self._request_of: dict[str, str] = {}
         self._kv_usage = 0.0
         self._step_started = 0.0
 
@@ -166,6 +175,7 @@ class EngineLoop:
             max_queue=self._max_queue,
             kv_cache_tokens=min(info.kv_cache_tokens, 2**62),
             chat_template=info.chat_template,
+            kv_block_tokens=info.kv_block_tokens,
         )
 
     def run(self, stop: threading.Event) -> None:
@@ -213,23 +223,45 @@ class EngineLoop:
     def _update_stats(self) -> None:
         info = self._backend.info
         self._waiting = len(self._queue)
-        self._running = len(self._backend.active_ids())
+        active = self._backend.active_ids()
+        self._running = len(active)
+        request_of = self._request_of
+        self._running_requests = len({request_of.get(rid, rid) for rid in active})
+        if len(request_of) > 2 * len(active) + 64:
+            self._request_of = {rid: r for rid, r in request_of.items() if rid in active}
         self._kv_usage = min(1.0, self._backend.kv_reserved() / info.kv_cache_tokens)
 
     def _beat(self, stop: threading.Event, done: threading.Event) -> None:
         sender = self._sockets.sender()
         try:
+            self._write_beat(0.0)
             while not done.wait(self._heartbeat_interval):
                 if self._parent_pid is not None and os.getppid() != self._parent_pid:
                     log.error("worker: parent process %d is gone, stopping", self._parent_pid)
                     stop.set()
                 started = self._step_started
                 step_s = time.monotonic() - started if started else 0.0
+                kv = round(self._kv_usage, 4)
                 sender.send(
-                    Heartbeat(self.worker_id, self._running, self._waiting, round(self._kv_usage, 4), step_s)
+                    Heartbeat(
+                        self.worker_id, self._running, self._waiting, kv, step_s, self._running_requests
+                    )
                 )
+                self._write_beat(step_s)
         finally:
             sender.close()
+
+    def _write_beat(self, step_s: float) -> None:
+        path = self._heartbeat_file
+        if path is None:
+            return
+        try:
+            write_beat(path, Beat(os.getpid(), self.worker_id, time.monotonic(), step_s))
+        except OSError as e:
+            # Stop trying: a probe reading the file then restarts the worker, and
+            # this line says why.
+            log.error("worker: cannot write the heartbeat file %s: %s", path, e)
+            self._heartbeat_file = None
 
     # ---------------------------------------------------------------- messages
 
@@ -424,6 +456,7 @@ class EngineLoop:
         waited = time.monotonic() - queued.arrived
         for rid in queued.ids:
             self._waited[rid] = waited
+            self._request_of[rid] = queued.prepared.submit.request_id
         params = queued.prepared.submit.params
         started: list[str] = []
         try:

@@ -50,6 +50,10 @@ def run_worker(settings: WorkerSettings) -> None:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
+    if settings.heartbeat_file is not None:
+        # A beat of the process this one replaces must not pass for ours while we load.
+        with contextlib.suppress(OSError):
+            settings.heartbeat_file.unlink(missing_ok=True)
     log.info("worker: loading the model")
     try:
         backend = make_backend(settings)
@@ -83,13 +87,21 @@ def run_worker(settings: WorkerSettings) -> None:
         heartbeat_interval=settings.heartbeat_interval,
         max_queue=settings.max_queue,
         parent_pid=settings.parent_pid,
+        heartbeat_file=settings.heartbeat_file,
     )
     try:
         loop.run(stop)
     finally:
         sockets.close()
         backend.close()
-        _remove_ipc_files((input_addr, output_addr), remove_dir=settings.parent_pid is not None)
+        remove_dir = settings.parent_pid is not None
+        _remove_ipc_files((input_addr, output_addr), remove_dir=remove_dir)
+        if settings.heartbeat_file is not None:
+            # Stopped is not hung: no beat may be left to age.
+            with contextlib.suppress(OSError):
+                settings.heartbeat_file.unlink(missing_ok=True)
+                if remove_dir:
+                    settings.heartbeat_file.parent.rmdir()
 
 
 def _remove_ipc_files(addresses: tuple[str, ...], *, remove_dir: bool) -> None:

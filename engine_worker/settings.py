@@ -129,6 +129,11 @@ class WorkerSettings(LinkSettings):
     parent_pid: int | None = setting(
         None, "Stop when the process with this pid is gone (serve passes its own); checked every heartbeat."
     )
+    heartbeat_file: Path | None = setting(
+        None,
+        "Also write each heartbeat to this file (JSON, replaced atomically), for a liveness probe "
+        "that needs no connection: python -m engine_worker.probe, serve's supervisor.",
+    )
     # cpu engine
     cache_dir: Path = setting(
         default_factory=default_cache_dir,

@@ -62,9 +62,11 @@ def serve(worker_args: tuple[str, ...], **values: Any) -> None:
     if check.returncode != 0:
         raise SystemExit(check.returncode)
     with contextlib.ExitStack() as stack:
+        # A directory of its own: two serves never share sockets or heartbeat files.
+        private = stack.enter_context(instance_dir())
+        heartbeat_file = private / "worker.heartbeat"
         if settings.input_addr is None or settings.output_addr is None:
-            # A directory of its own: two serves never share sockets.
-            din, dout = default_addresses(stack.enter_context(instance_dir()))
+            din, dout = default_addresses(private)
             settings = dataclasses.replace(
                 settings, input_addr=settings.input_addr or din, output_addr=settings.output_addr or dout
             )
@@ -74,12 +76,19 @@ def serve(worker_args: tuple[str, ...], **values: Any) -> None:
             *cli_args(settings, ("input_addr", "output_addr", "log_level", "log_format")),
             "--parent-pid",
             str(os.getpid()),
+            "--heartbeat-file",
+            str(heartbeat_file),
             *worker_args,
         ]
         from proxy.runner import run
 
+        # A worker whose heartbeats stop for as long as the proxy waits before it
+        # declares it dead is killed and restarted: nothing else would revive it.
+        supervisor = WorkerSupervisor(
+            argv, heartbeat_file=heartbeat_file, hung_after=settings.heartbeat_timeout
+        )
         try:
-            run(_serve(settings, WorkerSupervisor(argv)))
+            run(_serve(settings, supervisor))
         except OSError as e:
             exit_on_bind_error(settings, e)
 

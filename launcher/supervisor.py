@@ -3,7 +3,12 @@
 ``WorkerSupervisor.run`` starts the child command, waits for it, and restarts it
 when it exits, backing off while it keeps failing fast (a bad model path);
 requests in flight on the proxy fail cleanly when their worker goes away.
-Cancelling ``run`` stops the child: SIGTERM, then SIGKILL after ``stop_timeout``
+A child that stops beating is hung (SIGSTOP, a deadlock, a stuck driver call):
+with a ``heartbeat_file`` (the worker's ``--heartbeat-file``, ``protocol.liveness``)
+a beat older than ``hung_after`` seconds gets the child SIGKILLed (the only signal
+a stopped process acts on) and restarted like one that exited, which also clears
+whatever it held. Before its first beat (the model loading) a child is never
+judged. Cancelling ``run`` stops the child: SIGTERM, then SIGKILL after ``stop_timeout``
 seconds. The child runs in a session of its own, so a Ctrl-C in the terminal
 reaches only the parent, which drains its requests before it stops the child.
 
@@ -23,6 +28,9 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+from protocol.liveness import check, read_beat
 
 log = logging.getLogger("exl3_sidecar.supervisor")
 
@@ -58,11 +66,21 @@ class WorkerSupervisor:
     """Runs ``argv`` (program first) until cancelled, restarting it per ``backoff``."""
 
     def __init__(
-        self, argv: Sequence[str], *, backoff: Backoff = Backoff(), stop_timeout: float = 10.0
+        self,
+        argv: Sequence[str],
+        *,
+        backoff: Backoff = Backoff(),
+        stop_timeout: float = 10.0,
+        heartbeat_file: Path | None = None,
+        hung_after: float = 30.0,
     ) -> None:
         self.argv = list(argv)
         self.backoff = backoff
         self.stop_timeout = stop_timeout
+        self.heartbeat_file = heartbeat_file
+        self.hung_after = hung_after
+        self.hung_kills = 0
+        """Children killed for missing heartbeats."""
         self.starts = 0
         """Children started so far."""
         self.pid: int | None = None
@@ -82,7 +100,7 @@ class WorkerSupervisor:
             self.starts += 1
             self.pid = proc.pid
             try:
-                rc = await proc.wait()
+                rc = await self._wait(proc)
             except asyncio.CancelledError:
                 await self._stop(proc)
                 raise
@@ -91,6 +109,31 @@ class WorkerSupervisor:
             delay = self.backoff.next(delay, time.monotonic() - started)
             log.error("worker exited with code %s; restarting in %.3g s", rc, delay)
             await asyncio.sleep(delay)
+
+    async def _wait(self, proc: asyncio.subprocess.Process) -> int:
+        """``proc``'s exit status; with a heartbeat file, SIGKILL it first when
+        it has beaten and then stopped for ``hung_after`` seconds."""
+        path = self.heartbeat_file
+        if path is None:
+            return await proc.wait()
+        exited = asyncio.ensure_future(proc.wait())
+        try:
+            while not exited.done():
+                await asyncio.wait({exited}, timeout=min(1.0, self.hung_after / 4))
+                if exited.done():
+                    break
+                beat = await asyncio.to_thread(read_beat, path)
+                if beat is None or beat.pid != proc.pid:
+                    continue  # still loading: nothing to judge yet
+                why = check(path, max_age=self.hung_after, pid=proc.pid)
+                if why is not None:
+                    log.error("worker hung (%s); killing it", why)
+                    self.hung_kills += 1
+                    proc.kill()
+                    break
+            return await exited
+        finally:
+            exited.cancel()
 
     async def _stop(self, proc: asyncio.subprocess.Process) -> None:
         if proc.returncode is not None:

@@ -209,6 +209,11 @@ class Ready(_Msg, frozen=True, tag="ready"):
     chat_template: str | None = None
     """Source of the model's chat template (Jinja), ``None`` when unknown; the
     proxy reads from it which tool-call format the model writes."""
+    kv_block_tokens: int = 0
+    """Tokens per block of the KV cache the prefix cache reuses in whole blocks
+    (ExLlamaV3: its 256-token pages; the CPU engine: its prompt chunk), 0 when
+    unknown. The proxy publishes it with ``kv_cache_tokens`` for routers that
+    model prefix reuse per block (the Inference Extension's prefix scorer)."""
 
 
 class Heartbeat(_Msg, frozen=True, tag="heartbeat"):
@@ -224,6 +229,9 @@ class Heartbeat(_Msg, frozen=True, tag="heartbeat"):
     waiting_requests: int = 0
     kv_cache_usage: float = 0.0
     step_s: float = 0.0
+    running_requests: int | None = None
+    """Requests running (a request with ``n`` choices counts once; ``active_requests``
+    counts its ``n`` sequences); ``None`` from a worker that does not say."""
 
 
 class QueueProgress(_Msg, frozen=True, tag="queued"):

@@ -89,6 +89,11 @@ class _EngineCollector(Collector):
         hb = engine.heartbeat if up else None
         running = GaugeMetricFamily(
             PREFIX + "requests_running",
+            "Requests running in the engine (a request with n choices counts once, as vLLM and the "
+            "Inference Extension's model-server protocol count), from the worker's latest heartbeat.",
+        )
+        sequences = GaugeMetricFamily(
+            PREFIX + "sequences_running",
             "Sequences running in the engine (a request with n choices counts n), from the worker's "
             "latest heartbeat.",
         )
@@ -103,15 +108,18 @@ class _EngineCollector(Collector):
             "heartbeat.",
         )
         if hb is not None:
-            running.add_metric([], hb.active_requests)
+            # A worker that does not count requests: its sequences are the closest bound.
+            running.add_metric([], hb.active_requests if hb.running_requests is None else hb.running_requests)
+            sequences.add_metric([], hb.active_requests)
             waiting.add_metric([], hb.waiting_requests)
             kv.add_metric([], hb.kv_cache_usage)
         else:
             # No worker, no load: routers and autoscalers read 0, and
             # worker_up says why.
-            for family in (running, waiting, kv):
+            for family in (running, sequences, waiting, kv):
                 family.add_metric([], 0)
         yield running
+        yield sequences
         yield waiting
         yield kv
         yield GaugeMetricFamily(
@@ -130,6 +138,18 @@ class _EngineCollector(Collector):
                 [worker.model_id, worker.backend, worker.drafting or "none", str(PROTOCOL_VERSION)], 1
             )
             yield info
+            if worker.kv_block_tokens > 0:
+                # vLLM's cache_config_info labels, which the Inference Extension's
+                # prefix-cache scorer reads (cacheInfoSpec) to size its block index.
+                cache = GaugeMetricFamily(
+                    PREFIX + "cache_config_info",
+                    "Constant 1, labelled with the KV cache's geometry: block_size (tokens per block "
+                    "the prefix cache reuses whole) and num_gpu_blocks (blocks in the cache).",
+                    labels=["block_size", "num_gpu_blocks"],
+                )
+                blocks = worker.kv_cache_tokens // worker.kv_block_tokens
+                cache.add_metric([str(worker.kv_block_tokens), str(blocks)], 1)
+                yield cache
 
 
 class Metrics:

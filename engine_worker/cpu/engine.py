@@ -216,6 +216,8 @@ class CpuBackend:
             # The proxy reads the model's tool-call format from it; this engine
             # passes no tools to its template, so tools come as a system prompt.
             chat_template=self._prompt_tokenizer.chat_template,
+            # Prefix-cache entries end at multiples of the chunk (_reusable).
+            kv_block_tokens=self._chunk_size,
         )
         self._warm_up()
 

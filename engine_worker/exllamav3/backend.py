@@ -288,6 +288,7 @@ class ExLlamaV3Backend:
             logprobs=True,
             chat_template=handle.chat_template,
             template_tools=True,
+            kv_block_tokens=PAGE_SIZE,
         )
         self._token_bytes = lp.TokenBytes(handle.ll_tokenizer, handle.pieces)
         self._requests: dict[str, _Request] = {}

@@ -144,8 +144,8 @@ class FakeEngineClient:
     """``EngineClient`` that plays ``script(choice)`` for each choice of each
     submitted request on its own task, records submits (``submits``: one per
     HTTP request; ``choices``: one per choice) and aborts, and can be killed
-    mid-stream. ``waiting_requests``/``kv_cache_usage`` are what its heartbeat
-    reports."""
+    mid-stream. ``waiting_requests``/``kv_cache_usage``/``running_requests`` are what its
+    heartbeat reports."""
 
     script: Script = field(default_factory=lambda: static_script(["Hello", " world"]))
     is_ready: bool = True
@@ -153,6 +153,7 @@ class FakeEngineClient:
     queue_max: int = 256
     waiting_requests: int = 0
     kv_cache_usage: float = 0.0
+    running_requests: int | None = None
     submits: list[Submit] = field(default_factory=list)
     choices: list[Submit] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
@@ -179,7 +180,8 @@ class FakeEngineClient:
     @property
     def heartbeat(self) -> Heartbeat | None:
         worker_id = self.worker_ready.worker_id if self.worker_ready is not None else "?"
-        return Heartbeat(worker_id, len(self._tasks), self.waiting_requests, self.kv_cache_usage)
+        running, waiting = len(self._tasks), self.waiting_requests
+        return Heartbeat(worker_id, running, waiting, self.kv_cache_usage, 0.0, self.running_requests)
 
     async def start(self) -> None:
         self.started = True

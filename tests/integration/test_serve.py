@@ -112,3 +112,54 @@ def test_sigkill_of_serve_leaves_no_worker_and_no_socket_dir(tmp_path: Path) -> 
             proc.kill()
             proc.wait()
         shutil.rmtree(run, ignore_errors=True)
+
+
+def test_serve_restarts_a_hung_worker_and_clears_what_it_held(tmp_path: Path) -> None:
+    """SIGSTOP the worker: within heartbeat_timeout serve kills it (SIGKILL, the
+    one signal a stopped process acts on) and starts a fresh one, which holds
+    none of the old one's requests; the proxy serves again."""
+    log = tmp_path / "serve.log"
+    run = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))
+    timeout = 2.0
+    proc, port = _serve(
+        log, "--backend", "synthetic", "--heartbeat-timeout", str(timeout), XDG_RUNTIME_DIR=str(run)
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> dict[str, object] | None:
+        try:
+            r = httpx.get(url + "/ready", timeout=2)
+        except httpx.TransportError:
+            return None
+        return r.json() if r.status_code == 200 else None  # type: ignore[no-any-return]
+
+    try:
+        _wait_for(ready, 60, "readiness", log)
+        (hb_file,) = run.glob("exl3-sidecar/serve-*/worker.heartbeat")
+        body = {"model": "m", "prompt": "hi", "max_tokens": 100_000, "stream": True}
+        stream = httpx.Client(timeout=30)
+        with stream, stream.stream("POST", url + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            _wait_for(lambda: (ready() or {}).get("worker_active_requests") == 1, 10, "running", log)
+            (worker,) = _children(proc.pid)
+            os.kill(worker, signal.SIGSTOP)
+            stopped = time.monotonic()
+            _wait_for(lambda: not _running(worker), 4 * timeout + 5, "the hung worker killed", log)
+            killed = time.monotonic() - stopped
+            text = "".join(r.iter_text())  # the lost request ends with an error event, not a hang
+        assert "engine_dead" in text and text.rstrip().endswith("data: [DONE]")
+        assert timeout <= killed <= timeout + 3, f"killed {killed:.1f} s after SIGSTOP"
+        assert "worker hung" in log.read_text()
+        _wait_for(lambda: _children(proc.pid) not in ([], [worker]), 20, "a new worker", log)
+        _wait_for(lambda: (ready() or {}).get("worker_active_requests") == 0, 30, "the new worker", log)
+        print(
+            f"heartbeat_timeout {timeout:g} s: SIGSTOP -> killed {killed:.1f} s, -> serving again "
+            f"{time.monotonic() - stopped:.1f} s"
+        )
+        assert hb_file.exists()
+        assert httpx.get(url + "/health", timeout=2).status_code == 200
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(20)
+        shutil.rmtree(run, ignore_errors=True)

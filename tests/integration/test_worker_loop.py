@@ -38,6 +38,7 @@ from protocol import (
     decode_worker_message,
     encode,
 )
+from protocol.liveness import check, read_beat
 
 
 class ScriptedBackend:
@@ -575,3 +576,24 @@ def test_features_the_backend_lacks_are_refused_not_ignored(tmp_path: Path) -> N
     assert by_id["g"].code == ErrorCode.INVALID_REQUEST and by_id["g"].param == "tools"
     assert by_id["l"].param == "logprobs"
     assert backend.prepared == []  # refused before any work
+
+
+def test_heartbeats_count_requests_and_sequences_and_reach_the_heartbeat_file(tmp_path: Path) -> None:
+    """A request of 3 choices is 3 running sequences but 1 running request, in the
+    message and in the file a probe reads (written by this process, fresh)."""
+    beats = tmp_path / "worker.heartbeat"
+    info = ModelInfo("scripted", 1000, None, kv_block_tokens=16)
+    with serve_loop(tmp_path, info, heartbeat_file=beats) as (_, peer, loop):
+        peer.send(Submit("three", SamplingParams(1_000_000), prompt="p", n=3))
+        peer.send(_submit("one", max_tokens=1_000_000))
+        deadline = time.monotonic() + 5
+        beat = _first(peer, Heartbeat)
+        while time.monotonic() < deadline and beat.active_requests != 4:  # type: ignore[attr-defined]
+            beat = _first(peer, Heartbeat)
+        assert isinstance(beat, Heartbeat)
+        assert (beat.active_requests, beat.running_requests) == (4, 2)
+        written = read_beat(beats)
+        assert written is not None and (written.pid, written.worker_id) == (os.getpid(), loop.worker_id)
+        assert check(beats, max_age=1.0) is None
+        assert check(beats, max_age=1.0, now=written.at + 1.5) is not None  # an old beat is not live
+        peer.send(Abort(("three-0", "three-1", "three-2", "one")))

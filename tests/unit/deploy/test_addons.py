@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import yaml
 from aiohttp import web
@@ -18,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy import handlers
 from proxy.metrics import Metrics
-from tests.fakes.engine_client import FakeEngineClient
+from tests.fakes.engine_client import WORKER, FakeEngineClient
 from tests.unit.deploy.kustomize import Obj
 from tests.unit.deploy.support import (
     ADDONS,
@@ -45,8 +46,10 @@ SUFFIXES = {
 
 @functools.cache
 def exposed() -> dict[str, str]:
-    """Name -> type of every family and sample name ``GET /metrics`` can carry."""
-    text = Metrics(FakeEngineClient()).exposition().decode()
+    """Name -> type of every family and sample name ``GET /metrics`` can carry (with a
+    worker that states its KV block size, so ``cache_config_info`` is there too)."""
+    worker = msgspec.structs.replace(WORKER, kv_cache_tokens=65536, kv_block_tokens=256)
+    text = Metrics(FakeEngineClient(worker_ready=worker)).exposition().decode()
     names: dict[str, str] = {}
     for family in text_string_to_metric_families(text):
         names[family.name] = family.type
@@ -319,8 +322,26 @@ def test_epp_reads_our_metrics_for_queue_running_and_kv_cache() -> None:
     assert ours["kvUsageSpec"] == "exl3_sidecar_kv_cache_usage_ratio"
     for spec in ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec"):
         gauge(ours[spec])
-    # LoRA and cache geometry metrics we do not have: off, or the EPP logs errors.
-    assert ours["loraSpec"] == "" and ours["cacheInfoSpec"] == ""
+    # LoRA metrics we do not have: off, or the EPP logs errors. The cache geometry
+    # is an info gauge with vLLM's labels, which the extractor reads by default.
+    assert ours["loraSpec"] == ""
+    gauge(ours["cacheInfoSpec"])
+    labels = {
+        ours.get("cacheBlockSizeLabelName", "block_size"),
+        ours.get("cacheNumBlocksLabelName", "num_gpu_blocks"),
+    }
+    assert labels == {"block_size", "num_gpu_blocks"}
+    families = text_string_to_metric_families(
+        Metrics(
+            FakeEngineClient(
+                worker_ready=msgspec.structs.replace(WORKER, kv_cache_tokens=1024, kv_block_tokens=256)
+            )
+        )
+        .exposition()
+        .decode()
+    )
+    (info,) = [f for f in families if f.name == ours["cacheInfoSpec"]]
+    assert set(info.samples[0].labels) == labels
     (source,) = [p for p in config["plugins"] if p["type"] == "metrics-data-source"]
     app = web.Application()
     handlers.add_routes(app)

@@ -10,25 +10,31 @@ breaks a copy of an overlay once per check, so every check is seen failing.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import inspect
+import re
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import click
 import pytest
 from aiohttp import web
 
+from engine_worker import probe
 from protocol.settings import ENV_PREFIX
 from proxy import handlers
 from proxy.app import OPEN_PATHS
 from proxy.state import ProxyState
 from tests.unit.deploy.kustomize import Obj, split_image
 from tests.unit.deploy.support import (
+    ADDONS,
     OVERLAYS,
     container_port,
     containers,
     dockerfile_of,
+    env_of,
     envvars_of,
     find,
     model_server,
@@ -75,12 +81,49 @@ def _handler(container: Obj, probe: str) -> tuple[Callable[..., object] | None, 
     return _routes().get(get["path"]), container_port(container, get["port"])
 
 
+PROBE = ["python", "-m", "engine_worker.probe"]
+"""How the worker container runs ``engine_worker/probe.py``."""
+
+
+def _probe_args(command: list[str]) -> argparse.Namespace:
+    """An exec probe's command parsed by ``engine_worker.probe``'s own parser."""
+    assert command[:3] == PROBE, f"{command}: not {' '.join(PROBE)}"
+    parsed: dict[str, argparse.Namespace] = {}
+
+    def keep(self: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+        return parsed.setdefault("args", argparse.ArgumentParser.parse_known_args(self, argv)[0])
+
+    with (
+        mock.patch.object(argparse.ArgumentParser, "parse_args", keep),
+        mock.patch.object(probe, "_live", lambda a: 0),
+        mock.patch.object(probe, "_wait_port_closed", lambda a: 0),
+    ):
+        assert probe.main(command[3:]) == 0
+    return parsed["args"]
+
+
 def _prestop_s(container: Obj) -> float:
+    """Seconds the container's preStop hook may take: a sleep, or the probe's
+    wait-port-closed (its --timeout)."""
     hook = container.get("lifecycle", {}).get("preStop")
     if hook is None:
         return 0.0
-    assert set(hook) == {"sleep"}, f"{container['name']}: preStop {hook}: only a sleep is timed here"
+    if "exec" in hook:
+        args = _probe_args(hook["exec"]["command"])
+        assert args.probe == "wait-port-closed", f"{container['name']}: preStop {hook}"
+        return float(args.timeout)
+    assert set(hook) == {"sleep"}, f"{container['name']}: preStop {hook}: only a sleep or the probe is timed"
     return float(hook["sleep"]["seconds"])
+
+
+def _route_timeout_s() -> float:
+    """The HTTPRoute's request timeout (addons/inference-pool), in seconds."""
+    route = one(rendered(ADDONS / "inference-pool"), "HTTPRoute")
+    (rule,) = route["spec"]["rules"]
+    value = rule["timeouts"]["request"]
+    m = re.fullmatch(r"(\d+)(ms|s|m|h)", value)
+    assert m, f"route timeout {value}: not a Gateway API duration this check reads"
+    return int(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[m.group(2)]
 
 
 # --- the checks --------------------------------------------------------------------
@@ -176,6 +219,13 @@ def check_service_reaches_the_proxy(objs: Objs) -> None:
 def check_grace_period_outlasts_prestop_and_drain(objs: Objs) -> None:
     d, worker, proxy = _pod(objs)
     drain = settings_of(proxy).shutdown_drain
+    route = _route_timeout_s()
+    assert route <= drain, (
+        f"HTTPRoute timeout {route} s > shutdown_drain {drain} s: a rollout cuts requests the route allows"
+    )
+    hook = worker.get("lifecycle", {}).get("preStop", {})
+    if "exec" in hook:
+        assert _probe_args(hook["exec"]["command"]).port == settings_of(proxy).port, "waits on another port"
     abort_grace = inspect.signature(ProxyState.drain).parameters["grace_s"].default
     proxy_done = _prestop_s(proxy) + drain + abort_grace
     grace = pod_spec(d)["terminationGracePeriodSeconds"]
@@ -237,6 +287,114 @@ def check_engine_matches_the_overlay(objs: Objs) -> None:
         )
 
 
+def check_worker_probes_restart_a_hung_worker(objs: Objs) -> None:
+    """The worker container's own startup and liveness probes read the heartbeat
+    file the worker writes, judge it as the proxy does (age = heartbeat_timeout),
+    give the model load its budget and kill a hung worker without a drain."""
+    d, worker, proxy = _pod(objs)
+    ws, ps = settings_of(worker), settings_of(proxy)
+    assert ws.heartbeat_file is not None, "the worker writes no heartbeat file: no probe can judge it"
+    (mount,) = [m for m in worker["volumeMounts"] if str(ws.heartbeat_file).startswith(m["mountPath"] + "/")]
+    assert not mount.get("readOnly"), "the heartbeat file is on a read-only mount"
+    startup, live = worker.get("startupProbe"), worker.get("livenessProbe")
+    assert startup and live, "the worker container has no startup or liveness probe"
+    for probe_spec in (startup, live):
+        args = _probe_args(probe_spec["exec"]["command"])
+        assert args.probe == "live" and args.file is None  # the file from the container's environment
+        assert args.max_age == ps.heartbeat_timeout, f"--max-age {args.max_age} != heartbeat_timeout"
+        assert args.max_age >= 5 * ws.heartbeat_interval, "a beat or two late is not hung"
+        assert probe_spec.get("timeoutSeconds", 1) >= 2, (
+            "an exec of Python needs more than 1 s on a busy node"
+        )
+    budget = startup["periodSeconds"] * startup["failureThreshold"]
+    need = STARTUP_BUDGET_S[ws.backend]
+    assert budget >= need, f"startup probe allows {budget} s for a {ws.backend} load that may take {need} s"
+    assert d["spec"]["progressDeadlineSeconds"] > budget, "progressDeadlineSeconds ends before the load can"
+    assert live["failureThreshold"] >= 2, "one failed exec (a busy node) must not restart a model"
+    assert live.get("terminationGracePeriodSeconds", 1e9) <= 10, (
+        "a hung worker waits out the pod's grace period"
+    )
+
+
+def check_rollouts_and_drains_keep_serving(objs: Objs) -> None:
+    d, _, _ = _pod(objs)
+    replicas = d["spec"].get("replicas", 1)
+    assert replicas >= 2, f"{replicas} replica(s): every rollout and node drain is an outage"
+    rolling = d["spec"]["strategy"]["rollingUpdate"]
+    assert int(rolling["maxUnavailable"]) < replicas, "a rollout may take every replica away"
+    assert int(rolling["maxUnavailable"]) + int(rolling["maxSurge"]) >= 1, "a rollout that cannot progress"
+    (pdb,) = find(objs, "PodDisruptionBudget")
+    if "minAvailable" in pdb["spec"]:
+        assert 1 <= int(pdb["spec"]["minAvailable"]) < replicas, f"PDB {pdb['spec']}"
+    else:
+        assert 1 <= int(pdb["spec"]["maxUnavailable"]) < replicas, f"PDB {pdb['spec']}"
+
+
+CACHE_ENV = ("TRITON_CACHE_DIR", "TRITON_HOME", "XDG_CACHE_HOME", "HF_HOME", "TMPDIR")
+"""Variables naming where a library writes at run time."""
+
+
+def check_read_only_roots_with_writable_caches(objs: Objs) -> None:
+    d, worker, proxy = _pod(objs)
+    volumes = {v["name"]: v for v in pod_spec(d)["volumes"]}
+    for c in (worker, proxy):
+        assert c.get("securityContext", {}).get("readOnlyRootFilesystem") is True, (
+            f"{c['name']}: writable root"
+        )
+        env = env_of(c)
+        places = [env[k] for k in CACHE_ENV if k in env]
+        if c is worker:
+            places.append("/tmp")  # Python's tempfile, Triton's C launcher build
+        for place in places:
+            mounts = [
+                m
+                for m in c.get("volumeMounts", [])
+                if (place + "/").startswith(m["mountPath"].rstrip("/") + "/")
+            ]
+            assert mounts, f"{c['name']}: {place} is on the read-only root"
+            m = max(mounts, key=lambda m: len(m["mountPath"]))
+            assert "emptyDir" in volumes[m["name"]] and not m.get("readOnly"), (
+                f"{c['name']}: {place} not writable"
+            )
+
+
+STARTUP_BUDGET_S = {"cpu": 60, "exllamav3": 600, "synthetic": 10}
+"""Least time a model load must be allowed, seconds: the embedded model loads in ~1 s
+(20 s converting on a cold cache); an EXL3 model of tens of GB from a network volume
+plus warm-up in minutes."""
+
+
+def check_pod_is_a_good_neighbour(objs: Objs) -> None:
+    d, worker, proxy = _pod(objs)
+    spec = pod_spec(d)
+    assert spec.get("automountServiceAccountToken") is False, "neither process talks to the Kubernetes API"
+    labels = d["spec"]["template"]["metadata"]["labels"]
+    spread = {c["topologyKey"]: c for c in spec.get("topologySpreadConstraints", [])}
+    assert "kubernetes.io/hostname" in spread, "replicas may all land on one node"
+    assert spread["kubernetes.io/hostname"]["labelSelector"]["matchLabels"].items() <= labels.items()
+    for c in (worker, proxy):
+        assert "ephemeral-storage" in c.get("resources", {}).get("requests", {}), (
+            f"{c['name']}: no ephemeral-storage"
+        )
+    if settings_of(worker).backend == "exllamav3":
+        res = worker["resources"]
+        assert res["requests"]["memory"] == res["limits"]["memory"], "GPU worker: memory request != limit"
+        terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        (term,) = terms["nodeSelectorTerms"]
+        exprs = {e["key"]: e for e in term["matchExpressions"]}
+        driver = exprs["nvidia.com/cuda.driver-version.major"]
+        assert driver["operator"] == "Gt" and int(driver["values"][0]) + 1 >= 580, (
+            "CUDA 13 needs driver R580+"
+        )
+        arch = re.search(r'^ARG TORCH_CUDA_ARCH_LIST="([^"]+)"', dockerfile_of(worker["image"]).text, re.M)
+        assert arch
+        lowest = min(int(a.split(".")[0]) for a in arch.group(1).split(";"))
+        compute = exprs["nvidia.com/gpu.compute.major"]
+        assert compute["operator"] == "Gt" and int(compute["values"][0]) + 1 == lowest, (
+            f"nodes of compute capability {int(compute['values'][0]) + 1}+, image built from {lowest}"
+        )
+
+
 CHECKS = [
     check_env_vars_are_options_of_their_process,
     check_backend_of_image_and_env_agree,
@@ -248,6 +406,10 @@ CHECKS = [
     check_grace_period_outlasts_prestop_and_drain,
     check_api_keys_come_from_a_secret,
     check_engine_matches_the_overlay,
+    check_worker_probes_restart_a_hung_worker,
+    check_rollouts_and_drains_keep_serving,
+    check_read_only_roots_with_writable_caches,
+    check_pod_is_a_good_neighbour,
 ]
 
 
@@ -285,6 +447,10 @@ def _spec(objs: Objs) -> Obj:
 def _template(objs: Objs) -> Obj:
     template: Obj = _pod(objs)[0]["spec"]["template"]
     return template
+
+
+def _unmount(c: Obj, path: str) -> None:
+    c["volumeMounts"] = [m for m in c["volumeMounts"] if m["mountPath"] != path]
 
 
 BREAKS: list[tuple[Callable[[Objs], None], str, Callable[[Objs], object]]] = [
@@ -325,6 +491,42 @@ BREAKS: list[tuple[Callable[[Objs], None], str, Callable[[Objs], object]]] = [
      lambda o: _worker(o)["resources"]["limits"].update({"nvidia.com/gpu": 0})
      if settings_of(_worker(o)).backend == "exllamav3"
      else _worker(o)["resources"]["limits"].update({"nvidia.com/gpu": 1})),
+    (check_grace_period_outlasts_prestop_and_drain, "route outlasts the drain",
+     lambda o: _env(_proxy(o), "EXL3_SIDECAR_SHUTDOWN_DRAIN").update(value="200")),
+    (check_worker_probes_restart_a_hung_worker, "no liveness",
+     lambda o: _worker(o).pop("livenessProbe")),
+    (check_worker_probes_restart_a_hung_worker, "max-age off the proxy's timeout",
+     lambda o: _worker(o)["livenessProbe"]["exec"].update(
+         command=[*PROBE, "live", "--max-age", "90"])),
+    (check_worker_probes_restart_a_hung_worker, "short startup",
+     lambda o: _worker(o)["startupProbe"].update(failureThreshold=2)),
+    (check_worker_probes_restart_a_hung_worker, "no heartbeat file",
+     lambda o: _worker(o)["env"].remove(_env(_worker(o), "EXL3_SIDECAR_HEARTBEAT_FILE"))),
+    (check_worker_probes_restart_a_hung_worker, "hung worker drains",
+     lambda o: _worker(o)["livenessProbe"].pop("terminationGracePeriodSeconds")),
+    (check_rollouts_and_drains_keep_serving, "one replica",
+     lambda o: _pod(o)[0]["spec"].update(replicas=1)),
+    (check_rollouts_and_drains_keep_serving, "pdb takes all",
+     lambda o: one(o, "PodDisruptionBudget")["spec"].update(minAvailable=0)),
+    (check_read_only_roots_with_writable_caches, "writable root",
+     lambda o: _worker(o)["securityContext"].update(readOnlyRootFilesystem=False)),
+    (check_read_only_roots_with_writable_caches, "no tmp",
+     lambda o: _unmount(_worker(o), "/tmp")),
+    (check_read_only_roots_with_writable_caches, "triton cache on the root",
+     lambda o: _unmount(_worker(o), "/cache")),
+    (check_pod_is_a_good_neighbour, "token mounted",
+     lambda o: _spec(o).pop("automountServiceAccountToken")),
+    (check_pod_is_a_good_neighbour, "no spread",
+     lambda o: _spec(o).pop("topologySpreadConstraints")),
+    (check_pod_is_a_good_neighbour, "no ephemeral storage",
+     lambda o: _proxy(o)["resources"]["requests"].pop("ephemeral-storage")),
+    (check_pod_is_a_good_neighbour, "gpu memory overcommitted",
+     lambda o: _worker(o)["resources"]["requests"].update(memory="16Gi")
+     if settings_of(_worker(o)).backend == "exllamav3" else None),
+    (check_pod_is_a_good_neighbour, "old driver",
+     lambda o: _spec(o)["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+         "nodeSelectorTerms"][0]["matchExpressions"][0].update(values=["534"])
+     if settings_of(_worker(o)).backend == "exllamav3" else None),
 ]  # fmt: skip
 
 

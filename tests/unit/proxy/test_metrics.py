@@ -9,13 +9,14 @@ import logging
 import random
 from typing import Any
 
+import msgspec
 import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from protocol import PROTOCOL_VERSION, FinishReason, Submit
 from protocol.logs import JsonFormatter, TextFormatter
-from tests.fakes.engine_client import FakeEngineClient, Gate, Step, completion_events
+from tests.fakes.engine_client import WORKER, FakeEngineClient, Gate, Step, completion_events
 from tests.unit.proxy.conftest import MakeClient
 
 COUNTERS = (
@@ -26,7 +27,9 @@ HISTOGRAMS = (
     "time_to_first_token_seconds", "inter_token_latency_seconds", "request_duration_seconds",
     "queue_time_seconds", "prefill_time_seconds",
 )  # fmt: skip
-GAUGES = ("requests_running", "requests_waiting", "kv_cache_usage_ratio", "worker_up", "info")
+GAUGES = (
+    "requests_running", "sequences_running", "requests_waiting", "kv_cache_usage_ratio", "worker_up", "info",
+)  # fmt: skip
 
 
 def scripted(submit: Submit) -> list[Step]:
@@ -176,6 +179,36 @@ async def test_gauges_follow_the_heartbeat_and_the_worker(
     snap = await scrape(client)
     assert value(snap, "worker_up") == 0
     assert value(snap, "requests_waiting") == 0
+
+
+async def test_running_counts_requests_and_sequences_apart(
+    make_client: MakeClient, fake: FakeEngineClient
+) -> None:
+    """The Inference Extension's model-server protocol counts requests running (a
+    request of n choices once); the sequences have a gauge of their own."""
+    gate = Gate(asyncio.Event())
+    fake.script = lambda submit: [gate, *scripted(submit)]
+    client = await make_client()
+    body = {"model": "m", "messages": [{"role": "user", "content": "p=3 c=0 k=2"}], "n": 3}
+    task = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+    await fake.wait_submits(1)
+    snap = await scrape(client)  # a worker that does not count requests: its sequences
+    assert value(snap, "requests_running") == value(snap, "sequences_running") == 3
+    fake.running_requests = 1
+    snap = await scrape(client)
+    assert (value(snap, "requests_running"), value(snap, "sequences_running")) == (1, 3)
+    gate.event.set()
+    assert (await task).status == 200
+
+
+async def test_cache_config_info_gives_the_kv_geometry(
+    make_client: MakeClient, fake: FakeEngineClient
+) -> None:
+    client = await make_client()
+    assert not [k for k in await scrape(client) if k[0] == "exl3_sidecar_cache_config_info"]  # unknown: none
+    fake.worker_ready = msgspec.structs.replace(WORKER, kv_cache_tokens=65536, kv_block_tokens=256)
+    snap = await scrape(client)
+    assert value(snap, "cache_config_info", block_size="256", num_gpu_blocks="256") == 1
 
 
 @pytest.mark.parametrize("fmt", ["text", "json"])

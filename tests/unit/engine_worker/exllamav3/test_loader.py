@@ -104,6 +104,7 @@ def test_ngram_load(tmp_path: Path, fake_exl3: list[str], capsys: pytest.Capture
         logprobs=True,
         chat_template=fx.CHATML_TEMPLATE,
         template_tools=True,
+        kv_block_tokens=256,  # ExLlamaV3's page (constants.py:2)
     )
     err = capsys.readouterr().err
     assert "Loading tiny-exl3" in err and "5/5" in err
