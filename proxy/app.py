@@ -1,8 +1,9 @@
 """Application factory and the server's run loop.
 
 ``create_app`` wires routes, the middlewares (request record/log/metrics, then
-errors, then API keys), the ``Metrics`` and the engine client's start/close
-(``cleanup_ctx``); tests build the app from it.
+errors, then ``Host``/``Origin`` (``proxy.host_check``), then API keys), the
+``Metrics`` and the engine client's start/close (``cleanup_ctx``); tests build
+the app from it.
 ``run_proxy`` serves it (with ``proxy.runner.make_runner``) until
 SIGINT/SIGTERM, then runs the shutdown state machine of ``proxy.state``: stop
 admitting, drain, abort the rest, close.
@@ -20,6 +21,7 @@ from aiohttp import web
 from proxy.engine_client import EngineClient
 from proxy.errors import ProxyError, error_response, from_http_exception
 from proxy.handlers import add_routes
+from proxy.host_check import host_check_middlewares
 from proxy.intake import check_api_key, key_digest
 from proxy.metrics import Metrics
 from proxy.request_log import METRICS, observe_middleware, record_of
@@ -94,7 +96,12 @@ def create_app(settings: ProxySettings, engine_client: EngineClient) -> web.Appl
     raises ``ValueError`` naming it when it cannot be read or holds no key."""
     keys = frozenset(key_digest(k) for k in settings.api_keys())
     app = web.Application(
-        middlewares=[observe_middleware, error_middleware, api_key_middleware],
+        middlewares=[
+            observe_middleware,
+            error_middleware,
+            *host_check_middlewares(settings, has_keys=bool(keys)),
+            api_key_middleware,
+        ],
         handler_args={"auto_decompress": False},
     )
     app[STATE] = ProxyState(settings, engine_client, api_keys=keys)

@@ -119,6 +119,13 @@ class ProxySettings(LinkSettings):
     api_key_file: Path | None = setting(
         None, "File of API keys, one per line (blank lines and lines starting with # skipped)."
     )
+    allowed_hosts: str | None = setting(
+        None,
+        "Host names (comma-separated, '*' for any) accepted in the Host and Origin headers when no "
+        "API key is set, besides loopback names (localhost, 127.0.0.0/8, ::1): a guard against DNS "
+        "rebinding. Default: loopback names only while --host is a loopback address; no check when "
+        "listening on other interfaces (a container, a pod reached by Service names).",
+    )
     max_connections: int | None = setting(
         None,
         "Client connections open at once; a connection beyond it may ask /health or /ready, "
