@@ -8,8 +8,9 @@
   ask one of ``OVER_CAP_PATHS`` (the probes and the scrape keep answering under
   a flood of idle sockets); any other request, or none within
   ``OVER_CAP_GRACE_S``, gets 503 ``too_many_connections`` and the connection is
-  closed. At most ``OVER_CAP_MAX`` such connections are served at once; beyond
-  them a connection gets the 503 at once (``Refusal``) without being read.
+  closed. At most ``over_cap_allowance(cap)`` such connections are served at
+  once; beyond them a connection gets the 503 at once (``Refusal``) without
+  being read.
 - **Header deadlines**: a request line and headers must arrive within
   ``header_read_timeout`` (from the connection's start for its first request, as
   nginx's ``client_header_timeout``; from the first byte for later ones, whose
@@ -50,8 +51,20 @@ OVER_CAP_GRACE_S = 1.0
 at once)."""
 
 OVER_CAP_MAX = 256
-"""Connections over the cap served at once; beyond them the 503 is written as
-soon as the connection is accepted."""
+"""Connections over the cap served at once, at most (and at most
+``OVER_CAP_SHARE`` of the cap); beyond them the 503 is written as soon as the
+connection is accepted."""
+
+OVER_CAP_SHARE = 0.125
+"""``over_cap_allowance``: the share of the cap that may be served over it, so
+that the default cap (3/4 of the open-file limit) plus these stay well below the
+limit."""
+
+
+def over_cap_allowance(cap: int) -> int:
+    """How many connections over ``cap`` are served at once (``OVER_CAP_MAX``,
+    ``OVER_CAP_SHARE``), at least 1."""
+    return max(1, min(OVER_CAP_MAX, int(cap * OVER_CAP_SHARE)))
 
 ACCEPT_ERROR_MESSAGE = "socket.accept() out of system resource"
 """The context ``message`` asyncio's selector loop reports a failed ``accept()``

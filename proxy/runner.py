@@ -41,11 +41,11 @@ from aiohttp.streams import StreamReader
 
 from proxy.connections import (
     OVER_CAP_GRACE_S,
-    OVER_CAP_MAX,
     OVER_CAP_PATHS,
     Refusal,
     Throttled,
     install_accept_error_throttle,
+    over_cap_allowance,
     over_cap_error,
     raw_response,
 )
@@ -284,7 +284,7 @@ class _EnvelopeServer(web.Server):
         _over_cap_log(
             "connection cap reached (max_connections=%d): new connections get 503 (probes excepted)", cap
         )
-        if len(self.over_cap) < OVER_CAP_MAX:
+        if len(self.over_cap) < over_cap_allowance(cap):
             handler = self._handler(cap)
             self.over_cap.add(handler)
             return handler

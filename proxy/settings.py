@@ -29,8 +29,9 @@ BODY_BYTES_UNKNOWN = 8 * MIB
 
 
 CONNECTIONS_CEILING = 10_000
-"""Most connections ``max_connections`` defaults to, whatever the open-file limit
-(``docs``/README: about 10 KiB of proxy memory each while idle)."""
+"""Most connections ``max_connections`` defaults to, whatever the open-file limit:
+an idle connection holds about 6 KiB of proxy memory (5,000 measured: RSS 49 ->
+77 MiB), so the ceiling bounds it near 60 MiB."""
 
 CONNECTIONS_SHARE = 0.75
 """Share of the open-file limit (``RLIMIT_NOFILE``, soft) the default

@@ -129,7 +129,7 @@ async def test_idle_sockets_over_the_cap_get_503_while_probes_answer() -> None:
 
 
 async def test_beyond_the_over_cap_allowance_the_503_comes_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(runner, "OVER_CAP_MAX", 2)
+    monkeypatch.setattr(runner, "over_cap_allowance", lambda cap: 2)
     monkeypatch.setattr(runner, "OVER_CAP_GRACE_S", GUARD_S * 2)  # the allowed ones never time out here
     async with serve(max_connections=1) as (port, server):
         held = [await connect(port)]
