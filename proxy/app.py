@@ -1,9 +1,10 @@
 """Application factory and the server's run loop.
 
 ``create_app`` wires the routes (the dialects' from ``proxy.dialects.registry.ROUTES``,
-the others from ``proxy.handlers``), the middlewares (request record/log/metrics, then
-errors, then API keys), the ``Metrics`` and the engine client's start/close
-(``cleanup_ctx``); tests build the app from it.
+the others from ``proxy.handlers``), the middlewares (request record/log/metrics,
+then errors, then ``Host``/``Origin`` (``proxy.host_check``), then API keys), the
+``Metrics`` and the engine client's start/close (``cleanup_ctx``); tests build
+the app from it.
 ``run_proxy`` serves it (with ``proxy.runner.make_runner``) until
 SIGINT/SIGTERM, then runs the shutdown state machine of ``proxy.state``: stop
 admitting, drain, abort the rest, close.
@@ -22,6 +23,7 @@ from proxy.dialects.registry import ROUTES
 from proxy.engine_client import EngineClient
 from proxy.errors import ProxyError, error_response, from_http_exception
 from proxy.handlers import add_routes
+from proxy.host_check import host_check_middlewares
 from proxy.intake import check_api_key, key_digest
 from proxy.metrics import Metrics
 from proxy.request_log import METRICS, observe_middleware, record_of
@@ -98,7 +100,12 @@ def create_app(settings: ProxySettings, engine_client: EngineClient) -> web.Appl
     raises ``ValueError`` naming it when it cannot be read or holds no key."""
     keys = frozenset(key_digest(k) for k in settings.api_keys())
     app = web.Application(
-        middlewares=[observe_middleware, error_middleware, api_key_middleware],
+        middlewares=[
+            observe_middleware,
+            error_middleware,
+            *host_check_middlewares(settings, has_keys=bool(keys)),
+            api_key_middleware,
+        ],
         handler_args={"auto_decompress": False},
     )
     app[STATE] = ProxyState(settings, engine_client, api_keys=keys)

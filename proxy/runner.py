@@ -17,7 +17,12 @@ serves (and that tests serve on a real socket):
   refuses (too many headers, a request line or header line over 8190 bytes, a
   bad ``Content-Length``, an invalid method, TLS on the plain port) gets the
   OpenAI error envelope instead of aiohttp's ``text/plain`` echo of the bad
-  bytes, and costs one INFO log line instead of an ERROR with a traceback.
+  bytes, and costs one INFO log line instead of an ERROR with a traceback;
+- what a connection may cost (``proxy.connections``): at most
+  ``ProxySettings.connection_cap()`` of them open (beyond it: probes only, else
+  503), ``header_read_timeout`` for a request's headers,
+  ``keepalive_timeout`` (aiohttp's) for an idle keep-alive connection, and
+  accept errors logged once a second at most.
 """
 
 from __future__ import annotations
@@ -26,12 +31,26 @@ import asyncio
 import gc
 import importlib
 import logging
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+import weakref
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 from aiohttp import web
+from aiohttp.streams import StreamReader
 
-from proxy.errors import BadHttpRequest, GatewayTimeout, ProxyError, error_response
+from proxy.connections import (
+    OVER_CAP_GRACE_S,
+    OVER_CAP_PATHS,
+    Refusal,
+    Throttled,
+    install_accept_error_throttle,
+    over_cap_allowance,
+    over_cap_error,
+    raw_response,
+)
+from proxy.errors import BadHttpRequest, GatewayTimeout, ProxyError, RequestTimeout, error_response
+from proxy.state import STATE
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +103,24 @@ def _reason(exc: BaseException | None, message: str | None) -> str:
     return first.encode("ascii", "backslashreplace").decode("ascii")[:200] or "malformed request"
 
 
+_over_cap_log = Throttled(log, logging.WARNING)
+_header_timeout_log = Throttled(log, logging.INFO)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """What ``_EnvelopeServer`` enforces per connection (``proxy.connections``):
+    ``cap`` connections open at once, ``header_read_timeout`` seconds for a
+    request's line and headers."""
+
+    cap: int
+    header_read_timeout: float
+
+
 class EnvelopeRequestHandler(web.RequestHandler):
     """aiohttp's connection handler, answering the errors it handles itself with
-    the OpenAI envelope (``proxy.errors``).
+    the OpenAI envelope (``proxy.errors``), and enforcing the header deadline and
+    the over-cap rule of ``proxy.connections``.
 
     Why a subclass: a request the HTTP parser refuses never reaches the app or
     its middlewares; ``RequestHandler.handle_error`` answers it, with a
@@ -95,15 +129,113 @@ class EnvelopeRequestHandler(web.RequestHandler):
     open) and no parameter naming the handler class, so ``ProxyRunner`` makes
     its connections instances of this class; ``handle_error`` keeps the
     contract of the method it overrides (the connection is closed after the
-    response; ``ConnectionError`` once a response has started).
+    response; ``ConnectionError`` once a response has started). aiohttp has no
+    header-read deadline either: ``data_received`` arms one (below).
 
     4xx (the parser's 400s): ``BadHttpRequest`` with the parser's status, one
     INFO line naming the peer and aiohttp's reason, no traceback. 504 (a
     ``TimeoutError`` out of a handler): ``GatewayTimeout``. Anything else
     (500): an ERROR with the traceback, as it is a bug of this proxy.
+
+    Header deadline: armed when the connection is made (its first request) and
+    at the first byte of each later request while no request is in progress;
+    disarmed when the parser has a request's headers. Bytes of a body never arm
+    it (``body_read_timeout`` in the app covers those). On expiry the
+    connection is closed: after a 408 envelope when part of a request came, a
+    503 ``too_many_connections`` when it is over the cap, silently otherwise.
     """
 
-    __slots__ = ()
+    __slots__ = (
+        "__weakref__",
+        "_app_handler",
+        "_body",
+        "_deadline",
+        "_header_timeout",
+        "_over_cap",
+        "_partial",
+    )
+
+    def __init__(
+        self,
+        manager: web.Server,
+        *,
+        loop: asyncio.AbstractEventLoop,
+        header_read_timeout: float,
+        over_cap: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(manager, loop=loop, **kwargs)
+        self._header_timeout = header_read_timeout
+        self._over_cap = over_cap  # the cap this connection is over, else None
+        self._deadline: asyncio.TimerHandle | None = None
+        self._partial = False  # bytes of a request came since the last whole request
+        self._body: StreamReader | None = None  # the body of the last request parsed
+        self._app_handler = self._request_handler
+        if over_cap is not None:
+            self._request_handler = self._answer_over_cap
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._arm(OVER_CAP_GRACE_S if self._over_cap is not None else self._header_timeout)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        parsed = self._request_count
+        super().data_received(data)
+        if self._request_count != parsed:  # the parser has a request's headers
+            self._partial = False
+            self._body = self._messages[-1][1] if self._messages else None
+            self._disarm()
+            return
+        if not data or self.transport is None or (self._body is not None and not self._body.is_eof()):
+            return
+        self._partial = True
+        if self._deadline is None and not self._request_in_progress and not self._messages:
+            self._arm(self._header_timeout)
+
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        self._deadline = self._loop.call_later(seconds, self._expire)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self) -> None:
+        self._deadline = None
+        transport = self.transport
+        if transport is None or self._request_in_progress or self._messages:
+            return
+        peer = transport.get_extra_info("peername")
+        if self._over_cap is not None:
+            transport.write(raw_response(over_cap_error(self._over_cap)))
+        elif self._partial:
+            limit = f"header_read_timeout={self._header_timeout:g} s"
+            transport.write(
+                raw_response(RequestTimeout(f"The request headers did not arrive within {limit}"))
+            )
+            _header_timeout_log(
+                "closed a connection whose request headers took over header_read_timeout=%g s (from %s)",
+                self._header_timeout,
+                peer,
+            )
+        self.force_close()
+
+    async def _answer_over_cap(self, request: web.BaseRequest) -> web.StreamResponse:
+        """The one request of a connection over the cap: a probe is served, any
+        other request gets 503; the connection closes after it."""
+        self.close()
+        if request.path in OVER_CAP_PATHS and self._app_handler is not None:
+            resp = await self._app_handler(request)
+        else:
+            resp = error_response(over_cap_error(self._over_cap or 0))
+        if not resp.prepared:
+            resp.force_close()  # says "Connection: close"
+        return resp
 
     def handle_error(
         self,
@@ -132,35 +264,98 @@ class EnvelopeRequestHandler(web.RequestHandler):
 
 class _EnvelopeServer(web.Server):
     """``web.Server`` whose connections are ``EnvelopeRequestHandler``s (its
-    ``__call__`` is the protocol factory a site listens with)."""
+    ``__call__`` is the protocol factory a site listens with), counted against
+    ``limits.cap``. ``ProxyRunner._make_server`` sets the three attributes."""
 
-    def __call__(self) -> web.RequestHandler:
-        return EnvelopeRequestHandler(self, loop=self._loop, **self._kwargs)
+    limits: ConnectionLimits
+    admitted: weakref.WeakSet[web.RequestHandler]  # within the cap
+    over_cap: weakref.WeakSet[web.RequestHandler]  # over it, answering one probe at most
+
+    def __call__(self) -> asyncio.Protocol:  # type: ignore[override]  # a Refusal too
+        # Counted here, not in connection_made: one loop turn may accept a burst
+        # of connections (up to the listen backlog) before any of them is made.
+        # WeakSets: a handler whose transport could not be built never reaches
+        # connection_lost; it leaves the set when it is collected.
+        cap = self.limits.cap
+        if len(self.admitted) < cap:
+            handler = self._handler(None)
+            self.admitted.add(handler)
+            return handler
+        _over_cap_log(
+            "connection cap reached (max_connections=%d): new connections get 503 (probes excepted)", cap
+        )
+        if len(self.over_cap) < over_cap_allowance(cap):
+            handler = self._handler(cap)
+            self.over_cap.add(handler)
+            return handler
+        return Refusal(raw_response(over_cap_error(cap)))
+
+    def _handler(self, over_cap: int | None) -> EnvelopeRequestHandler:
+        return EnvelopeRequestHandler(
+            self,
+            loop=self._loop,
+            header_read_timeout=self.limits.header_read_timeout,
+            over_cap=over_cap,
+            **self._kwargs,
+        )
+
+    def connection_lost(self, handler: web.RequestHandler, exc: BaseException | None = None) -> None:
+        self.admitted.discard(handler)
+        self.over_cap.discard(handler)
+        super().connection_lost(handler, exc)
 
 
 class ProxyRunner(web.AppRunner):
-    """``web.AppRunner`` serving ``EnvelopeRequestHandler`` connections.
+    """``web.AppRunner`` serving ``EnvelopeRequestHandler`` connections under
+    ``limits``, with accept errors throttled on its loop while it is set up.
 
     ``_make_server`` (the method each runner implements) lets the app build its
     ``web.Server`` as usual (startup, middlewares, ``handler_args``), then
-    retypes it as ``_EnvelopeServer``: a subclass that adds no state, only the
-    protocol factory. Rebuilding the server instead would copy aiohttp's
+    retypes it as ``_EnvelopeServer``: a subclass that adds only the protocol
+    factory and its counters. Rebuilding the server instead would copy aiohttp's
     private ``Application._make_handler``. Should ``web.Server`` ever get
     ``__slots__``, the assignment fails at startup, not at the first bad request.
     """
 
+    __slots__ = ("_limits", "_restore_handler")
+
+    def __init__(self, app: web.Application, *, limits: ConnectionLimits, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self._limits = limits
+        self._restore_handler: Callable[[], None] | None = None
+
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = _EnvelopeServer
+        envelope_server = cast(_EnvelopeServer, server)
+        envelope_server.limits = self._limits
+        envelope_server.admitted = weakref.WeakSet()
+        envelope_server.over_cap = weakref.WeakSet()
         return server
+
+    async def setup(self) -> None:
+        await super().setup()
+        self._restore_handler = install_accept_error_throttle(asyncio.get_running_loop())
+
+    async def cleanup(self) -> None:
+        try:
+            await super().cleanup()
+        finally:
+            if self._restore_handler is not None:
+                self._restore_handler()
+                self._restore_handler = None
 
 
 def make_runner(app: web.Application) -> web.AppRunner:
-    """The runner ``run_proxy`` serves ``app`` with (module docstring); call
-    ``await runner.setup()``, then start a site on it."""
+    """The runner ``run_proxy`` serves ``app`` with (module docstring), its
+    limits from ``app[proxy.state.STATE].settings``; call ``await
+    runner.setup()``, then start a site on it."""
+    settings = app[STATE].settings
     return ProxyRunner(
         app,
+        limits=ConnectionLimits(settings.connection_cap(), settings.header_read_timeout),
         handler_cancellation=True,
         shutdown_timeout=HANDLER_SHUTDOWN_S,
         access_log=None,
+        keepalive_timeout=settings.keepalive_timeout,
     )

@@ -8,6 +8,7 @@ tests build it directly. An error about a limit names the field that controls it
 from __future__ import annotations
 
 import dataclasses
+import resource
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
@@ -25,6 +26,18 @@ BODY_OVERHEAD_BYTES = 1 * MIB
 
 BODY_BYTES_UNKNOWN = 8 * MIB
 """The derived body limit while the worker has not said how long a prompt can be."""
+
+
+CONNECTIONS_CEILING = 10_000
+"""Most connections ``max_connections`` defaults to, whatever the open-file limit:
+an idle connection holds about 6 KiB of proxy memory (5,000 measured: RSS 49 ->
+77 MiB), so the ceiling bounds it near 60 MiB."""
+
+CONNECTIONS_SHARE = 0.75
+"""Share of the open-file limit (``RLIMIT_NOFILE``, soft) the default
+``max_connections`` may take: the rest is for the connections accepted only to
+be refused, one burst of accepts (up to the listen backlog), the worker link and
+files."""
 
 
 ToolCallFormatName = Literal["auto", "hermes", "llama3_json", "mistral"]
@@ -119,6 +132,30 @@ class ProxySettings(LinkSettings):
     api_key_file: Path | None = setting(
         None, "File of API keys, one per line (blank lines and lines starting with # skipped)."
     )
+    allowed_hosts: str | None = setting(
+        None,
+        "Host names (comma-separated, '*' for any) accepted in the Host and Origin headers when no "
+        "API key is set, besides loopback names (localhost, 127.0.0.0/8, ::1): a guard against DNS "
+        "rebinding. Default: loopback names only while --host is a loopback address; no check when "
+        "listening on other interfaces (a container, a pod reached by Service names).",
+    )
+    max_connections: int | None = setting(
+        None,
+        "Client connections open at once; a connection beyond it may ask /health or /ready, "
+        "anything else gets 503 too_many_connections, and it is closed. Default: 3/4 of the "
+        "open-file limit (ulimit -n), at most 10000.",
+        ge=1,
+    )
+    keepalive_timeout: float = setting(
+        75.0, "Seconds an idle keep-alive connection waits for its next request before it is closed.", gt=0
+    )
+    header_read_timeout: float = setting(
+        10.0,
+        "Seconds a request line and headers may take to arrive (from the connection's start for its "
+        "first request, from the first byte for later ones); beyond it the connection is closed "
+        "(with 408 when part of a request came).",
+        gt=0,
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -142,6 +179,17 @@ class ProxySettings(LinkSettings):
         if max_prompt_chars is None:
             return BODY_BYTES_UNKNOWN
         return BODY_BYTES_PER_CHAR * max_prompt_chars + BODY_OVERHEAD_BYTES
+
+    def connection_cap(self) -> int:
+        """``max_connections``, or its default from this process's open-file limit
+        (``CONNECTIONS_SHARE`` of ``RLIMIT_NOFILE``'s soft value, at most
+        ``CONNECTIONS_CEILING``, at least 1)."""
+        if self.max_connections is not None:
+            return self.max_connections
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY:
+            return CONNECTIONS_CEILING
+        return max(1, min(CONNECTIONS_CEILING, int(soft * CONNECTIONS_SHARE)))
 
     def api_keys(self) -> frozenset[str]:
         """Every key of ``api_key`` and ``api_key_file`` (empty: no key required).

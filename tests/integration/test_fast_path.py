@@ -78,7 +78,7 @@ async def test_a_client_that_stops_reading_delays_no_other_stream(base_url: str)
     slow_content = f"{STAMP_WORD} " + " ".join(f"{k}" + "x" * 4000 for k in range(3))
     payload = orjson.dumps(chat(slow_content, SLOW_TOKENS))
     request = (
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
     ).encode() + payload
     slow = socket.socket()

@@ -65,18 +65,20 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, st
 def post(body: bytes, path: str = "/v1/chat/completions", length: int | None = None) -> bytes:
     n = len(body) if length is None else length
     return (
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {n}\r\n\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: localhost\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {n}\r\n\r\n"
     ).encode() + body
 
 
 BAD_REQUESTS = {
-    "too_many_headers": b"GET /ready HTTP/1.1\r\nHost: x\r\n"
+    "too_many_headers": b"GET /ready HTTP/1.1\r\nHost: localhost\r\n"
     + b"".join(b"X-H-%d: 1\r\n" % i for i in range(200))
     + b"\r\n",
-    "request_line_8k": b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
-    "header_line_8k": b"GET /ready HTTP/1.1\r\nHost: x\r\nX-Long: " + b"b" * 9000 + b"\r\n\r\n",
-    "bad_content_length": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 12abc\r\n\r\n",
-    "invalid_method": b"G<T /ready HTTP/1.1\r\nHost: x\r\n\r\n",
+    "request_line_8k": b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: localhost\r\n\r\n",
+    "header_line_8k": b"GET /ready HTTP/1.1\r\nHost: localhost\r\nX-Long: " + b"b" * 9000 + b"\r\n\r\n",
+    "bad_content_length": b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+    b"Content-Length: 12abc\r\n\r\n",
+    "invalid_method": b"G<T /ready HTTP/1.1\r\nHost: localhost\r\n\r\n",
     "tls_on_plain_port": b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + b"\0" * 32,
 }
 
@@ -88,7 +90,7 @@ async def test_parser_errors_are_envelopes_logged_in_one_line(
     caplog.set_level(logging.DEBUG)
     async with serve() as (port, fake):
         status, headers, payload = await exchange(port, BAD_REQUESTS[case])
-        ok = await exchange(port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        ok = await exchange(port, b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
     assert status == 400
     assert headers["content-type"] == "application/json"
     err = orjson.loads(payload)["error"]
@@ -139,7 +141,7 @@ async def test_slow_bodies_do_not_starve_other_requests() -> None:
         await asyncio.gather(*(w.drain() for _, w in slow))
         t0 = time.monotonic()
         served = [await exchange(port, post(CHAT)) for _ in range(8)]
-        ready = await exchange(port, b"GET /ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        ready = await exchange(port, b"GET /ready HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
         served_s = time.monotonic() - t0
         try:
             async with asyncio.timeout(GUARD_S):

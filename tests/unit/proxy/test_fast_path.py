@@ -262,7 +262,8 @@ async def test_transport_writes_frame_the_body_as_aiohttp_does(version: str) -> 
     await site.start()
     port = runner.addresses[0][1]
     try:
-        raw = await _raw_http(port, f"GET / HTTP/{version}\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        request = f"GET / HTTP/{version}\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+        raw = await _raw_http(port, request.encode())
     finally:
         await runner.cleanup()
     head, _, body_bytes = raw.partition(b"\r\n\r\n")
@@ -287,7 +288,7 @@ async def test_a_client_that_stops_reading_is_merged_and_complete(
     port = client.server.port
     payload = orjson.dumps(body(stream=True, stream_options={"include_usage": True}))
     request = (
-        f"POST {URL} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"POST {URL} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
     ).encode() + payload
     sock = socket.socket()

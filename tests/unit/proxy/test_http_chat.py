@@ -494,7 +494,7 @@ async def test_disconnect_before_headers_aborts(
     payload = orjson.dumps(body(stream=stream))
     reader, writer = await asyncio.open_connection(client.host, client.port)
     writer.write(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         + f"Content-Length: {len(payload)}\r\n\r\n".encode()
         + payload
     )

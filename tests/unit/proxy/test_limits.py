@@ -49,7 +49,7 @@ async def raw_connection(
 
 def head(path: str, length: int, extra: str = "", content_type: str = "application/json") -> bytes:
     return (
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n{extra}"
+        f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: {content_type}\r\n{extra}"
         f"Content-Length: {length}\r\n\r\n"
     ).encode()
 
