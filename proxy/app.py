@@ -1,7 +1,8 @@
 """Application factory and the server's run loop.
 
 ``create_app`` wires the routes (the dialects' from ``proxy.dialects.registry.ROUTES``,
-the others from ``proxy.handlers``), the middlewares (request record/log/metrics, then
+``GET /v1/status`` from ``proxy.status``, the others from ``proxy.handlers``), the
+requests in flight (``proxy.inflight``), the middlewares (request record/log/metrics, then
 errors, then API keys), the ``Metrics`` and the engine client's start/close
 (``cleanup_ctx``); tests build the app from it.
 ``run_proxy`` serves it (with ``proxy.runner.make_runner``) until
@@ -22,6 +23,7 @@ from proxy.dialects.registry import ROUTES
 from proxy.engine_client import EngineClient
 from proxy.errors import ProxyError, error_response, from_http_exception
 from proxy.handlers import add_routes
+from proxy.inflight import INFLIGHT, InFlight
 from proxy.intake import check_api_key, key_digest
 from proxy.metrics import Metrics
 from proxy.request_log import METRICS, observe_middleware, record_of
@@ -29,6 +31,7 @@ from proxy.runner import make_runner
 from proxy.serve import add_dialect_routes, error_shape
 from proxy.settings import ProxySettings
 from proxy.state import STATE, ProxyState
+from proxy.status import add_status_routes
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +107,10 @@ def create_app(settings: ProxySettings, engine_client: EngineClient) -> web.Appl
     app[STATE] = ProxyState(settings, engine_client, api_keys=keys)
     app[METRICS] = Metrics(engine_client)
     app.cleanup_ctx.append(_engine_lifetime)
+    app[INFLIGHT] = InFlight()
     add_routes(app)
     add_dialect_routes(app, ROUTES)
+    add_status_routes(app)
     return app
 
 
