@@ -2,7 +2,8 @@
 
 ``create_app`` wires the routes (the dialects' from ``proxy.dialects.registry.ROUTES``,
 ``GET /v1/status`` from ``proxy.status``, the others from ``proxy.handlers``), the
-requests in flight (``proxy.inflight``), the middlewares (request record/log/metrics, then
+requests in flight (``proxy.inflight``), traces when ``OTEL_*`` asks
+(``proxy.tracing``), the middlewares (request record/log/metrics, then
 errors, then API keys), the ``Metrics`` and the engine client's start/close
 (``cleanup_ctx``); tests build the app from it.
 ``run_proxy`` serves it (with ``proxy.runner.make_runner``) until
@@ -32,6 +33,7 @@ from proxy.serve import add_dialect_routes, error_shape
 from proxy.settings import ProxySettings
 from proxy.state import STATE, ProxyState
 from proxy.status import add_status_routes
+from proxy.tracing import setup_tracing
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +113,7 @@ def create_app(settings: ProxySettings, engine_client: EngineClient) -> web.Appl
     add_routes(app)
     add_dialect_routes(app, ROUTES)
     add_status_routes(app)
+    setup_tracing(app)
     return app
 
 
