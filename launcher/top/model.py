@@ -2,12 +2,14 @@
 
 Both views (``plain``, ``terminal``) use these, so a pipe and a terminal say the
 same thing. Rates are differences of ``Status.totals`` between two snapshots over
-the difference of their ``time``: the totals count requests in flight too, so a
-long decode moves them every snapshot, not only when it ends.
+the difference of their ``time`` (over ``RATE_WINDOW_S``): the totals count
+requests in flight too, so a long decode moves them every snapshot, not only
+when it ends.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from proxy.status_types import STAGES, RequestStatus, Status, WorkerStatus
@@ -45,6 +47,29 @@ def rates(before: Status | None, now: Status) -> Rates | None:
         (b.prefilled_tokens - a.prefilled_tokens) / dt,
         (b.completion_tokens - a.completion_tokens) / dt,
     )
+
+
+RATE_WINDOW_S = 5.0
+"""Seconds of snapshots the header's rates average over: prefill progress comes a
+chunk at a time and tokens a step at a time, so one interval alone flickers."""
+
+
+class RateWindow:
+    """Rates over the snapshots of the last ``window_s`` seconds (``add`` each one)."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
+        self._window_s = window_s
+        self._seen: deque[Status] = deque()
+
+    def add(self, st: Status) -> Rates | None:
+        """Rates from the oldest snapshot in the window to ``st`` (``None`` for the first)."""
+        seen = self._seen
+        if seen and st.time < seen[-1].time:  # the clock went back: start over
+            seen.clear()
+        seen.append(st)
+        while len(seen) > 2 and st.time - seen[1].time >= self._window_s:
+            seen.popleft()
+        return rates(seen[0], st) if len(seen) > 1 else None
 
 
 def sort_requests(requests: list[RequestStatus], by: str) -> list[RequestStatus]:
@@ -89,24 +114,24 @@ def percent(part: int, whole: int) -> str:
     return f"{100 * part / whole:.0f}%" if whole > 0 else "—"
 
 
-def worker_line(w: WorkerStatus | None) -> str:
-    """The worker's load in one line."""
+def worker_lines(w: WorkerStatus | None) -> list[str]:
+    """The worker (model, backend, uptime, heartbeat), then its load (batch slots,
+    KV cache, queue): two lines."""
     if w is None:
-        return "worker: no handshake yet"
-    parts = [f"{w.model} ({w.backend}{', drafting ' + w.drafting if w.drafting else ''})"]
-    parts.append("up" if w.up else "DOWN")
+        return ["worker: no handshake yet", "load: —"]
+    drafting = f", drafting {w.drafting}" if w.drafting else ""
+    state = f"up {seconds(w.uptime_s)}" if w.up else "DOWN"
+    worker = f"worker: {w.model} ({w.backend}{drafting}) {state} · heartbeat {seconds(w.heartbeat_age_s)} ago"
     slots = f"/{w.batch_slots}" if w.batch_slots else ""
-    parts.append(f"running {w.running if w.running is not None else '—'}{slots}")
+    load = [f"running {w.running if w.running is not None else '—'}{slots}"]
     if w.kv_cache_usage is not None:
         kv = f"kv {100 * w.kv_cache_usage:.0f}%"
         if w.kv_cache_tokens and w.kv_cache_used_tokens is not None:
             kv += f" ({w.kv_cache_used_tokens}/{w.kv_cache_tokens} tokens)"
-        parts.append(kv)
+        load.append(kv)
     limit = f"/{w.max_queue}" if w.max_queue else ""
-    parts.append(f"queued {w.queued if w.queued is not None else '—'}{limit}")
-    parts.append(f"heartbeat {seconds(w.heartbeat_age_s)} ago")
-    parts.append(f"uptime {seconds(w.uptime_s)}")
-    return "worker: " + " · ".join(parts)
+    load.append(f"queued {w.queued if w.queued is not None else '—'}{limit}")
+    return [worker, "load: " + " · ".join(load)]
 
 
 def rates_line(st: Status, r: Rates | None) -> str:

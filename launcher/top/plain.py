@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import TextIO
 
-from launcher.top.model import rates, rates_line, request_line, sort_requests, worker_line
+from launcher.top.model import RateWindow, rates_line, request_line, sort_requests, worker_lines
 from proxy.status_types import Status
 
 
@@ -24,12 +24,11 @@ class PlainView:
     def __init__(self, out: TextIO, by: str = "stage") -> None:
         self._out = out
         self._by = by
-        self._before: Status | None = None
+        self._window = RateWindow()
 
     def show(self, st: Status) -> None:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st.time))
-        lines = [f"--- {stamp} ---", worker_line(st.worker), rates_line(st, rates(self._before, st))]
+        lines = [f"--- {stamp} ---", *worker_lines(st.worker), rates_line(st, self._window.add(st))]
         lines += [request_line(r) for r in sort_requests(st.requests, self._by)]
         self._out.write("\n".join(lines) + "\n")
         self._out.flush()  # a reader at the other end of the pipe sees each snapshot as it comes
-        self._before = st

@@ -33,20 +33,22 @@ from launcher.chat.terminal import CACHED_STYLE, COMPUTED_STYLE, PENDING_STYLE
 from launcher.top.model import (
     SORTS,
     Rates,
+    RateWindow,
     drafts_text,
     rate,
-    rates,
     rates_line,
     seconds,
     short_id,
     sort_requests,
-    worker_line,
+    worker_lines,
 )
 from proxy.status_types import RequestStatus, Status
 
 QUEUE_STYLE = "yellow"
 STAGE_STYLES = {"decode": "green", "prefill": "cyan", "queued": "yellow", "submitted": "dim", "done": "dim"}
 BAR_WIDTH = 20
+PENDING = "─"
+"""The part of a bar still to go: thinner as well as greyer, so a capture without colours reads too."""
 KEYS_HINT = "s: sort · q: quit"
 
 
@@ -55,19 +57,19 @@ def queue_bar(position: int, queued: int, width: int = BAR_WIDTH) -> Text:
     that is gone: position 1 (next to start) is full, last of ``queued`` one cell in."""
     filled = width * (queued - position + 1) // queued if queued > 0 else 0
     filled = max(0, min(width, filled))
-    return Text.assemble(("━" * filled, QUEUE_STYLE), ("━" * (width - filled), PENDING_STYLE))
+    return Text.assemble(("━" * filled, QUEUE_STYLE), (PENDING * (width - filled), PENDING_STYLE))
 
 
 def prefill_bar(processed: int, total: int, cached: int, width: int = BAR_WIDTH) -> Text:
     """``width`` cells: the cached prefix, the part computed so far, the rest, each in its colour."""
     if total <= 0:
-        return Text("━" * width, style=PENDING_STYLE)
+        return Text(PENDING * width, style=PENDING_STYLE)
     cached_cells = min(width, width * cached // total)
     done = max(min(width, width * processed // total) - cached_cells, 0)
     return Text.assemble(
         ("━" * cached_cells, CACHED_STYLE),
         ("━" * done, COMPUTED_STYLE),
-        ("━" * (width - cached_cells - done), PENDING_STYLE),
+        (PENDING * (width - cached_cells - done), PENDING_STYLE),
     )
 
 
@@ -86,8 +88,9 @@ def progress_cell(r: RequestStatus) -> Text:
 def render(st: Status, r: Rates | None, by: str, width: int) -> RenderableType:
     """The whole screen for snapshot ``st``."""
     stamp = time.strftime("%H:%M:%S", time.localtime(st.time))
-    header = [
-        Text(worker_line(st.worker), style="bold" if st.worker is not None and st.worker.up else "bold red"),
+    up = st.worker is not None and st.worker.up
+    header = [Text(line, style="bold" if up else "bold red") for line in worker_lines(st.worker)]
+    header += [
         Text(rates_line(st, r)),
         Text(f"{len(st.requests)} requests · sorted by {by} · {KEYS_HINT} · {stamp}", style="dim"),
     ]
@@ -165,6 +168,7 @@ def run(source: Iterator[Status], console: Console, by: str, on_end: Callable[[s
     inbox: queue.Queue[object] = queue.Queue(maxsize=8)
     threading.Thread(target=_reader, args=(source, inbox), name="top-reader", daemon=True).start()
     last: Status | None = None
+    window = RateWindow()
     current: Rates | None = None
     ended: str | None = None
     failure: ChatError | None = None
@@ -175,7 +179,7 @@ def run(source: Iterator[Status], console: Console, by: str, on_end: Callable[[s
             with contextlib.suppress(queue.Empty):
                 item = inbox.get(timeout=0.1)
                 if isinstance(item, Status):
-                    current = rates(last, item)
+                    current = window.add(item)
                     last = item
                     redraw = True
                 elif isinstance(item, ChatError):

@@ -19,7 +19,7 @@ from click.testing import CliRunner, Result
 
 from launcher.cli import main
 from launcher.top.command import with_port
-from launcher.top.model import rates, short_id, sort_requests
+from launcher.top.model import Rates, RateWindow, rates, short_id, sort_requests
 from launcher.top.terminal import queue_bar
 from proxy.app import create_app
 from proxy.state import STATE
@@ -82,8 +82,10 @@ async def test_once_prints_the_worker_and_every_request(served: Served) -> None:
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
     assert lines[0].startswith("--- ") and lines[0].endswith(" ---")
-    assert lines[1].startswith("worker: served-model (fake) · up · running ")
-    assert lines[2].startswith("in flight 4/256 · rates — · done 0 (0 failed) · cached ")
+    assert lines[1].startswith("worker: served-model (fake) up ") and lines[1].endswith(" ago")
+    assert lines[2].startswith("load: running ") and lines[2].endswith("queued 0")
+    assert lines[3].startswith("in flight 4/256 · rates — · done 0 (0 failed) · cached ")
+    del lines[0]
     stages = [line.split("  ")[2] for line in lines[3:]]
     assert stages == ["decode", "prefill", "queued", "queued"]
     prefill = lines[4]
@@ -106,8 +108,8 @@ async def test_a_pipe_gets_a_block_per_snapshot_until_the_server_drains(served: 
     assert r.exit_code == 0, r.output
     blocks = [b for b in r.stdout.split("--- ") if b]
     assert len(blocks) >= 3
-    # From the second snapshot on, rates over the last interval (the held requests
-    # make no tokens: zero, but measured).
+    # From the second snapshot on, rates over the snapshots so far (the held
+    # requests make no tokens: zero, but measured).
     assert "rates —" in blocks[0] and "0.00 req/s · prefill 0.0 tok/s · decode 0.0 tok/s" in blocks[1]
 
 
@@ -245,6 +247,15 @@ def test_rates_are_differences_over_time() -> None:
     assert (r.requests, r.prefill, r.decode) == (0.5, 300.0, 20.0)
     assert rates(None, b) is None and rates(b, b) is None
     assert rates(b, a) is None  # the counters went back: a restarted proxy
+
+
+def test_the_window_rates_over_its_oldest_snapshot() -> None:
+    window = RateWindow(window_s=2.0)
+    assert window.add(_status(0.0, 0, 0, 0, [])) is None
+    assert window.add(_status(1.0, 0, 0, 10, [])) == Rates(0.0, 0.0, 10.0)
+    assert window.add(_status(2.0, 0, 0, 30, [])) == Rates(0.0, 0.0, 15.0)  # 30 tokens over 2 s
+    # The first snapshot leaves the window: the rate is over 1 s to 3 s.
+    assert window.add(_status(3.0, 1, 100, 70, [])) == Rates(0.5, 50.0, 30.0)
 
 
 def test_sort_orders() -> None:
