@@ -4,8 +4,9 @@ A snapshot (``proxy.status_types.Status``; the format: ``docs/status.md``) is
 built from what the proxy already holds: the worker's handshake and latest
 heartbeat (``EngineClient``), the admission counters (``ProxyState``) and the
 requests in flight (``proxy.inflight``). It sends nothing to the worker, so a
-scrape costs no engine time: building one at 64 requests in flight costs tens
-of microseconds of the proxy's loop (``benchmarks/tracing_cost.py``).
+scrape costs no engine time; building and encoding one at 64 requests in flight
+costs about a millisecond of the proxy's loop (``benchmarks/tracing_cost.py``,
+``docs/status.md``).
 
 ``?stream=true`` answers an SSE stream, one ``data: <snapshot>`` event every
 ``interval`` seconds (default 1, from ``MIN_INTERVAL_S`` to ``MAX_INTERVAL_S``)
