@@ -7,6 +7,8 @@
   worker as a supervised child (``launcher.supervisor``).
 - ``exl3-sidecar chat``: a terminal client for any OpenAI-compatible server
   (``launcher.chat``): queue position, prefill progress, answer, usage.
+- ``exl3-sidecar top``: a live view of a server's ``GET /v1/status``
+  (``launcher.top``): the worker's load and every request in flight.
 
 This package imports ``proxy`` but never ``engine_worker``: it reaches the worker
 only by its command line, so the process that serves HTTP maps no torch.

@@ -1,4 +1,5 @@
-"""The ``exl3-sidecar`` commands: ``serve``, ``worker``, ``proxy``, ``chat`` (see the package docstring)."""
+"""The ``exl3-sidecar`` commands: ``serve``, ``worker``, ``proxy``, ``chat``, ``top``
+(see the package docstring)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import click
 
 from launcher.chat import chat as chat_command
 from launcher.supervisor import WorkerSupervisor
+from launcher.top import top as top_command
 from protocol.endpoints import default_addresses, instance_dir
 from protocol.logs import setup_logging
 from protocol.settings import cli_args, click_options
@@ -35,6 +37,7 @@ def main() -> None:
 
 main.add_command(proxy_command, "proxy")
 main.add_command(chat_command, "chat")
+main.add_command(top_command, "top")
 
 
 @main.command(

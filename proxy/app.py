@@ -1,8 +1,10 @@
 """Application factory and the server's run loop.
 
 ``create_app`` wires the routes (the dialects' from ``proxy.dialects.registry.ROUTES``,
-the others from ``proxy.handlers``), the middlewares (request record/log/metrics,
-then errors, then ``Host``/``Origin`` (``proxy.host_check``), then API keys), the
+``GET /v1/status`` from ``proxy.status``, the others from ``proxy.handlers``), the
+requests in flight (``proxy.inflight``), traces when ``OTEL_*`` asks
+(``proxy.tracing``), the middlewares (request record/log/metrics, then errors,
+then ``Host``/``Origin`` (``proxy.host_check``), then API keys), the
 ``Metrics`` and the engine client's start/close (``cleanup_ctx``); tests build
 the app from it.
 ``run_proxy`` serves it (with ``proxy.runner.make_runner``) until
@@ -24,6 +26,7 @@ from proxy.engine_client import EngineClient
 from proxy.errors import ProxyError, error_response, from_http_exception
 from proxy.handlers import add_routes
 from proxy.host_check import host_check_middlewares
+from proxy.inflight import INFLIGHT, InFlight
 from proxy.intake import check_api_key, key_digest
 from proxy.metrics import Metrics
 from proxy.request_log import METRICS, observe_middleware, record_of
@@ -31,6 +34,8 @@ from proxy.runner import make_runner
 from proxy.serve import add_dialect_routes, error_shape
 from proxy.settings import ProxySettings
 from proxy.state import STATE, ProxyState
+from proxy.status import add_status_routes
+from proxy.tracing import setup_tracing
 
 log = logging.getLogger(__name__)
 
@@ -111,8 +116,11 @@ def create_app(settings: ProxySettings, engine_client: EngineClient) -> web.Appl
     app[STATE] = ProxyState(settings, engine_client, api_keys=keys)
     app[METRICS] = Metrics(engine_client)
     app.cleanup_ctx.append(_engine_lifetime)
+    app[INFLIGHT] = InFlight()
     add_routes(app)
     add_dialect_routes(app, ROUTES)
+    add_status_routes(app)
+    setup_tracing(app)
     return app
 
 

@@ -115,6 +115,17 @@ class EngineClient(Protocol):
         requests, KV cache usage); ``None`` before the first one."""
         ...
 
+    @property
+    def heartbeat_at(self) -> float | None:
+        """``time.monotonic()`` when ``heartbeat`` arrived; ``None`` without one."""
+        ...
+
+    @property
+    def worker_since(self) -> float | None:
+        """``time.monotonic()`` when the current worker's first ``Ready`` was
+        accepted (its uptime as this proxy sees it); ``None`` before one."""
+        ...
+
     async def start(self) -> None:
         """Connect and begin the handshake; returns without waiting for it."""
         ...
@@ -159,6 +170,8 @@ class ZmqEngineClient:
         self._ready = False
         self._worker: Ready | None = None
         self._heartbeat: Heartbeat | None = None
+        self._heartbeat_at = 0.0
+        self._worker_since = 0.0
         self._orphans_aborted: set[str] = set()
         self._routes: dict[str, RequestStream] = {}
         # Streams with a sink that got events since the last delivery (_deliver).
@@ -194,6 +207,14 @@ class ZmqEngineClient:
         if hb is None or worker is None or hb.worker_id != worker.worker_id:
             return None
         return hb
+
+    @property
+    def heartbeat_at(self) -> float | None:
+        return self._heartbeat_at if self.heartbeat is not None else None
+
+    @property
+    def worker_since(self) -> float | None:
+        return self._worker_since if self._worker is not None else None
 
     @property
     def in_flight(self) -> int:
@@ -373,6 +394,8 @@ class ZmqEngineClient:
                 msg.max_context_tokens,
                 msg.drafting or "off",
             )
+        if self._worker is None or msg.worker_id != self._worker.worker_id:
+            self._worker_since = time.monotonic()
         self._worker = msg
         self._ready = True
 
@@ -463,6 +486,7 @@ class ZmqEngineClient:
         elif isinstance(msg, Heartbeat):
             if msg.worker_id == self._worker_id():
                 self._heartbeat = msg
+                self._heartbeat_at = self._last_rx
             elif self._ready:
                 # Another worker process speaks on our socket: ours restarted and
                 # its Ready was lost before we reconnected. Our requests died with

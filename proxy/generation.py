@@ -185,6 +185,11 @@ class Generation:
         self._unfinished = len(request_ids)
         self.first_token_at: float | None = None
         """``time.monotonic()`` when the first token of any choice arrived."""
+        self.queue: QueueProgress | None = None
+        """The latest ``QueueProgress`` of choice 0 before it started, asked for or not
+        (``proxy.inflight``'s view; frames follow the rules above)."""
+        self.prefill: PrefillProgress | None = None
+        """The latest ``PrefillProgress`` of choice 0 before its first token, asked for or not."""
         self._counts: Counts | None = None
 
     def stream_to(self, frames: Frames) -> None:
@@ -227,17 +232,22 @@ class Generation:
         if isinstance(ev, TokenDelta):
             self._on_delta(choice, ev, out)
         elif isinstance(ev, PrefillProgress):
-            if choice.index == 0 and self.options.progress and not choice.generating:
-                self._on_progress(ev, out)
+            if choice.index == 0 and not choice.generating:
+                self.prefill = ev
+                if self.options.progress:
+                    self._on_progress(ev, out)
         elif isinstance(ev, Started):
             choice.started = ev
         elif isinstance(ev, QueueProgress):
-            if choice.index == 0 and self.options.progress and choice.started is None:
+            if choice.index == 0 and choice.started is None:
                 self._on_queue(ev, out)
         elif isinstance(ev, Finished):
             self._on_finished(choice, ev, out)
 
     def _on_queue(self, ev: QueueProgress, out: list[bytes]) -> None:
+        self.queue = ev
+        if not self.options.progress:
+            return
         last = self._last_position
         if last is not None and ev.position >= last:
             return

@@ -19,7 +19,8 @@ Disconnects: the server runs with ``handler_cancellation=True``, so a client
 that goes away cancels its handler wherever it waits (a silent prefill
 included); every exit path sends ``Abort`` for the choices that did not finish.
 The request's record (``proxy.request_log``) gets its id, its counts and its
-finish; the dialect never touches it.
+finish; the dialect never touches it. From its submit to its end the request is
+listed in ``proxy.inflight`` (``GET /v1/status``, traces).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from proxy.errors import (
     InvalidRequest,
 )
 from proxy.generation import Generation
+from proxy.inflight import INFLIGHT
 from proxy.intake import check_json_body, max_prompt_chars, read_body
 from proxy.request_log import record_of
 from proxy.state import STATE, ProxyState
@@ -129,6 +131,9 @@ async def serve(request: web.Request, dialect: Dialect) -> web.StreamResponse:
     try:
         stream = state.engine.submit(*submits)
         state.active.add(stream)
+        tracked = request.app[INFLIGHT].open(
+            request, request_id, context.model, dialect.name, job.stream, gen, record
+        )
         try:
             if job.stream:
                 frames = job.frames(gen, header)
@@ -137,6 +142,7 @@ async def serve(request: web.Request, dialect: Dialect) -> web.StreamResponse:
                 stream, gen, lambda: job.body(gen, header), settings.request_idle_timeout
             )
         finally:
+            request.app[INFLIGHT].close(tracked)
             state.active.discard(stream)
             if gen.done:
                 record.complete(gen.final_counts(), gen.finished(), gen.first_token_at)

@@ -145,7 +145,7 @@ class FakeEngineClient:
     submitted request on its own task, records submits (``submits``: one per
     HTTP request; ``choices``: one per choice) and aborts, and can be killed
     mid-stream. ``waiting_requests``/``kv_cache_usage``/``running_requests`` are what its
-    heartbeat reports."""
+    heartbeat reports; ``heartbeat_at``/``worker_since`` what the engine client's are."""
 
     script: Script = field(default_factory=lambda: static_script(["Hello", " world"]))
     is_ready: bool = True
@@ -154,6 +154,8 @@ class FakeEngineClient:
     waiting_requests: int = 0
     kv_cache_usage: float = 0.0
     running_requests: int | None = None
+    heartbeat_at: float | None = None
+    worker_since: float | None = None
     submits: list[Submit] = field(default_factory=list)
     choices: list[Submit] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)

@@ -1,0 +1,307 @@
+"""``GET /v1/status``: each request in flight where the worker's events put it, the
+worker's state, totals that never go backwards, the SSE stream and its bounds.
+
+Requests are held at a chosen point by the fake worker's gates; every expected
+number is computed here from the script's events."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import orjson
+import pytest
+from aiohttp.test_utils import TestClient
+
+from protocol.messages import (
+    Finished,
+    FinishReason,
+    PrefillProgress,
+    QueueProgress,
+    Started,
+    Submit,
+    TokenDelta,
+)
+from proxy import status as status_module
+from proxy.generation import Generation, Options
+from proxy.state import STATE
+from proxy.status_types import Status, status_decoder
+from tests.fakes.engine_client import WORKER, FakeEngineClient, Gate, Step
+from tests.unit.proxy.conftest import MakeClient
+
+DECODE = dict(prompt=100, cached=40, texts=["a", "b", "c"], draft=(5, 2))
+PREFILL = dict(prompt=200, cached=8, processed=32, time_ms=200)
+QUEUE = {"q1": (1, 2, 900, 1500), "q2": (2, 2, 400, None)}  # position, queued, time_ms, eta_ms
+
+
+class Held:
+    """A script whose requests stop at a gate picked by their prompt: ``decode``
+    (after three tokens), ``prefill`` (mid-prefill), ``q1``/``q2`` (queued)."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+
+    def __call__(self, submit: Submit) -> list[Step]:
+        rid = submit.request_id
+        kind = submit.messages[-1].content
+        gate = Gate(self.release)
+        if kind == "decode":
+            p, c = int(DECODE["prompt"]), int(DECODE["cached"])  # type: ignore[call-overload]
+            texts = list(DECODE["texts"])  # type: ignore[call-overload]
+            steps: list[Step] = [Started(rid, p, c), PrefillProgress(rid, p, c, c, 0)]
+            steps += [PrefillProgress(rid, p, c, p, 300)]
+            steps += [TokenDelta(rid, t, 1) for t in texts]
+            steps += [gate, TokenDelta(rid, "d", 1)]
+            return [*steps, Finished(rid, FinishReason.STOP, p, c, len(texts) + 1, 5, 2, 0.1, 0.3, 0.4)]
+        if kind == "prefill":
+            p, c, done = PREFILL["prompt"], PREFILL["cached"], PREFILL["processed"]
+            return [
+                Started(rid, p, c),
+                PrefillProgress(rid, p, c, c, 0),
+                PrefillProgress(rid, p, c, done, PREFILL["time_ms"]),
+                gate,
+                PrefillProgress(rid, p, c, p, 400),
+                TokenDelta(rid, "x", 1),
+                Finished(rid, FinishReason.LENGTH, p, c, 1, None, None, 0.0, 0.4, 0.0),
+            ]
+        position, queued, time_ms, eta_ms = QUEUE[kind]
+        return [
+            QueueProgress(rid, position, queued, time_ms, eta_ms),
+            gate,
+            Started(rid, 10, 0),
+            PrefillProgress(rid, 10, 0, 10, 5),
+            TokenDelta(rid, "y", 2),
+            Finished(rid, FinishReason.STOP, 10, 0, 2, None, None, 0.5, 0.01, 0.01),
+        ]
+
+
+def chat(content: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": content}], **extra}
+
+
+async def get_status(client: TestClient[Any, Any], **headers: str) -> Status:
+    resp = await client.get("/v1/status", headers=headers)
+    assert resp.status == 200, await resp.text()
+    return status_decoder.decode(await resp.read())
+
+
+async def until(
+    client: TestClient[Any, Any], ok: Callable[[Status], bool], timeout_s: float = 10.0
+) -> Status:
+    """Poll the endpoint until ``ok`` holds (a safety limit, not a speed check)."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            st = await get_status(client)
+            if ok(st):
+                return st
+            await asyncio.sleep(0.01)
+
+
+def by_stage(st: Status) -> list[str]:
+    return [r.stage for r in st.requests]
+
+
+async def start(client: TestClient[Any, Any], *bodies: dict[str, Any]) -> list[asyncio.Task[Any]]:
+    async def post(body: dict[str, Any]) -> Any:
+        resp = await client.post("/v1/chat/completions", json=body)
+        return resp.status, await resp.read()
+
+    return [asyncio.create_task(post(b)) for b in bodies]
+
+
+async def test_each_request_shows_its_stage_and_numbers(
+    make_client: MakeClient, fake: FakeEngineClient
+) -> None:
+    held = Held()
+    fake.script = held
+    fake.waiting_requests, fake.kv_cache_usage = 2, 0.25
+    fake.heartbeat_at = time.monotonic() - 0.5
+    fake.worker_since = time.monotonic() - 30
+    client = await make_client(served_model_name="served", max_in_flight=16)
+    # Progress asked by one request only: the status shows every request's anyway.
+    tasks = await start(
+        client,
+        chat("q2"),
+        chat("decode", stream=True, return_progress=True),
+        chat("q1", stream=True),
+        chat("prefill"),
+    )
+    st = await until(client, lambda s: by_stage(s) == ["decode", "prefill", "queued", "queued"])
+    dec, pre, q1, q2 = st.requests
+    assert [r.dialect for r in st.requests] == ["chat"] * 4
+    assert {r.endpoint for r in st.requests} == {"/v1/chat/completions"}
+    assert (dec.stream, pre.stream, q1.stream, q2.stream) == (True, False, True, False)
+    assert all(r.id.startswith("chatcmpl-") for r in st.requests)
+
+    assert (dec.prompt_tokens, dec.cached_tokens, dec.completion_tokens) == (100, 40, 3)
+    assert dec.queue is None and dec.prefill is None
+    assert dec.ttft_s is not None and 0 <= dec.ttft_s <= dec.age_s
+    assert dec.decode_tok_s is not None and dec.decode_tok_s >= 0
+    assert (dec.draft_accepted, dec.draft_rejected) == (None, None)  # known at its finish
+
+    assert pre.prefill is not None and pre.queue is None
+    p = pre.prefill
+    assert (p.processed, p.total, p.cached, p.elapsed_s) == (32, 200, 8, 0.2)
+    assert p.rate_tok_s == pytest.approx((32 - 8) / 0.2)
+    assert (pre.prompt_tokens, pre.cached_tokens, pre.completion_tokens) == (200, 8, 0)
+    assert pre.ttft_s is None and pre.decode_tok_s is None
+
+    for r, name in ((q1, "q1"), (q2, "q2")):
+        position, queued, _, eta_ms = QUEUE[name]
+        assert r.queue is not None and r.prefill is None
+        assert (r.queue.position, r.queue.queued) == (position, queued)
+        assert r.queue.eta_s == (eta_ms / 1000 if eta_ms is not None else None)
+        assert 0 <= r.queue.waited_s <= r.age_s + 0.01
+
+    w = st.worker
+    assert w is not None
+    assert (w.up, w.worker_id, w.model, w.backend) == (True, WORKER.worker_id, "served", WORKER.backend)
+    assert (w.running, w.queued, w.kv_cache_usage) == (len(fake._tasks), 2, 0.25)
+    assert w.heartbeat_age_s is not None and 0.5 <= w.heartbeat_age_s < 5
+    assert w.uptime_s is not None and 30 <= w.uptime_s < 40
+    assert (st.proxy.in_flight, st.proxy.max_in_flight, st.proxy.draining) == (4, 16, False)
+
+    # So far: the prefill's computed tokens, the decode's prompt and tokens.
+    t = st.totals
+    assert (t.requests, t.failed) == (0, 0)
+    assert t.prompt_tokens == 100 + 200 and t.cached_tokens == 40 + 8
+    assert t.prefilled_tokens == (100 - 40) + (32 - 8)
+    assert t.completion_tokens == 3
+
+    held.release.set()
+    results = await asyncio.gather(*tasks)
+    assert [status for status, _ in results] == [200] * 4
+    end = await until(client, lambda s: not s.requests)
+    t = end.totals
+    assert (t.requests, t.failed) == (4, 0)
+    assert t.prompt_tokens == 100 + 200 + 10 + 10
+    assert t.cached_tokens == 40 + 8
+    assert t.prefilled_tokens == 60 + 192 + 10 + 10
+    assert t.completion_tokens == 4 + 1 + 2 + 2
+    assert (t.draft_accepted, t.draft_rejected) == (5, 2)
+    assert end.proxy.in_flight == 0
+
+
+async def test_totals_never_go_backwards_and_a_client_gone_counts_as_failed(
+    make_client: MakeClient, fake: FakeEngineClient
+) -> None:
+    held = Held()
+    fake.script = held
+    client = await make_client()
+    (task,) = await start(client, chat("prefill", stream=True))
+    before = await until(client, lambda s: by_stage(s) == ["prefill"])
+    task.cancel()  # the client leaves mid-prefill
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    after = await until(client, lambda s: not s.requests)
+    assert (after.totals.requests, after.totals.failed) == (1, 1)
+    for field in ("prompt_tokens", "cached_tokens", "prefilled_tokens", "completion_tokens"):
+        assert getattr(after.totals, field) == getattr(before.totals, field), field
+    await fake.wait_abort()
+
+
+async def test_generation_keeps_queue_and_prefill_without_emitting_them() -> None:
+    gen = Generation(["r"], Options(progress=False))
+    out: list[bytes] = []
+    q = QueueProgress("r", 3, 4, 10)
+    gen.feed(q, out)
+    gen.feed(QueueProgress("r", 4, 5, 20), out)  # a later, larger position is still the latest
+    assert gen.queue == QueueProgress("r", 4, 5, 20)
+    gen.feed(Started("r", 10, 2), out)
+    progress = PrefillProgress("r", 10, 2, 6, 50)
+    gen.feed(progress, out)
+    assert gen.prefill == progress and gen.last_progress is None
+    assert out == []
+
+
+async def test_behind_the_api_key_when_keys_are_set(make_client: MakeClient) -> None:
+    client = await make_client(api_key="sk-status-1")
+    resp = await client.get("/v1/status")
+    assert resp.status == 401
+    assert (await resp.json())["error"]["code"] == "invalid_api_key"
+    st = await get_status(client, Authorization="Bearer sk-status-1")
+    assert st.requests == [] and st.worker is not None
+
+
+async def test_before_the_handshake_the_worker_is_null(
+    make_client: MakeClient, fake: FakeEngineClient
+) -> None:
+    fake.worker_ready = None
+    fake.is_ready = False
+    client = await make_client()
+    st = await get_status(client)
+    assert st.worker is None and st.requests == []
+
+
+async def read_events(client: TestClient[Any, Any], url: str, count: int) -> list[Status]:
+    out: list[Status] = []
+    async with client.get(url) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"] == "text/event-stream"
+        buf = b""
+        while len(out) < count:
+            chunk = await resp.content.readany()
+            assert chunk, "the stream ended early"
+            buf += chunk
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                assert event.startswith(b"data: ")
+                out.append(status_decoder.decode(event[len(b"data: ") :]))
+    return out
+
+
+async def test_the_stream_sends_a_snapshot_per_interval(make_client: MakeClient) -> None:
+    client = await make_client()
+    began = time.monotonic()
+    events = await read_events(client, "/v1/status?stream=true&interval=0.25", 3)
+    took = time.monotonic() - began
+    assert took >= 2 * 0.25  # three snapshots: two intervals between them
+    assert events[0].time <= events[1].time <= events[2].time
+    assert events[2].time - events[0].time >= 2 * 0.25 - 0.05
+    assert events[0].proxy.status_streams == 1
+
+
+@pytest.mark.parametrize(
+    "query", ["stream=true&interval=0.1", "stream=true&interval=61", "interval=abc", "stream=maybe"]
+)
+async def test_a_bad_query_is_a_400_naming_it(make_client: MakeClient, query: str) -> None:
+    client = await make_client()
+    resp = await client.get(f"/v1/status?{query}")
+    assert resp.status == 400
+    err = (await resp.json())["error"]
+    assert err["param"] == query.split("&")[-1].split("=")[0]
+
+
+async def test_status_streams_are_bounded(make_client: MakeClient) -> None:
+    client = await make_client()
+    limit = status_module.MAX_STATUS_STREAMS
+    opened = [await client.get("/v1/status?stream=true&interval=60") for _ in range(limit)]
+    try:
+        assert [r.status for r in opened] == [200] * limit
+        more = await client.get("/v1/status?stream=true")
+        assert more.status == 429
+        assert (await more.json())["error"]["code"] == "too_many_requests"
+        assert (await get_status(client)).proxy.status_streams == limit  # a plain scrape is not limited
+    finally:
+        for r in opened:
+            r.close()
+    # Closed streams give their places back.
+    await until(client, lambda s: s.proxy.status_streams == 0)
+    again = await client.get("/v1/status?stream=true&interval=60")
+    assert again.status == 200
+    again.close()
+
+
+async def test_draining_ends_a_stream(make_client: MakeClient) -> None:
+    client = await make_client()
+    state = client.app[STATE]  # type: ignore[index]
+    async with client.get("/v1/status?stream=true&interval=0.25") as resp:
+        first = await resp.content.readuntil(b"\n\n")
+        assert orjson.loads(first[len(b"data: ") :])["proxy"]["draining"] is False
+        state.draining = True
+        rest = await asyncio.wait_for(resp.content.read(), 10)  # ends: EOF
+    last = rest.strip().split(b"\n\n")[-1]
+    assert msgspec.json.decode(last[len(b"data: ") :])["proxy"]["draining"] is True
