@@ -37,6 +37,7 @@ import msgspec
 from aiohttp import web
 
 from protocol.messages import Ready, Submit, choice_ids
+from proxy.constraints import validate
 from proxy.delivery import complete_response, stream_response
 from proxy.errors import (
     NOT_READY_MESSAGE,
@@ -172,6 +173,9 @@ async def _serve(
     record.stream = req.stream
     tools = tool_plan(req, state.tool_format())
     submits = to_submits(req, request_id, worker.max_context_tokens, tools)
+    for grammar, param in dict.fromkeys((s.params.grammar, s.params.grammar_param or "") for s in submits):
+        if grammar is not None:  # checked off the event loop, bounded (proxy.constraints)
+            await validate(grammar, param)
     _check_limits(submits, settings.max_n, worker)
     several = len(submits) > 1
     echo = isinstance(req, CompletionRequest) and req.echo

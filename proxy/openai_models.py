@@ -26,7 +26,7 @@ from typing import Annotated, Literal, TypeVar
 import msgspec
 
 from protocol.messages import ChatMessage, SamplingParams, Submit
-from proxy.constraints import checked, response_grammar
+from proxy.constraints import response_schema
 from proxy.errors import InvalidRequest
 from proxy.tools import (
     FormatChoice,
@@ -41,6 +41,7 @@ from proxy.tools import (
     render_fallback,
     resolve_tools,
     tool_call_grammar,
+    tools_or_answer_grammar,
 )
 
 log = logging.getLogger(__name__)
@@ -411,9 +412,9 @@ class ToolPlan:
 def tool_plan(req: ChatCompletionRequest | CompletionRequest, choice: FormatChoice) -> ToolPlan | None:
     """The request's ``ToolPlan`` (``None`` without tools), the format from
     ``choice`` (``proxy.tools.choose_format``). Raises ``InvalidRequest``
-    naming ``tools``/``tool_choice`` for a bad spec, ``response_format``
-    or ``logprobs`` asked together with tool calls (neither can be honoured
-    on an answer that may be a call), and ``stop`` with a forced call. A forced
+    naming ``tools``/``tool_choice`` for a bad spec, ``logprobs`` asked
+    together with tool calls (not honoured on an answer that may be a call),
+    and ``stop`` with a forced call. A forced
     call is one call, several only for ``required`` with
     ``parallel_tool_calls: true``."""
     if not isinstance(req, ChatCompletionRequest):
@@ -438,17 +439,11 @@ def tool_plan(req: ChatCompletionRequest | CompletionRequest, choice: FormatChoi
                 "'stop' cannot be combined with a forced tool call ('tool_choice' required or a function)",
                 param="stop",
             )
-    if config.active:
-        if req.response_format is not None and req.response_format.type != "text":
-            raise InvalidRequest(
-                "'response_format' cannot be combined with tool calls ('tool_choice' is not 'none')",
-                param="response_format",
-            )
-        if req.logprobs:
-            raise InvalidRequest(
-                "'logprobs' cannot be combined with tool calls ('tool_choice' is not 'none')",
-                param="logprobs",
-            )
+    if config.active and req.logprobs:
+        raise InvalidRequest(
+            "'logprobs' cannot be combined with tool calls ('tool_choice' is not 'none')",
+            param="logprobs",
+        )
     return ToolPlan(config, choice.format, choice.native)
 
 
@@ -484,15 +479,22 @@ def sampling_params(
     ``max_context_tokens`` on chat (the worker stops at the end of the context);
     ``top_k == -1`` (vLLM's "disabled") becomes 0; a temperature below
     ``GREEDY_BELOW_TEMPERATURE`` becomes 0 (greedy); empty stop strings are dropped.
-    Raises ``InvalidRequest`` for a bad ``logit_bias`` key."""
+    The grammar: a forced call's (``response_format`` ignored), else with tools
+    a call or the ``response_format`` JSON, else that JSON; not checked here
+    (``proxy.constraints.validate``). Raises ``InvalidRequest`` for a bad
+    ``logit_bias`` key or a ``json_schema`` without its schema."""
     limit = req.completion_limit()
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
-    grammar = response_grammar(req.response_format)
-    grammar_param = "response_format"
-    if tools is not None and tools.config.forced:
-        # Strict: a keyword llguidance cannot enforce is a 400, not ignored.
-        grammar = checked(tool_call_grammar(tools.format, tools.config, lenient=False), "tools")
-        grammar_param = "tool_choice"
+    answer = response_schema(req.response_format)
+    grammar, grammar_param = (answer.grammar(), answer.param) if answer is not None else (None, None)
+    # Not lenient: a keyword llguidance cannot enforce is a 400, not ignored.
+    if tools is not None and tools.config.forced:  # the call, whatever response_format says
+        grammar, grammar_param = tool_call_grammar(tools.format, tools.config, lenient=False), "tool_choice"
+    elif tools is not None and tools.config.active and answer is not None:  # a call or the JSON answer
+        grammar = tools_or_answer_grammar(
+            tools.format, tools.config, answer.schema, answer.param, lenient=False
+        )
+        grammar_param = "tools"
     return SamplingParams(
         max_tokens=limit if limit is not None else max_context_tokens,
         temperature=_temperature(req.temperature),
@@ -510,7 +512,7 @@ def sampling_params(
         logit_bias=_logit_bias(req.logit_bias),
         logprobs=req.logprobs_k(),
         grammar=grammar,
-        grammar_param=grammar_param if grammar is not None else None,
+        grammar_param=grammar_param,
     )
 
 

@@ -335,7 +335,7 @@ async def test_a_json_schema_request_runs_under_a_grammar_filter(
     (job,) = worker.jobs()
     (flt,) = job.filters
     assert isinstance(flt, fx.LLGuidanceFilter) and flt.eos_after_completed
-    assert flt._grammar == json_schema_grammar(schema, "response_format")
+    assert flt._grammar == json_schema_grammar(schema)
     # the grammar completed at "}" and ended the job (generator/job.py:1001-1002)
     assert [r["eos_reason"] for r in worker.rec.results if r.get("eos")] == ["end_filter"]
 

@@ -104,7 +104,6 @@ async def test_required_choice_is_a_grammar_and_history_is_rendered(
             "tool_choice",
         ),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
         ({"tools": [WEATHER], "logprobs": True}, "logprobs"),
         ({"functions": [{"name": "f"}]}, "functions"),
     ],
