@@ -272,7 +272,7 @@ class ResponseState:
             out.append(self._chunk(c))
         reason = str(ev.finish_reason)
         if choice.tools is not None:
-            end = choice.tools.finish()
+            end = choice.tools.finish(cut=reason == "length")
             self._tool_events(choice, end.events, out)
             reason = tool_finish_reason(reason, end.tool_calls_made)
         choice.finished = ev
@@ -367,7 +367,9 @@ class ResponseState:
         finished = self.finished()
         choices: list[ResponseChoice] = []
         for c, f in zip(self._choices, finished, strict=True):
-            parsed = parse_output(plan.format, plan.config, "".join(c.texts))
+            parsed = parse_output(
+                plan.format, plan.config, "".join(c.texts), cut=str(f.finish_reason) == "length"
+            )
             reason = tool_finish_reason(str(f.finish_reason), bool(parsed.tool_calls))
             choices.append(self._fmt.tool_response_choice(c.index, parsed.content, parsed.tool_calls, reason))
         h = self.header
