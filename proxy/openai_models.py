@@ -439,6 +439,10 @@ def tool_plan(req: ChatCompletionRequest | CompletionRequest, choice: FormatChoi
                 "'stop' cannot be combined with a forced tool call ('tool_choice' required or a function)",
                 param="stop",
             )
+    rf = req.response_format
+    if config.mode == "auto" and rf is not None and rf.type != "text" and req.parallel_tool_calls is None:
+        # The grammar is a call or the JSON answer: one call, as for a forced one.
+        config = msgspec.structs.replace(config, parallel=False)
     if config.active and req.logprobs:
         raise InvalidRequest(
             "'logprobs' cannot be combined with tool calls ('tool_choice' is not 'none')",
