@@ -33,6 +33,12 @@ Only ``127.0.0.1`` URLs are accepted for those four cases.
   prints the forged lines and raw ESC bytes it left in ``--log-file``.
 - **host**: ``/v1/models`` with ``Host: evil.example`` and ``Origin: http://evil.example``
   (DNS rebinding); prints the statuses.
+- **grammar bomb** (``--grammar-bomb N ...``): a ``json_schema`` whose string has
+  ``allOf`` of N regex patterns (``^(.*a.*){i}$``, i = 1..N; issue 20), sent while
+  one normal stream decodes; prints the answer and how long it took, the normal
+  stream's largest inter-token gap while the bomb was out and before it
+  (``--no-bomb`` baseline), how long ``/health`` took meanwhile, and the proxy's
+  RSS. ``--contains-bomb N``: the same with N unanchored patterns ``a.{i}b``.
 
 RSS figures read ``/proc`` (Linux); the worker is the child process of ``serve``.
 """
@@ -325,6 +331,44 @@ async def host_rebinding(url: str) -> None:
 
 
 CASES = ("huge", "n", "gzip", "idle", "slowloris", "inject", "host")
+def bomb_schema(n: int, contains: bool = False) -> dict[str, object]:
+    """Issue 20's schema: llguidance's check of it costs time and memory exponential in ``n``."""
+    pattern = (lambda i: "a" + "." * i + "b") if contains else (lambda i: f"^(.*a.*){{{i}}}$")
+    return {"type": "string", "allOf": [{"pattern": pattern(i)} for i in range(1, n + 1)]}
+
+
+async def grammar_bomb(url: str, proxy: int, n: int, contains: bool = False) -> None:
+    async with httpx.AsyncClient(timeout=600) as client:
+        times: list[float] = []
+        normal = asyncio.create_task(_normal_stream(client, url, times))
+        while len(times) < 10:  # noqa: ASYNC110 (the stream is decoding; polled, not signalled)
+            await asyncio.sleep(0.05)
+        rf = {"type": "json_schema", "json_schema": {"name": "b", "schema": bomb_schema(n, contains)}}
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "response_format": rf}
+        before = _status(proxy, "VmRSS")
+        t0 = time.monotonic()
+        bomb = asyncio.create_task(client.post(url + "/v1/chat/completions", json=body))
+        health: list[float] = []
+        while not bomb.done():
+            h0 = time.monotonic()
+            await client.get(url + "/health")
+            health.append(time.monotonic() - h0)
+            await asyncio.sleep(0.1)
+        took = time.monotonic() - t0
+        r = bomb.result()
+        result = await normal
+        gaps_during = [b - a for a, b in itertools.pairwise(times) if t0 <= b <= t0 + took + 0.5]
+        gaps_before = [b - a for a, b in itertools.pairwise(times) if b < t0]
+        what = r.json().get("error", {}) if r.status_code != 200 else {"code": "ok"}
+        during = f"max {max(gaps_during) * 1000:.0f} ms" if gaps_during else "no tokens"
+        print(
+            f"grammar bomb ({'contains' if contains else 'anchored'}, {n} patterns): HTTP {r.status_code} "
+            f"{what.get('param')} {what.get('message', what.get('code'))!r:.90} after {took:.2f} s; other "
+            f"stream's inter-token gap before: max {max(gaps_before, default=0) * 1000:.0f} ms, "
+            f"during: {during} "
+            f"(it ended: {result}); /health max {max(health) * 1000:.0f} ms; proxy RSS {before} MiB before, "
+            f"{_status(proxy, 'VmRSS')} MiB after, peak (VmHWM) {_status(proxy, 'VmHWM')} MiB"
+        )
 
 
 def main() -> None:
@@ -339,7 +383,16 @@ def main() -> None:
     parser.add_argument("--idle-sockets", type=int, default=1100)
     parser.add_argument("--slowloris", type=int, default=300)
     parser.add_argument("--slowloris-s", type=float, default=15.0)
+    parser.add_argument("--grammar-bomb", type=int, nargs="*", default=[], metavar="N")
+    parser.add_argument("--contains-bomb", type=int, nargs="*", default=[], metavar="N")
+    parser.add_argument("--only-grammar-bombs", action="store_true", help="skip the other cases")
     args = parser.parse_args()
+    for n in args.grammar_bomb:
+        asyncio.run(grammar_bomb(args.url, args.serve_pid, n))
+    for n in args.contains_bomb:
+        asyncio.run(grammar_bomb(args.url, args.serve_pid, n, contains=True))
+    if args.only_grammar_bombs:
+        return
     cases = set(args.cases.split(","))
     if cases - set(CASES):
         parser.error(f"unknown case(s): {', '.join(sorted(cases - set(CASES)))}")

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
+from proxy.constraints import close_checker
 from proxy.dialects.registry import ROUTES
 from proxy.engine_client import EngineClient
 from proxy.errors import ProxyError, error_response, from_http_exception
@@ -94,6 +95,8 @@ async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await engine.close()
+        # The grammar checker's children (proxy.constraints) go with the app.
+        await asyncio.to_thread(close_checker)
 
 
 def create_app(settings: ProxySettings, engine_client: EngineClient) -> web.Application:

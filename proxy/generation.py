@@ -328,7 +328,7 @@ class Generation:
             choice.chars += len(choice.prefix)
         reason = str(ev.finish_reason)
         if choice.tools is not None:
-            end = choice.tools.finish()
+            end = choice.tools.finish(cut=reason == "length")
             self._tool_events(choice, end.events, out)
             reason = tool_finish_reason(reason, end.tool_calls_made)
         choice.finished = ev
@@ -403,7 +403,7 @@ class Generation:
             content: str | None = c.prefix + text
             calls: list[ToolCall] = []
             if plan is not None:
-                parsed = parse_output(plan.format, plan.config, text)
+                parsed = parse_output(plan.format, plan.config, text, cut=reason == "length")
                 content, calls = parsed.content, parsed.tool_calls
                 reason = tool_finish_reason(reason, bool(calls))
             out.append(

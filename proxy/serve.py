@@ -10,7 +10,8 @@
    it into ``Submit``s (``Job.submits``);
 3. this server's limits: ``max_n`` choices, prompt texts no longer than the
    context can hold at ``Ready.longest_token_chars`` per token (refused without
-   being sent);
+   being sent); each grammar checked off the event loop, bounded in time and
+   memory (``proxy.constraints.validate``);
 4. one of the ``max_in_flight`` slots, then the worker (``EngineClient.submit``);
 5. delivery (``proxy.delivery``): the SSE stream through the dialect's encoder,
    or the dialect's JSON body once every choice finished.
@@ -32,6 +33,7 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from protocol.messages import Ready, Submit, choice_ids
+from proxy.constraints import validate
 from proxy.delivery import complete_response, send_body, stream_response
 from proxy.dialects.base import Context, Dialect, Handler, Header
 from proxy.errors import (
@@ -124,6 +126,9 @@ async def serve(request: web.Request, dialect: Dialect) -> web.StreamResponse:
     record.stream = job.stream
     submits, options = job.submits(request_id, context)
     check_limits(submits, settings.max_n, worker)
+    for grammar, param in dict.fromkeys((s.params.grammar, s.params.grammar_param or "") for s in submits):
+        if grammar is not None:  # checked off the event loop, bounded (proxy.constraints)
+            await validate(grammar, param)
     header = Header(request_id, int(time.time()), context.model)
     ids = [rid for s in submits for rid in choice_ids(s.request_id, s.n)]
     gen = Generation(ids, options)

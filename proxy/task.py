@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from protocol.messages import ChatMessage, SamplingParams, Submit
-from proxy.constraints import checked, json_schema_grammar
+from proxy.constraints import json_schema_grammar
 from proxy.errors import InvalidRequest
 from proxy.tools import (
     FormatChoice,
@@ -31,7 +31,9 @@ from proxy.tools import (
     check_history,
     render_fallback,
     tool_call_grammar,
+    tools_or_answer_grammar,
 )
+from proxy.tools.grammar import json_rule_schema
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 """Temperatures below this sample greedily: dividing logits by them overflows."""
@@ -63,18 +65,14 @@ class Sampling:
 @dataclass(frozen=True, slots=True)
 class JsonOutput:
     """The answer must be JSON valid against ``schema`` (``{"type": "object"}``
-    for any object); ``param`` names the field holding the schema (in errors
-    about the schema), ``field`` the request field that asked for it (in errors
-    while decoding; default: ``param``'s first part)."""
+    for any object), strict JSON when ``strict`` (no properties beyond the
+    schema's, bounded numbers, compact whitespace:
+    ``proxy.tools.grammar.json_rule_schema``); ``param`` names the field holding
+    the schema (in errors about it, before and while decoding)."""
 
     schema: dict[str, object] | bool
     param: str
     strict: bool = False
-    field: str | None = None
-
-    @property
-    def request_field(self) -> str:
-        return self.field or self.param.split(".", 1)[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,9 +146,11 @@ class ToolPlan:
 def tool_plan(task: ChatTask, choice: FormatChoice) -> ToolPlan | None:
     """The task's ``ToolPlan`` (``None`` without tools), the format from
     ``choice`` (``proxy.tools.choose_format``). Raises ``InvalidRequest``
-    for a JSON output or logprobs asked together with tool calls (neither can
-    be honoured on an answer that may be a call), and for stop strings with a
-    forced call. A forced call is one call: always for a named function (as
+    for logprobs asked together with tool calls (not honoured on an answer
+    that may be a call), and for stop strings with a
+    forced call. With ``auto`` tools and a JSON output the answer is a call or
+    that JSON (one grammar for both), and one call unless parallel calls were
+    asked for explicitly. A forced call is one call: always for a named function (as
     OpenAI's), and for ``required`` unless the client asked for parallel calls
     explicitly; otherwise a grammar that allows "another call" lets a small
     model repeat calls until ``max_tokens``."""
@@ -168,19 +168,14 @@ def tool_plan(task: ChatTask, choice: FormatChoice) -> ToolPlan | None:
             f"('{names.tool_choice}' required or a function)",
             param=names.stop,
         )
-    if config.active:
-        if task.json_output is not None:
-            raise InvalidRequest(
-                f"'{task.json_output.param}' cannot be combined with tool calls "
-                f"('{names.tool_choice}' is not 'none')",
-                param=task.json_output.param,
-            )
-        if task.sampling.logprobs is not None:
-            raise InvalidRequest(
-                f"'{names.logprobs}' cannot be combined with tool calls "
-                f"('{names.tool_choice}' is not 'none')",
-                param=names.logprobs,
-            )
+    if config.mode == "auto" and task.json_output is not None and not task.parallel_asked:
+        # The grammar is a call or the JSON answer: one call, as for a forced one.
+        config = msgspec.structs.replace(config, parallel=False)
+    if config.active and task.sampling.logprobs is not None:
+        raise InvalidRequest(
+            f"'{names.logprobs}' cannot be combined with tool calls ('{names.tool_choice}' is not 'none')",
+            param=names.logprobs,
+        )
     return ToolPlan(config, choice.format, choice.native)
 
 
@@ -200,17 +195,24 @@ def sampling_params(
     ``max_context_tokens`` (the worker stops at the end of the context);
     ``top_k == -1`` (vLLM's "disabled") becomes 0; a temperature below
     ``GREEDY_BELOW_TEMPERATURE`` becomes 0 (greedy); empty stop strings are
-    dropped. The grammar: a forced tool call's, else the JSON output's. Raises
-    ``InvalidRequest`` naming the field whose grammar cannot be enforced."""
+    dropped. The grammar: a forced call's (the JSON output does not apply),
+    else with tools a call or the JSON output, else that JSON; not checked here
+    (``proxy.constraints.validate``, awaited by the request path)."""
     grammar: str | None = None
     grammar_param: str | None = None
+    # Not lenient: a keyword llguidance cannot enforce is a 400, not ignored.
     if tools is not None and tools.config.forced:
-        # Strict: a keyword llguidance cannot enforce is a 400, not ignored.
-        grammar = checked(tool_call_grammar(tools.format, tools.config, lenient=False), "tools")
-        grammar_param = "tool_choice"
+        grammar, grammar_param = tool_call_grammar(tools.format, tools.config, lenient=False), "tool_choice"
     elif json_output is not None:
-        grammar = json_schema_grammar(json_output.schema, json_output.param)
-        grammar_param = json_output.request_field
+        if tools is not None and tools.config.active:
+            rule = json_rule_schema(json_output.schema, strict=json_output.strict)
+            grammar = tools_or_answer_grammar(
+                tools.format, tools.config, rule, json_output.param, lenient=False
+            )
+            grammar_param = "tools"
+        else:
+            grammar = json_schema_grammar(json_output.schema, strict=json_output.strict)
+            grammar_param = json_output.param
     return SamplingParams(
         max_tokens=s.max_tokens if s.max_tokens is not None else max_context_tokens,
         temperature=_temperature(s.temperature),

@@ -7,7 +7,7 @@ fallback prompt for templates without tools, and grammars for forced calls.
 | ``formats`` | ``hermes``, ``llama3_json``, ``mistral``; ``--tool-call-format``; template detection |
 | ``parser`` | ``ToolCallParser`` (streaming), ``parse_output`` (whole output), ``finish_reason`` |
 | ``render`` | ``render_fallback``: tools and tool turns as plain messages |
-| ``grammar`` | llguidance Lark grammars for ``required``/named ``tool_choice`` |
+| ``grammar`` | grammars for forced calls and for tools beside ``response_format``; JSON options |
 | ``jsontext`` | JSON span scanning, compaction, call-object decoding |
 
 Pure logic: no I/O, no aiohttp, standard library and msgspec only.
@@ -25,7 +25,7 @@ from proxy.tools.formats import (
     detect_format,
     get_format,
 )
-from proxy.tools.grammar import tool_call_grammar
+from proxy.tools.grammar import tool_call_grammar, tools_or_answer_grammar
 from proxy.tools.parser import (
     ContentDelta,
     FunctionDelta,
@@ -87,5 +87,6 @@ __all__ = [
     "render_fallback",
     "resolve_tools",
     "tool_call_grammar",
+    "tools_or_answer_grammar",
     "tools_prompt",
 ]

@@ -65,6 +65,8 @@ from proxy.tools.jsontext import (
     decode_call,
     decode_call_arguments,
     decode_call_array,
+    partial_arguments,
+    partial_call,
     skip_whitespace,
 )
 from proxy.tools.spec import FunctionCall
@@ -105,6 +107,13 @@ class CallBlock(Protocol):
         ``final`` (the output ended) it always returns an outcome."""
         ...
 
+    def cut(self, body: str) -> list[FunctionCall] | None:
+        """The output ended at a length limit with this block open (``advance``
+        said nothing yet): the calls it holds, the last one with its arguments
+        as far as written (``jsontext.partial_call``), or ``None`` when not
+        even one function name is complete."""
+        ...
+
 
 def _not_a_call(end: int) -> BlockOutcome:
     return BlockOutcome(end, None)
@@ -118,18 +127,18 @@ def _wait_or_fail(body: str, final: bool) -> BlockOutcome | None:
 class _JsonObjectBlock:
     """Whitespace, one JSON object, then (``end_tag``) whitespace and the tag.
 
-    ``decide`` maps the object's text to its call, or ``None``. ``first_keys``
+    The object is a call of one of ``names`` (``decode_call``) or none. ``first_keys``
     limits which first key makes the object a call attempt at all (checked as
     soon as it is known, so that a JSON answer is not held back to its end).
     """
 
     def __init__(
         self,
-        decide: Callable[[str], FunctionCall | None],
+        names: frozenset[str],
         end_tag: str = "",
         first_keys: frozenset[str] | None = None,
     ) -> None:
-        self._decide = decide
+        self._names = names
         self._end_tag = end_tag
         self._first_keys = first_keys
         self._start = -1
@@ -171,17 +180,24 @@ class _JsonObjectBlock:
                 return _wait_or_fail(body, final)
             self._end = end
         if not self._end_tag:
-            call = self._decide(body[self._start : self._end])
+            call = decode_call(body[self._start : self._end], self._names)
             return BlockOutcome(self._end, None if call is None else [call])
         k = skip_whitespace(body, self._end)
         tail = body[k:]
         if tail.startswith(self._end_tag):
-            call = self._decide(body[self._start : self._end])
+            call = decode_call(body[self._start : self._end], self._names)
             return BlockOutcome(k + len(self._end_tag), None if call is None else [call])
         if not final and self._end_tag.startswith(tail):
             return None
         # The object is not followed by the closing tag: not a call.
         return _not_a_call(self._end)
+
+    def cut(self, body: str) -> list[FunctionCall] | None:
+        if self._span is None or self._first_keys is not None:
+            return None  # no object yet, or not known to be a call attempt
+        text = body[self._start : self._end] if self._end >= 0 else body[self._start :]
+        call = decode_call(text, self._names) if self._end >= 0 else partial_call(text, self._names)
+        return None if call is None else [call]
 
 
 _NAME_CHAR = frozenset(string.ascii_letters + string.digits + "_-")
@@ -259,6 +275,34 @@ class _MistralBlock:
             return BlockOutcome(end, None if call is None else [call])
         return BlockOutcome(end, decode_call_array(text, self._names))
 
+    def cut(self, body: str) -> list[FunctionCall] | None:
+        if self._span is None:
+            return None
+        if self._name:
+            if self._name not in self._names:
+                return None
+            return [FunctionCall(self._name, partial_arguments(body[self._start :]))]
+        # An array: its complete call objects, then the one being written.
+        calls: list[FunctionCall] = []
+        i = skip_whitespace(body, self._start + 1)
+        while i < len(body) and body[i] == "{":
+            end = JsonSpan(i).scan(body)
+            call = (
+                decode_call(body[i:end], self._names)
+                if end is not None
+                else partial_call(body[i:], self._names)
+            )
+            if call is None:
+                break
+            calls.append(call)
+            if end is None:
+                break
+            i = skip_whitespace(body, end)
+            if body[i : i + 1] != ",":
+                break
+            i = skip_whitespace(body, i + 1)
+        return calls or None
+
 
 # ---------------------------------------------------------------- formats
 
@@ -324,7 +368,7 @@ class ToolCallFormat:
 
 
 def _hermes_block(marker: str, names: frozenset[str]) -> CallBlock:
-    return _JsonObjectBlock(lambda text: decode_call(text, names), end_tag="</tool_call>")
+    return _JsonObjectBlock(names, end_tag="</tool_call>")
 
 
 def _hermes_render(calls: Sequence[FunctionCall]) -> str:
@@ -353,7 +397,7 @@ _LLAMA3_FIRST_KEYS = frozenset({"name", "type"})
 def _llama3_block(marker: str, names: frozenset[str]) -> CallBlock:
     # With the tag the model declared a call; a bare "{" might be a JSON answer.
     first = None if marker else _LLAMA3_FIRST_KEYS
-    return _JsonObjectBlock(lambda text: decode_call(text, names), first_keys=first)
+    return _JsonObjectBlock(names, first_keys=first)
 
 
 def _llama3_render(calls: Sequence[FunctionCall]) -> str:

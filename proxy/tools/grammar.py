@@ -1,5 +1,6 @@
-"""llguidance grammars (its Lark dialect) for a forced tool call
-(``response_format``'s are ``proxy.constraints``'s).
+"""llguidance grammars (its Lark dialect) for a forced tool call, for tools
+beside a ``response_format``, and the JSON-schema options every JSON grammar of
+the proxy is built with (``proxy.constraints`` builds ``response_format``'s).
 
 Lark with embedded JSON schemas (``rule: %json {...}``) is llguidance's syntax
 (``docs/syntax.md`` of guidance-ai/llguidance; ``docs/toolcalls.md`` has the
@@ -9,25 +10,47 @@ same shape for Qwen's ``<tool_call>`` blocks). For ``tool_choice: required``
     start: call ("\\n" call)*                 # just "start: call" without parallel calls
     call: "<tool_call>" "\\n" fn "\\n" "</tool_call>"
     fn: fn_0 | fn_1
+    // tools[0].function.parameters
     fn_0: %json {"type": "object",
                  "properties": {"name": {"const": "get_weather"},
                                 "arguments": <get_weather's parameters>},
                  "required": ["name", "arguments"], "additionalProperties": false,
-                 "x-guidance": {"lenient": true}}
+                 "x-guidance": {...}}
 
 Other formats differ only in the pieces around each call (``ToolCallFormat``'s
 ``grammar_*`` fields): Llama 3 JSON objects joined by ``"; "`` with
 ``parameters`` for ``arguments``, Mistral ``[TOOL_CALLS][`` + objects joined by
 ``", "`` + ``]``. What the grammar allows is what ``proxy.tools.parser`` reads.
+With ``tool_choice: auto`` and a JSON ``response_format``, ``tools_or_answer_grammar``
+allows either those calls or one JSON answer (``start: calls | answer``).
 
-Each function is its own ``%json`` root so that ``$ref``s into its ``$defs``
-keep working: its top-level ``$defs``/``definitions`` move to the wrapper's
-root, and any other local ``$ref`` (``#``, ``#/properties/...``) is re-pointed
-under ``#/properties/arguments``. llguidance keeps properties in schema order,
-so ``name`` comes before the arguments (the parser takes either order).
+Each ``%json`` rule follows a ``// <request field>`` comment naming where its
+schema came from (``proxy.constraints.validate`` names that field when the
+schema is refused). Each function is its own ``%json`` root so that ``$ref``s
+into its ``$defs`` keep working: its top-level ``$defs``/``definitions`` move
+to the wrapper's root, and any other local ``$ref`` (``#``,
+``#/properties/...``) is re-pointed under ``#/properties/arguments``.
+llguidance keeps properties in schema order, so ``name`` comes before the
+arguments (the parser takes either order).
+
+**Strict and loose JSON** (``json_rule_schema``). ``x-guidance`` (llguidance's
+JSON compile options, ``parser/src/json/README.md``; recognised only at a
+``%json`` root) replaces any the client sent:
+
+- strict (``json_schema.strict: true``; tool arguments unless the function says
+  ``strict: false``): ``strict_schema`` closes every object the schema does not
+  open itself (OpenAI's strict mode is ``additionalProperties: false``
+  everywhere; xgrammar's strict mode forbids undeclared properties) and bounds
+  numbers; JSON is compact: at most one space between tokens, no newline
+  (``whitespace_pattern``), so both ``{"a":1}`` (how history calls are
+  rendered) and ``{"a": 1}`` (the spacing of the call syntax the tools prompt
+  shows) are written, and indentation never.
+- loose (``strict`` absent or false): JSON Schema's own meaning, whitespace
+  runs of at most ``WHITESPACE_RUN`` characters (llguidance's default is any
+  run, which lets a model pad until ``max_tokens``).
+
 ``lenient`` makes llguidance ignore keywords and ``format``s it does not
-implement instead of failing the grammar (clients' tool schemas carry many);
-leave it on unless the caller checks grammars first.
+implement instead of failing the grammar.
 
 Markers that are special tokens of the model (``[TOOL_CALLS]``, ``<|python_tag|>``)
 are written as text unless ``special`` maps them to a token reference such as
@@ -46,6 +69,116 @@ from proxy.tools.spec import FunctionTool, ToolConfig
 _encode = msgspec.json.Encoder().encode
 _ANY_OBJECT: dict[str, object] = {"type": "object"}
 _DEFS_KEYS = ("$defs", "definitions")
+
+INTEGER_DIGITS = 16
+"""Strict JSON: most digits of an integer, and of a number's integer part.
+llama.cpp's JSON-schema grammars use the same bound (``[1-9][0-9]{0,15}``);
+every integer a double holds exactly (up to 2**53, 16 digits) fits."""
+FRACTION_DIGITS = 10
+"""Strict JSON: most digits after a number's decimal point (no exponent). Ten is
+the finest ``multipleOf`` llguidance takes exactly (``1e-11`` and below are
+refused as having "too many digits"); a double has 15 to 17 significant digits."""
+WHITESPACE_RUN = 16
+"""Loose JSON: most whitespace characters in a row (a newline and indentation
+seven levels deep at two spaces)."""
+
+_INT_BOUND = 10**INTEGER_DIGITS - 1
+_COMPACT: dict[str, object] = {"whitespace_pattern": "\\x20?"}
+_LOOSE: dict[str, object] = {"whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{WHITESPACE_RUN}}}"}
+
+# Keywords whose value is one subschema / a list of them / a name -> subschema map.
+_SUBSCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "dependentSchemas", *_DEFS_KEYS)
+# An object that lists any of these already says which other properties it takes.
+_OPENERS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+
+
+def _types(node: dict[str, object]) -> set[str]:
+    t = node.get("type")
+    if isinstance(t, str):
+        return {t}
+    return {x for x in t if isinstance(x, str)} if isinstance(t, list) else set()
+
+
+def _strict_node(node: object, composed: bool) -> object:
+    if isinstance(node, list):  # ``items`` in its old tuple form
+        return [_strict_node(v, False) for v in node]
+    if not isinstance(node, dict):
+        return node  # a boolean schema
+    out: dict[str, object] = {}
+    all_of = node.get("allOf")
+    # Branches of an allOf of several schemas are intersected: closing each
+    # would forbid the properties the others declare. They stay as written,
+    # and so does the schema holding them.
+    merging = isinstance(all_of, list) and len(all_of) > 1
+    for key, value in node.items():
+        if key in _SUBSCHEMA:
+            out[key] = _strict_node(value, False)
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            out[key] = [_strict_node(v, merging and key == "allOf") for v in value]
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {k: _strict_node(v, False) for k, v in value.items()}
+        else:
+            out[key] = value
+    types = _types(node)
+    is_object = "object" in types or (not types and "properties" in node)
+    if is_object and not composed and not merging and not any(k in node for k in _OPENERS):
+        out["additionalProperties"] = False
+    if types & {"integer", "number"}:
+        if "minimum" not in node and "exclusiveMinimum" not in node:
+            out["minimum"] = -_INT_BOUND
+        if "maximum" not in node and "exclusiveMaximum" not in node:
+            out["maximum"] = _INT_BOUND
+        if "number" in types and "multipleOf" not in node:
+            out["multipleOf"] = float(f"1e-{FRACTION_DIGITS}")
+    return out
+
+
+def strict_schema(schema: dict[str, object] | bool) -> dict[str, object] | bool:
+    """``schema`` as strict structured output reads it (OpenAI's strict mode):
+
+    - every object schema (``type`` object, or ``properties`` without a
+      ``type``) that has none of ``additionalProperties``,
+      ``patternProperties``, ``unevaluatedProperties`` gets
+      ``additionalProperties: false``: no property the schema does not declare.
+      Left open: the branches of an ``allOf`` of several schemas, and the schema
+      holding that ``allOf`` (its branches are intersected, so closing one would
+      forbid the others' properties);
+    - ``integer``/``number`` schemas without a lower (upper) bound get
+      ``minimum`` (``maximum``) of -(10**16-1) (10**16-1): at most
+      ``INTEGER_DIGITS`` digits; ``number`` schemas without ``multipleOf`` get
+      ``multipleOf: 1e-10``: at most ``FRACTION_DIGITS`` decimals. llguidance
+      writes bounded numbers without an exponent.
+
+    Subschemas are found under the keywords that hold them (``properties``,
+    ``items``, ``prefixItems``, ``anyOf``/``oneOf``/``allOf``, ``$defs``,
+    ``definitions``, ``additionalProperties``, ``not``, ``if``/``then``/``else``,
+    ...). A new schema is returned; the input is not changed."""
+    out = _strict_node(schema, False)
+    assert isinstance(out, dict | bool)
+    return out
+
+
+def json_rule_schema(
+    schema: dict[str, object] | bool, *, strict: bool, lenient: bool = False
+) -> dict[str, object] | bool:
+    """The schema to compile for one ``%json`` root (or ``grammar_from_json_schema``):
+    ``strict_schema`` of it when ``strict``, with llguidance's ``x-guidance``
+    options for strict or loose JSON (see the module's docstring) replacing the
+    client's own. ``false`` (nothing is valid) stays ``false``; ``true`` becomes
+    ``{}``."""
+    if schema is False:
+        return False
+    if schema is True:
+        schema = {}
+    checked = strict_schema(schema) if strict else schema
+    body: dict[str, object] = dict(checked) if isinstance(checked, dict) else {}
+    options = dict(_COMPACT if strict else _LOOSE)
+    if lenient:
+        options["lenient"] = True
+    body["x-guidance"] = options
+    return body
 
 
 def _literal(text: str) -> str:
@@ -75,14 +208,22 @@ def _repoint(node: object, base: str) -> object:
     return node
 
 
+def tool_strict(tool: FunctionTool) -> bool:
+    """Whether ``tool``'s arguments are strict JSON: unless its ``strict`` is false."""
+    return tool.strict is not False
+
+
 def call_schema(
     tool: FunctionTool, arguments_key: str = "arguments", *, lenient: bool = True
 ) -> dict[str, object]:
     """The JSON schema of one call object of ``tool``:
-    ``{"name": <const>, arguments_key: <its parameters>}``, nothing else."""
+    ``{"name": <const>, arguments_key: <its parameters>}``, nothing else; the
+    parameters strict unless ``tool.strict`` is false (``tool_strict``), with the
+    ``x-guidance`` options of ``json_rule_schema``."""
     params: dict[str, object] = dict(tool.parameters) if tool.parameters is not None else dict(_ANY_OBJECT)
     hoisted = {k: params.pop(k) for k in _DEFS_KEYS if k in params}
     params.pop("$schema", None)  # only meaningful at a root
+    params.pop("x-guidance", None)  # only read at a root; the wrapper's own replace it
     schema: dict[str, object] = {
         "type": "object",
         "properties": {
@@ -93,9 +234,37 @@ def call_schema(
         "additionalProperties": False,
     }
     schema.update({k: _repoint(v, f"/properties/{arguments_key}") for k, v in hoisted.items()})
-    if lenient:
-        schema["x-guidance"] = {"lenient": True}
-    return schema
+    out = json_rule_schema(schema, strict=tool_strict(tool), lenient=lenient)
+    assert isinstance(out, dict)
+    return out
+
+
+def _json_rule(name: str, schema: dict[str, object] | bool, param: str) -> list[str]:
+    return [f"// {param}", f"{name}: %json {_encode(schema).decode()}"]
+
+
+def _call_rules(
+    fmt: ToolCallFormat, config: ToolConfig, special: Mapping[str, str], lenient: bool
+) -> tuple[str, list[str]]:
+    """``calls`` (the start rule's body for one or more calls) and the rules it uses."""
+    tools = config.callable_tools()
+    call = [
+        *_pieces(fmt.grammar_call_prefix, special),
+        "fn",
+        *_pieces(fmt.grammar_call_suffix, special),
+    ]
+    repeat = f" ({' '.join([*_pieces(fmt.grammar_joiner, special), 'call'])})*" if config.parallel else ""
+    calls = " ".join(
+        [*_pieces(fmt.grammar_open, special), f"call{repeat}", *_pieces(fmt.grammar_close, special)]
+    )
+    lines = [
+        f"call: {' '.join(call)}",
+        "fn: " + " | ".join(f"fn_{i}" for i in range(len(tools))),
+    ]
+    for i, tool in enumerate(tools):
+        schema = call_schema(tool, fmt.arguments_key, lenient=lenient)
+        lines += _json_rule(f"fn_{i}", schema, f"tools[{config.tools.index(tool)}].function.parameters")
+    return calls, lines
 
 
 def tool_call_grammar(
@@ -107,25 +276,33 @@ def tool_call_grammar(
 ) -> str:
     """The grammar of an answer that is only tool calls of ``config``'s callable
     functions (for ``required``: any of them; for a named function: that one),
-    one or more when ``config.parallel``, else exactly one. Raises
-    ``ValueError`` unless ``config.forced``."""
+    one or more when ``config.parallel``, else exactly one. Not validated
+    (``proxy.constraints.validate``). Raises ``ValueError`` unless
+    ``config.forced``."""
     if not config.forced:
         raise ValueError(f"tool_choice {config.mode!r} does not force a call; no grammar applies")
-    tools = config.callable_tools()
-    special = special or {}
-    call = [
-        *_pieces(fmt.grammar_call_prefix, special),
-        "fn",
-        *_pieces(fmt.grammar_call_suffix, special),
-    ]
-    repeat = f" ({' '.join([*_pieces(fmt.grammar_joiner, special), 'call'])})*" if config.parallel else ""
-    start = [*_pieces(fmt.grammar_open, special), f"call{repeat}", *_pieces(fmt.grammar_close, special)]
-    lines = [
-        f"start: {' '.join(start)}",
-        f"call: {' '.join(call)}",
-        "fn: " + " | ".join(f"fn_{i}" for i in range(len(tools))),
-    ]
-    for i, tool in enumerate(tools):
-        schema = call_schema(tool, fmt.arguments_key, lenient=lenient)
-        lines.append(f"fn_{i}: %json {_encode(schema).decode()}")
-    return "\n".join(lines) + "\n"
+    calls, lines = _call_rules(fmt, config, special or {}, lenient)
+    return "\n".join([f"start: {calls}", *lines]) + "\n"
+
+
+def tools_or_answer_grammar(
+    fmt: ToolCallFormat,
+    config: ToolConfig,
+    answer: dict[str, object] | bool,
+    answer_param: str,
+    *,
+    special: Mapping[str, str] | None = None,
+    lenient: bool = True,
+) -> str:
+    """The grammar of an answer that is either tool calls of ``config`` (as
+    ``tool_call_grammar``'s) or one JSON value of ``answer``, the schema to
+    compile as it is (``json_rule_schema``'s output; ``answer_param`` names its
+    request field). For ``tool_choice: auto`` beside a JSON ``response_format``
+    (the OpenAI Agents SDK's agent with tools and an ``output_type``): the
+    parser reads the calls as calls and the JSON as content. Raises
+    ``ValueError`` unless ``config.active``."""
+    if not config.active:
+        raise ValueError("tool_choice 'none' allows no call; no grammar of calls applies")
+    calls, lines = _call_rules(fmt, config, special or {}, lenient)
+    answer_rule = _json_rule("answer", answer, answer_param)
+    return "\n".join([f"start: ({calls}) | answer", *lines, *answer_rule]) + "\n"

@@ -168,3 +168,36 @@ def decode_call_arguments(name: str, json_text: str, names: frozenset[str]) -> F
     except msgspec.DecodeError:
         return None
     return FunctionCall(name, compact(json_text))
+
+
+# A call object's start up to its name, then (once written) its arguments key.
+_PARTIAL_NAME = re.compile(r'\{[ \t\n\r]*"name"[ \t\n\r]*:[ \t\n\r]*"(?P<name>[^"\\]*)"')
+_PARTIAL_ARGS = re.compile(r'[ \t\n\r]*,[ \t\n\r]*"(?:arguments|parameters)"[ \t\n\r]*:[ \t\n\r]*')
+
+
+def partial_arguments(text: str) -> str:
+    """Arguments as far as written: the JSON value at the start of ``text``
+    compacted when it is complete, else the text without trailing whitespace
+    (not compacted: whitespace inside an unterminated string is the model's)."""
+    text = text.lstrip(WHITESPACE)
+    if text[:1] in ("{", "["):
+        end = JsonSpan(0).scan(text)
+        if end is not None:
+            try:
+                msgspec.json.decode(text[:end])
+            except msgspec.DecodeError:
+                return text[:end]
+            return compact(text[:end])
+    return text.rstrip(WHITESPACE)
+
+
+def partial_call(text: str, names: frozenset[str]) -> FunctionCall | None:
+    """The call an unfinished call object was becoming (``text`` starts at its
+    ``{``; ``name`` first, as the grammars write it): its name once complete
+    and in ``names``, with the arguments as far as written (``""`` before they
+    start, see ``partial_arguments``); ``None`` before the name is complete."""
+    m = _PARTIAL_NAME.match(text)
+    if m is None or m["name"] not in names:
+        return None
+    a = _PARTIAL_ARGS.match(text, m.end())
+    return FunctionCall(m["name"], partial_arguments(text[a.end() :]) if a else "")

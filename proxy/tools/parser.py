@@ -20,7 +20,15 @@ cannot be taken back.
 
 Malformed output is never an error: a block that is not a valid call (bad JSON,
 an unknown function, arguments that are not an object, a block still open when
-the output ends) is content, its start marker and text verbatim. Whitespace next
+the model stopped) is content, its start marker and text verbatim.
+
+**A cut call is still a call** (``finish(cut=True)``, ``parse_output(...,
+cut=True)``: the output ended at ``max_tokens`` or the context's end, as
+OpenAI reports it): a block still open is the call it was becoming, its
+arguments as far as written (``'{"city": "Par'``; ``""`` if they had not
+started), the choice's ``finish_reason`` staying ``length``; a block whose
+function name is not complete yet, and text held back as a possible start
+marker, are dropped: format markers never reach ``content``. Whitespace next
 to a valid call (before its marker, after its end, ``;`` between Llama calls) is
 dropped; a partial marker, and whitespace that may turn out to precede a call,
 are held back until known. An output with no valid call comes out as its exact
@@ -130,12 +138,17 @@ class ToolCallParser:
             self._run(out, final=False)
         return out
 
-    def finish(self) -> ParseEnd:
+    def finish(self, *, cut: bool = False) -> ParseEnd:
         """The remaining events at the end of the output, and whether any call
-        was made. Idempotent."""
+        was made. ``cut``: the output was ended by a length limit
+        (``finish_reason: "length"``): a call still being written is a call
+        with its arguments as far as written, and text held back as a possible
+        marker is dropped (see the module's docstring). Idempotent."""
         out: list[StreamEvent] = []
         if not self._finished:
             self._finished = True
+            if cut:
+                self._cut(out)
             self._run(out, final=True)
             if self._ws:
                 out.append(ContentDelta(self._ws))
@@ -143,6 +156,15 @@ class ToolCallParser:
         return ParseEnd(out, bool(self._calls))
 
     # ---------------------------------------------------------------- internals
+
+    def _cut(self, out: list[StreamEvent]) -> None:
+        if self._block is not None:
+            for call in self._block.cut(self._buf) or ():
+                self._emit_call(call, out)
+            # The block is the call, or format text that is no content either.
+            self._block = None
+            self._call_ws = ""
+        self._buf = ""
 
     def _run(self, out: list[StreamEvent], final: bool) -> None:
         while self._call_step(out, final) if self._block is not None else self._text_step(out, final):
@@ -242,13 +264,19 @@ class ToolCallParser:
 
 
 def parse_output(
-    fmt: ToolCallFormat, config: ToolConfig, text: str, *, new_id: Callable[[], str] | None = None
+    fmt: ToolCallFormat,
+    config: ToolConfig,
+    text: str,
+    *,
+    new_id: Callable[[], str] | None = None,
+    cut: bool = False,
 ) -> ParsedOutput:
     """A whole (non-stream) output as content and tool calls: the same result a
-    ``ToolCallParser`` gives for that text in any split."""
+    ``ToolCallParser`` gives for that text in any split (``cut``: as its
+    ``finish``'s)."""
     parser = ToolCallParser(fmt, config, new_id=new_id)
     events = parser.feed(text)
-    events += parser.finish().events
+    events += parser.finish(cut=cut).events
     content = "".join(e.text for e in events if isinstance(e, ContentDelta))
     calls = parser.tool_calls
     return ParsedOutput(content if content or not calls else None, calls)

@@ -92,12 +92,14 @@ ToolChoiceIn = str | NamedToolChoiceIn
 
 class FunctionTool(msgspec.Struct, frozen=True, kw_only=True):
     """One callable function, validated. ``parameters`` is the JSON schema of its
-    arguments object (``None``: the client gave none; any object is accepted)."""
+    arguments object (``None``: the client gave none: an object). ``strict``
+    as the client sent it (``None``: absent); the arguments' grammar is strict
+    unless it is false (``proxy.tools.grammar.tool_strict``)."""
 
     name: str
     description: str | None = None
     parameters: dict[str, object] | None = None
-    strict: bool = False
+    strict: bool | None = None
 
 
 ToolMode = Literal["none", "auto", "required", "function"]
@@ -154,9 +156,7 @@ def _function_tool(i: int, tool: ToolIn) -> FunctionTool:
             "among a-z, A-Z, 0-9, '_' and '-'",
             param="tools",
         )
-    return FunctionTool(
-        name=fn.name, description=fn.description, parameters=fn.parameters, strict=bool(fn.strict)
-    )
+    return FunctionTool(name=fn.name, description=fn.description, parameters=fn.parameters, strict=fn.strict)
 
 
 _STRING_CHOICES: dict[str, ToolMode] = {"none": "none", "auto": "auto", "required": "required"}

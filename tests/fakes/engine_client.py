@@ -29,7 +29,7 @@ from protocol import (
     choice_seed,
 )
 from proxy.errors import EngineDead, EngineNotReady, ProxyError, ShuttingDown
-from proxy.request_stream import RequestStream
+from proxy.request_stream import DEFAULT_MAX_MERGED_BYTES, RequestStream
 from proxy.settings import ProxySettings
 
 WORKER = Ready(PROTOCOL_VERSION, "worker-1", "fake-model", "fake", 4096, None)
@@ -151,6 +151,7 @@ class FakeEngineClient:
     is_ready: bool = True
     worker_ready: Ready | None = WORKER
     queue_max: int = 256
+    max_merged_bytes: int = DEFAULT_MAX_MERGED_BYTES
     waiting_requests: int = 0
     kv_cache_usage: float = 0.0
     running_requests: int | None = None
@@ -198,7 +199,9 @@ class FakeEngineClient:
         if not self.is_ready:
             raise EngineNotReady("fake not ready")
         choices = [c for submit in submits for c in choice_submits(submit)]
-        stream = RequestStream([c.request_id for c in choices], self.queue_max)
+        stream = RequestStream(
+            [c.request_id for c in choices], self.queue_max, max_merged_bytes=self.max_merged_bytes
+        )
         self._streams.append(stream)
         self.submits.extend(submits)
         for c in choices:

@@ -22,7 +22,7 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestClient
 
-import proxy.constraints
+import proxy.serve
 from engine_worker.backend import ENGINE_FAILED_EXIT_STATUS
 from engine_worker.exllamav3.backend import ExLlamaV3Backend
 from engine_worker.loop import EngineLoop
@@ -335,7 +335,7 @@ async def test_a_json_schema_request_runs_under_a_grammar_filter(
     (job,) = worker.jobs()
     (flt,) = job.filters
     assert isinstance(flt, fx.LLGuidanceFilter) and flt.eos_after_completed
-    assert flt._grammar == json_schema_grammar(schema, "response_format")
+    assert flt._grammar == json_schema_grammar(schema)
     # the grammar completed at "}" and ended the job (generator/job.py:1001-1002)
     assert [r["eos_reason"] for r in worker.rec.results if r.get("eos")] == ["end_filter"]
 
@@ -359,13 +359,17 @@ async def test_a_bad_schema_is_a_400_naming_the_field(
     resp = await client.post("/v1/chat/completions", json=body)
     assert resp.status == 400
     assert (await resp.json())["error"]["param"] == "response_format.json_schema"  # the proxy's check
+
     # Without the proxy's check the worker compiles it against the model's tokenizer and refuses it.
-    monkeypatch.setattr(proxy.constraints, "checked", lambda grammar, param: grammar)
+    async def unchecked(grammar: str, param: str) -> None:
+        return None
+
+    monkeypatch.setattr(proxy.serve, "validate", unchecked)
     for stream in (False, True):
         resp = await client.post("/v1/chat/completions", json={**body, "stream": stream})
         err = (await resp.json())["error"]
         assert resp.status == 400, err
-        assert err["param"] == "response_format" and err["message"].startswith("invalid grammar")
+        assert err["param"] == "response_format.json_schema" and err["message"].startswith("invalid grammar")
 
 
 async def test_logprobs_join_to_the_content_non_stream(client: TestClient[Any, Any]) -> None:

@@ -259,7 +259,7 @@ def json_output(config: OutputConfigIn | None, legacy: OutputFormatIn | None) ->
         return None
     if fmt.type != "json_schema" or fmt.schema is None:
         raise InvalidRequest(f'\'{where}\' must be {{"type": "json_schema", "schema": {{...}}}}', param=where)
-    return JsonOutput(fmt.schema, f"{where}.schema", strict=True, field=where)
+    return JsonOutput(fmt.schema, f"{where}.schema", strict=True)
 
 
 def chat_task(req: MessagesRequest | CountTokensRequest) -> ChatTask:

@@ -274,7 +274,7 @@ def _json_output(text: TextConfigIn | None) -> JsonOutput | None:
             raise InvalidRequest(
                 "'text.format' of type 'json_schema' needs 'schema'", param="text.format.schema"
             )
-        return JsonOutput(fmt.schema, "text.format.schema", bool(fmt.strict), field="text.format")
+        return JsonOutput(fmt.schema, "text.format.schema", bool(fmt.strict))
     raise InvalidRequest(
         f"'text.format.type' is {fmt.type!r}; expected 'text', 'json_object' or 'json_schema'",
         param="text.format.type",

@@ -284,7 +284,8 @@ async def test_a_client_that_stops_reading_is_merged_and_complete(
     once the client reads, every byte of text is there, in order."""
     texts = [f"{i:04d}" + "x" * 4000 for i in range(3000)]
     fake.script = static_script(texts)
-    client = await make_client(request_queue_max=8, max_stream_buffer_mb=64)
+    fake.max_merged_bytes = 64 * 1024 * 1024  # this client reads, slowly: not a stalled one
+    client = await make_client(request_queue_max=8)
     port = client.server.port
     payload = orjson.dumps(body(stream=True, stream_options={"include_usage": True}))
     request = (

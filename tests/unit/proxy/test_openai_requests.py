@@ -17,6 +17,7 @@ from proxy.dialects.completions import CompletionJob, CompletionRequest, parse_c
 from proxy.errors import InvalidRequest
 from proxy.task import prompt_chars
 from proxy.tools import choose_format
+from proxy.tools.grammar import json_rule_schema
 
 
 def to_submits(req: ChatCompletionRequest | CompletionRequest, rid: str, max_ctx: int) -> list[Submit]:
@@ -317,10 +318,6 @@ def test_logprobs_fields_become_the_wire_count() -> None:
         ({**_CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({**_CHAT, "top_logprobs": 2}, "top_logprobs"),
         ({**_CHAT, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
-        (
-            {**_CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}},
-            "response_format.json_schema",
-        ),
         ({**_CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
     ],
 )
@@ -336,9 +333,9 @@ def test_response_format_becomes_a_grammar_llguidance_accepts() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
     params = to_submit(parse_chat_request(orjson.dumps({**_CHAT, "response_format": rf})), "c", 100).params
-    assert params.grammar is not None and params.grammar_param == "response_format"
+    assert params.grammar is not None and params.grammar_param == "response_format.json_schema"
     assert LLMatcher.validate_grammar(params.grammar) == ""
-    assert orjson.loads(params.grammar)["grammars"][0]["json_schema"] == schema
+    assert orjson.loads(params.grammar)["grammars"][0]["json_schema"] == json_rule_schema(schema, strict=True)
     obj = parse_chat_request(orjson.dumps({**_CHAT, "response_format": {"type": "json_object"}}))
     assert to_submit(obj, "c", 100).params.grammar is not None
     text = parse_chat_request(orjson.dumps({**_CHAT, "response_format": {"type": "text"}}))

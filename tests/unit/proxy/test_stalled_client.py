@@ -25,7 +25,7 @@ async def _stalled_socket(port: int, payload: dict[str, Any]) -> socket.socket:
     """A connection with a 4 KiB receive buffer that sends ``payload`` and never reads."""
     data = orjson.dumps(payload)
     request = (
-        f"POST {URL} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"POST {URL} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(data)}\r\n\r\n"
     ).encode() + data
     sock = socket.socket()

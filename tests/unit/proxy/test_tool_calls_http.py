@@ -15,6 +15,7 @@ from openai import AsyncOpenAI
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from protocol import Submit
+from protocol.messages import FinishReason
 from tests.fakes.engine_client import FakeEngineClient, Step, completion_events
 from tests.unit.proxy.conftest import MakeClient
 
@@ -104,7 +105,6 @@ async def test_required_choice_is_a_grammar_and_history_is_rendered(
             "tool_choice",
         ),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "response_format"),
         ({"tools": [WEATHER], "logprobs": True}, "logprobs"),
         ({"functions": [{"name": "f"}]}, "functions"),
     ],
@@ -195,3 +195,63 @@ async def test_stop_strings_are_refused_with_a_forced_call(make_client: MakeClie
     resp = await client.post("/v1/chat/completions", json=body)
     assert resp.status == 400
     assert orjson.loads(await resp.read())["error"]["param"] == "stop"
+
+
+# A forced call cut by max_tokens, split where tokens would split it.
+CUT = ["<tool_call>", '\n{"name": "get_weather", ', '"arguments": {"city": "Par']
+
+
+async def test_a_cut_call_is_still_a_call_streamed_and_not(
+    make_client: MakeClient, fake: FakeEngineClient
+) -> None:
+    fake.script = lambda s: list(completion_events(s.request_id, CUT, finish_reason=FinishReason.LENGTH))
+    client = await make_client()
+    body: Any = {
+        "model": "m",
+        "messages": MESSAGES,
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "max_tokens": 3,
+    }
+    async with sdk(client) as api:
+        r = await api.chat.completions.create(**body)
+        stream = await api.chat.completions.create(**body, stream=True)
+        state = ChatCompletionStreamState()
+        contents: list[str] = []
+        async for chunk in stream:
+            state.handle_chunk(chunk)
+            contents += [c.delta.content for c in chunk.choices if c.delta.content]
+        streamed = state.current_completion_snapshot  # get_final_completion raises on length
+    for choice in (r.choices[0], streamed.choices[0]):
+        assert choice.finish_reason == "length"
+        assert not choice.message.content  # no "<tool_call>" in content
+        (call,) = choice.message.tool_calls or []
+        assert call.function.name == "get_weather"
+        assert call.function.arguments == '{"city": "Par'
+    assert contents == []
+
+
+ANSWER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+
+
+async def test_tools_with_response_format_a_call_or_the_json(
+    make_client: MakeClient, fake: FakeEngineClient
+) -> None:
+    answer = ['{"city": ', '"Paris"}']
+    fake.script = lambda s: list(completion_events(s.request_id, answer))
+    client = await make_client()
+    body: Any = {"model": "m", "messages": MESSAGES, "tools": [WEATHER], "response_format": RESPONSE_FORMAT}
+    resp = await client.post("/v1/chat/completions", json=body)
+    assert resp.status == 200
+    out = orjson.loads(await resp.read())
+    assert out["choices"][0]["message"]["content"] == '{"city": "Paris"}'
+    assert out["choices"][0]["finish_reason"] == "stop" and not out["choices"][0]["message"].get("tool_calls")
+    params = fake.submits[0].params
+    assert params.grammar is not None and params.grammar_param == "tools"
+    lines = params.grammar.splitlines()
+    assert lines[0].endswith(" | answer") and "// response_format.json_schema" in lines
+    # With a forced call the answer is the call alone.
+    await client.post("/v1/chat/completions", json={**body, "tool_choice": "required"})
+    forced = fake.submits[1].params.grammar
+    assert forced is not None and "answer" not in forced and forced.startswith("start: call")

@@ -181,7 +181,7 @@ async def test_parse_with_a_pydantic_model(make_client: MakeClient, fake: FakeEn
         r = await api.responses.parse(model="m", input="A city?", text_format=City)
     assert r.output_parsed == City(name="Paris", population=2100000)
     (submit,) = fake.submits
-    assert submit.params.grammar is not None and submit.params.grammar_param == "text.format"
+    assert submit.params.grammar is not None and submit.params.grammar_param == "text.format.schema"
 
 
 @pytest.mark.parametrize(

@@ -11,9 +11,17 @@ import pytest
 
 from proxy.constraints import ANY_JSON_OBJECT, json_schema_grammar
 from proxy.tools.formats import HERMES, LLAMA3_JSON, MISTRAL, ToolCallFormat
-from proxy.tools.grammar import call_schema, tool_call_grammar
-from proxy.tools.parser import parse_output
-from proxy.tools.spec import FunctionCall, FunctionTool
+from proxy.tools.grammar import (
+    INTEGER_DIGITS,
+    WHITESPACE_RUN,
+    call_schema,
+    json_rule_schema,
+    strict_schema,
+    tool_call_grammar,
+    tools_or_answer_grammar,
+)
+from proxy.tools.parser import ParsedOutput, parse_output
+from proxy.tools.spec import FunctionCall, FunctionTool, ToolConfig
 from tests.unit.proxy.tools.conftest import WEATHER_PARAMS, config
 
 NAMED_TIME = {"type": "function", "function": {"name": "get_time"}}
@@ -23,15 +31,20 @@ def test_named_hermes_grammar_text() -> None:
     grammar = tool_call_grammar(HERMES, config(NAMED_TIME, parallel=False))
     wrapper = {
         "type": "object",
-        "properties": {"name": {"const": "get_time"}, "arguments": {"type": "object"}},
+        # get_time declares no parameters: strict by default, so no argument at all.
+        "properties": {
+            "name": {"const": "get_time"},
+            "arguments": {"type": "object", "additionalProperties": False},
+        },
         "required": ["name", "arguments"],
         "additionalProperties": False,
-        "x-guidance": {"lenient": True},
+        "x-guidance": {"whitespace_pattern": "\\x20?", "lenient": True},
     }
     assert grammar == (
         "start: call\n"
         'call: "<tool_call>" "\\n" fn "\\n" "</tool_call>"\n'
         "fn: fn_0\n"
+        "// tools[1].function.parameters\n"  # get_time is TOOLS_JSON[1]
         f"fn_0: %json {json.dumps(wrapper, separators=(',', ':'))}\n"
     )
 
@@ -53,7 +66,8 @@ def test_required_parallel_shapes() -> None:
 
 
 def test_arguments_key_follows_the_format() -> None:
-    schema = call_schema(FunctionTool(name="get_weather", parameters=WEATHER_PARAMS), "parameters")
+    tool = FunctionTool(name="get_weather", parameters=WEATHER_PARAMS, strict=False)
+    schema = call_schema(tool, "parameters")
     assert schema["properties"] == {"name": {"const": "get_weather"}, "parameters": WEATHER_PARAMS}
     assert schema["required"] == ["name", "parameters"]
 
@@ -71,7 +85,7 @@ def test_refs_and_defs_survive_embedding() -> None:
         "$defs": {"Place": {"type": "object", "properties": {"parent": {"$ref": "#"}}}},
         "definitions": {"Old": {"type": "string"}},
     }
-    schema = call_schema(FunctionTool(name="f", parameters=params), lenient=False)
+    schema = call_schema(FunctionTool(name="f", parameters=params, strict=False), lenient=False)
     assert schema == {
         "type": "object",
         "properties": {
@@ -90,6 +104,7 @@ def test_refs_and_defs_survive_embedding() -> None:
         "additionalProperties": False,
         "$defs": {"Place": {"type": "object", "properties": {"parent": {"$ref": "#/properties/arguments"}}}},
         "definitions": {"Old": {"type": "string"}},
+        "x-guidance": {"whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{WHITESPACE_RUN}}}"},
     }
     assert "$defs" in params and params["properties"]["again"] == {"$ref": "#"}  # input untouched
 
@@ -177,7 +192,7 @@ def test_lenient_ignores_unknown_formats(accepts: Any) -> None:
 
 
 def test_response_format_grammars(accepts: Any) -> None:
-    any_object = json_schema_grammar(ANY_JSON_OBJECT, "response_format")
+    any_object = json_schema_grammar(ANY_JSON_OBJECT)
     assert accepts(any_object, '{"a": [1, 2]}')
     assert not accepts(any_object, "[1, 2]")
     schema: dict[str, object] = {
@@ -185,5 +200,144 @@ def test_response_format_grammars(accepts: Any) -> None:
         "properties": {"a": {"type": "integer"}},
         "required": ["a"],
     }
-    assert accepts(json_schema_grammar(schema, "response_format"), '{"a": 3}')
-    assert not accepts(json_schema_grammar(schema, "response_format"), '{"a": "3"}')
+    assert accepts(json_schema_grammar(schema), '{"a": 3}')
+    assert not accepts(json_schema_grammar(schema), '{"a": "3"}')
+
+
+# ---------------------------------------------------------------- strict and loose JSON
+
+
+def test_strict_schema_closes_objects_it_does_not_open() -> None:
+    place = {"type": "object", "properties": {"city": {"type": "string"}}}
+    schema: dict[str, Any] = {
+        "type": "object",
+        "properties": {
+            "where": place,
+            "tags": {"type": "array", "items": {"properties": {"k": {"type": "string"}}}},
+            "extra": {"type": "object", "additionalProperties": {"type": "object"}},
+            "pattern": {"type": "object", "patternProperties": {"^x": {"type": "string"}}},
+            "either": {"anyOf": [place, {"type": "null"}]},
+            "both": {"allOf": [place, {"type": "object", "properties": {"zip": {"type": "string"}}}]},
+            "one": {"allOf": [place]},
+        },
+        "$defs": {"P": place},
+    }
+    closed = {**place, "additionalProperties": False}
+    assert strict_schema(schema) == {
+        "type": "object",
+        "properties": {
+            "where": closed,
+            "tags": {
+                "type": "array",
+                "items": {"properties": {"k": {"type": "string"}}, "additionalProperties": False},
+            },
+            # Opened by the client: kept open, what it allows closed in turn.
+            "extra": {
+                "type": "object",
+                "additionalProperties": {"type": "object", "additionalProperties": False},
+            },
+            "pattern": {"type": "object", "patternProperties": {"^x": {"type": "string"}}},
+            "either": {"anyOf": [closed, {"type": "null"}]},
+            # Branches of a several-schema allOf are intersected: left open.
+            "both": {"allOf": [place, {"type": "object", "properties": {"zip": {"type": "string"}}}]},
+            "one": {"allOf": [closed]},
+        },
+        "$defs": {"P": closed},
+        "additionalProperties": False,
+    }
+    assert "additionalProperties" not in schema["properties"]["where"]  # the input is untouched
+    assert strict_schema(True) is True
+
+
+def test_strict_schema_bounds_numbers() -> None:
+    bound = 10**INTEGER_DIGITS - 1
+    assert strict_schema({"type": "integer"}) == {"type": "integer", "minimum": -bound, "maximum": bound}
+    assert strict_schema({"type": ["number", "null"]}) == {
+        "type": ["number", "null"],
+        "minimum": -bound,
+        "maximum": bound,
+        "multipleOf": 1e-10,
+    }
+    # The client's own bounds and step stay; only the missing side is added.
+    assert strict_schema({"type": "number", "exclusiveMinimum": 0, "multipleOf": 0.5}) == {
+        "type": "number",
+        "exclusiveMinimum": 0,
+        "multipleOf": 0.5,
+        "maximum": bound,
+    }
+    assert strict_schema({"type": "string"}) == {"type": "string"}
+
+
+def test_json_rule_schema_options() -> None:
+    loose = json_rule_schema({"type": "object", "x-guidance": {"whitespace_flexible": True}}, strict=False)
+    assert loose == {"type": "object", "x-guidance": {"whitespace_pattern": "[\\x20\\x0A\\x0D\\x09]{0,16}"}}
+    strict = json_rule_schema({"type": "object"}, strict=True, lenient=True)
+    assert strict == {
+        "type": "object",
+        "additionalProperties": False,
+        "x-guidance": {"whitespace_pattern": "\\x20?", "lenient": True},
+    }
+    assert json_rule_schema(True, strict=True) == {"x-guidance": {"whitespace_pattern": "\\x20?"}}
+    assert json_rule_schema(False, strict=True) is False
+
+
+PERSON: dict[str, Any] = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "population": {"type": "integer"}, "area": {"type": "number"}},
+    "required": ["name"],
+}
+
+
+def test_strict_json_grammar(accepts: Any) -> None:
+    strict = json_schema_grammar(PERSON, strict=True)
+    assert accepts(strict, '{"name":"Paris","population":2102650}')
+    assert accepts(strict, '{"name": "Paris", "area": 105.4}')
+    assert not accepts(strict, '{"name": "Paris", "type": "string"}')  # undeclared
+    assert not accepts(strict, '{\n    "name": "Paris"}')  # indentation
+    assert not accepts(strict, '{"name":  "Paris"}')  # two spaces
+    assert accepts(strict, '{"name": "P", "population": ' + "9" * 16 + "}")
+    assert not accepts(strict, '{"name": "P", "population": ' + "1" * 17 + "}")
+    assert accepts(strict, '{"name": "P", "area": 1.' + "5" * 10 + "}")
+    assert not accepts(strict, '{"name": "P", "area": 1.' + "5" * 11 + "}")
+    assert not accepts(strict, '{"name": "P", "area": 1e5}')
+    # Without strict: JSON Schema's meaning, whitespace runs bounded.
+    loose = json_schema_grammar(PERSON)
+    assert accepts(loose, '{"name": "Paris", "type": "string"}')
+    assert accepts(loose, '{"name": "P", "population": ' + "1" * 40 + "}")
+    assert accepts(loose, "{\n" + " " * (WHITESPACE_RUN - 1) + '"name": "Paris"}')
+    assert not accepts(loose, "{\n" + " " * WHITESPACE_RUN + '"name": "Paris"}')
+
+
+def test_tool_arguments_are_strict_unless_the_function_says_not(accepts: Any) -> None:
+    def grammar(strict: bool | None) -> str:
+        tool = FunctionTool(name="get_weather", parameters=WEATHER_PARAMS, strict=strict)
+        return tool_call_grammar(HERMES, ToolConfig(tools=(tool,), mode="required", parallel=False))
+
+    padded = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "type": "string"}}\n</tool_call>'
+    )
+    indented = '<tool_call>\n{"name": "get_weather", "arguments": {\n    "city": "Paris"}}\n</tool_call>'
+    for strict in (None, True):
+        assert not accepts(grammar(strict), padded)
+        assert not accepts(grammar(strict), indented)
+    assert accepts(grammar(False), padded)
+    assert accepts(grammar(False), indented)
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON, MISTRAL])
+def test_tools_or_answer(fmt: ToolCallFormat, accepts: Any) -> None:
+    cfg = config("auto")
+    answer = json_rule_schema(PERSON, strict=True)
+    grammar = tools_or_answer_grammar(fmt, cfg, answer, "response_format.json_schema")
+    assert grammar.splitlines()[0].endswith(" | answer")
+    assert "// response_format.json_schema\nanswer: %json " in grammar
+    assert accepts(grammar, fmt.render_calls([WEATHER]))
+    assert accepts(grammar, fmt.render_calls([TIME, WEATHER]))
+    assert accepts(grammar, '{"name": "Paris", "population": 2102650}')
+    assert not accepts(grammar, '{"name": "Paris", "extra": 1}')
+    assert not accepts(grammar, "Paris has 2 million people.")
+    # The answer reads as content, the calls as calls.
+    answer_text = '{"name": "Paris", "population": 2102650}'
+    assert parse_output(fmt, cfg, answer_text) == ParsedOutput(answer_text, [])
+    with pytest.raises(ValueError, match="allows no call"):
+        tools_or_answer_grammar(fmt, config("none"), answer, "response_format")

@@ -422,3 +422,81 @@ def test_sdk_reassembly_equals_whole_output_parse(name: str, auto: ToolConfig) -
         assert (message.content or None) == (parsed.content or None)
         got = [(t.id, t.type, t.function.name, t.function.arguments) for t in message.tool_calls or []]
         assert got == [(c.id, c.type, c.function.name, c.function.arguments) for c in parsed.tool_calls]
+
+
+# ---------------------------------------------------------------- a cut call is still a call
+
+
+def stream_cut(fmt: ToolCallFormat, cfg: ToolConfig, chunks: list[str]) -> tuple[list[StreamEvent], bool]:
+    parser = ToolCallParser(fmt, cfg, new_id=counter_ids())
+    events: list[StreamEvent] = []
+    for chunk in chunks:
+        events += parser.feed(chunk)
+    end = parser.finish(cut=True)
+    return events + end.events, end.tool_calls_made
+
+
+HERMES_CUT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
+CUT_CASES = [
+    # (format, output cut by max_tokens, content, calls as (name, arguments text))
+    (HERMES, HERMES_CUT, "", [("get_weather", '{"city": "Par')]),
+    (HERMES, "Sure.\n" + HERMES_CUT, "Sure.", [("get_weather", '{"city": "Par')]),
+    (
+        HERMES,
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}',
+        "",
+        [("get_weather", '{"city":"Paris"}')],
+    ),
+    (
+        HERMES,
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool',
+        "",
+        [("get_weather", '{"city":"Paris"}')],
+    ),
+    (HERMES, '<tool_call>\n{"name": "get_weather", "arg', "", [("get_weather", "")]),
+    (HERMES, '<tool_call>\n{"name": "get_wea', "", []),  # no name yet: dropped, no marker in content
+    (HERMES, "It is <tool_c", "It is ", []),  # a marker's start is held back, then dropped
+    (
+        HERMES,
+        '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n' + HERMES_CUT,
+        "",
+        [("get_time", "{}"), ("get_weather", '{"city": "Par')],
+    ),
+    (
+        LLAMA3_JSON,
+        '{"name": "get_weather", "parameters": {"city": "New Yo',
+        "",
+        [("get_weather", '{"city": "New Yo')],
+    ),
+    (LLAMA3_JSON, '{"answer": "New Yo', '{"answer": "New Yo', []),  # a JSON answer stays content
+    (
+        MISTRAL,
+        '[TOOL_CALLS][{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"ci',
+        "",
+        [("get_time", "{}"), ("get_weather", '{"ci')],
+    ),
+    (MISTRAL, '[TOOL_CALLS]get_weather[ARGS]{"city": "Pa', "", [("get_weather", '{"city": "Pa')]),
+]
+
+
+@pytest.mark.parametrize(("fmt", "text", "content", "calls"), CUT_CASES)
+def test_a_cut_call_is_still_a_call(
+    fmt: ToolCallFormat, text: str, content: str, calls: list[tuple[str, str]], auto: ToolConfig
+) -> None:
+    whole = parse_output(fmt, auto, text, cut=True)
+    assert (whole.content or "", [(c.function.name, c.function.arguments) for c in whole.tool_calls]) == (
+        content,
+        calls,
+    )
+    for chunks in splits(text):
+        events, made = stream_cut(fmt, auto, chunks)
+        got = assemble(events)
+        assert (got.content, [(n, a) for _, n, a in got.calls]) == (content, calls), chunks
+        assert made == bool(calls)
+        for marker in fmt.markers:
+            assert marker not in got.content
+
+
+def test_an_uncut_open_block_stays_content(auto: ToolConfig) -> None:
+    # The model stopped by itself inside a block: malformed output, its text verbatim.
+    assert parse_output(HERMES, auto, HERMES_CUT).content == HERMES_CUT

@@ -1,0 +1,67 @@
+"""The grammar-checking child process: ``python -m proxy.grammar_check MEMORY_MB``.
+
+llguidance's grammar validation has costs that its own limits
+(``GRAMMAR_LIMITS``) do not bound: a string schema with ``allOf`` of N regex
+``pattern``s is intersected while llguidance decides whether the result is
+empty, in time and memory exponential in N (20 patterns: 1.4 s, 250 MB; 50:
+minutes, 20 GB, then a Rust panic). So the proxy never validates on its own
+process: it sends grammars to children like this one (``proxy.constraints``),
+which it can kill at a deadline, and whose address space is capped here
+(``RLIMIT_AS``), so an allocation over the cap kills the child (Rust aborts),
+never the proxy.
+
+Protocol, one JSON document per line: the parent writes a list of grammar
+texts; the child answers ``{"at": i}`` before checking the ``i``-th, then
+``{"ok": true}``, or ``{"index": i, "error": str}`` for the first one llguidance
+refuses. Standard library and llguidance only (the child starts in about 70 ms).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+
+GRAMMAR_LIMITS: dict[str, int | bool] = {
+    "max_items_in_row": 2000,
+    "initial_lexer_fuel": 1_000_000,
+    "step_lexer_fuel": 200_000,
+    "step_max_items": 50_000,
+    "max_lexer_states": 250_000,
+    "max_grammar_size": 500_000,
+    "verbose_errors": False,
+}
+"""``llguidance.LLParserLimits`` for every grammar the proxy checks: llguidance's
+documented defaults (``LLParserLimits`` in its ``_lib.pyi``), pinned here so an
+upgrade cannot loosen them unnoticed, and ``verbose_errors`` off (errors do not
+dump the parser state and the client's schema). The worker compiles with the
+same (``engine_worker.constraints.GRAMMAR_LIMITS``; a test keeps them equal)."""
+
+
+def main() -> None:
+    memory_mb = int(sys.argv[1])
+    limit = memory_mb * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    os.nice(10)  # a check never takes a core from the engine worker first
+
+    from llguidance import LLMatcher, LLParserLimits
+
+    limits = LLParserLimits(**GRAMMAR_LIMITS)  # type: ignore[arg-type]
+    out = sys.stdout
+    for line in sys.stdin:  # EOF (the proxy closed the pipe or died): exit
+        grammars = json.loads(line)
+        reply: dict[str, object] = {"ok": True}
+        for i, grammar in enumerate(grammars):
+            out.write(json.dumps({"at": i}) + "\n")
+            out.flush()
+            error = LLMatcher.validate_grammar(grammar, limits=limits)
+            if error:
+                reply = {"index": i, "error": error}
+                break
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    main()
