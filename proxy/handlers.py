@@ -16,7 +16,7 @@ import logging
 import msgspec
 from aiohttp import web
 
-from proxy.errors import EngineNotReady, NotFound
+from proxy.errors import EngineNotReady
 from proxy.metrics import CONTENT_TYPE
 from proxy.request_log import METRICS
 from proxy.responses import HealthStatus, ModelCard, ModelList, ReadyStatus, encode
@@ -83,13 +83,14 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def get_model(request: web.Request) -> web.Response:
-    """The model card of the served model; 404 for any other name."""
+    """The model card for any name, as the generation endpoints serve the one
+    model under any ``model`` name (clients send their own: Claude Code a
+    ``claude-*`` name, many ``any``): ``id`` is the name asked for, ``root`` the
+    served model (vLLM's field for the model an alias serves). One rule for
+    both: a name the POST endpoints serve is never a 404 here."""
     card = _model_card(request.app[STATE])
-    if request.match_info["model"] != card.id:
-        raise NotFound(
-            f"The model '{request.match_info['model']}' does not exist", param="model", code="model_not_found"
-        )
-    return _json(card)
+    asked = request.match_info["model"]
+    return _json(msgspec.structs.replace(card, id=asked, root=card.id))
 
 
 def add_routes(app: web.Application) -> None:

@@ -13,7 +13,8 @@ shape of every route that belongs to no dialect)::
 Models: ``{"object": "list", "data": [card]}`` with card ``{"id": str, "object":
 "model", "created": int, "owned_by": "exl3-sidecar", "max_model_len": int}``
 (``max_model_len``, vLLM's name for the context size, only once the worker's
-context size is known). Probes: ``/health`` ``{"status": "ok"}``; ``/ready``
+context size is known); ``GET /v1/models/{id}`` answers any name with that id and
+``"root": <the served model>``. Probes: ``/health`` ``{"status": "ok"}``; ``/ready``
 ``{"status": "ready", "model": str | null, "worker_active_requests": int | null,
 "worker_waiting_requests": int | null, "worker_kv_cache_usage": float | null}``
 or ``{"status": "not_ready" | "draining"}``.
@@ -53,6 +54,7 @@ class ModelCard(msgspec.Struct, kw_only=True, gc=False):
     created: int
     owned_by: str = "exl3-sidecar"
     max_model_len: int | UnsetType = UNSET
+    root: str | UnsetType = UNSET
 
 
 class ModelList(msgspec.Struct, kw_only=True, gc=False):

@@ -208,7 +208,7 @@ CASES: dict[str, Case] = {
         CHAT,
         {"messages": MSGS, "stream": True},
     ),
-    "error_404_model": Case(None, "GET", "/v1/models/other"),
+    "model_alias": Case(None, "GET", "/v1/models/other"),
     "error_503_not_ready": Case(None, "POST", TEXT, {"prompt": "x"}, ready=False),
     "models": Case(None, "GET", "/v1/models"),
     "model_card": Case(None, "GET", "/v1/models/fake-model"),

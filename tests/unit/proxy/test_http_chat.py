@@ -436,8 +436,12 @@ async def test_models(make_client: MakeClient, fake: FakeEngineClient) -> None:
         ("fake-model", "model", 4096)
     ]
     assert (await client.get("/v1/models/fake-model")).status == 200
-    r = await client.get("/v1/models/other")
-    assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+    # Any name the POST endpoints serve is a model here too (one rule, issue 19).
+    r = await client.get("/v1/models/any")
+    card = await r.json()
+    assert r.status == 200 and (card["id"], card["root"], card["max_model_len"]) == ("any", "fake-model", 4096)
+    served = await (await client.post(URL, json={**body(), "model": "any"})).json()
+    assert served["model"] == "fake-model"
 
 
 async def test_served_model_name(make_client: MakeClient, fake: FakeEngineClient) -> None:
