@@ -439,7 +439,8 @@ async def test_models(make_client: MakeClient, fake: FakeEngineClient) -> None:
     # Any name the POST endpoints serve is a model here too (one rule, issue 19).
     r = await client.get("/v1/models/any")
     card = await r.json()
-    assert r.status == 200 and (card["id"], card["root"], card["max_model_len"]) == ("any", "fake-model", 4096)
+    assert r.status == 200
+    assert (card["id"], card["root"], card["max_model_len"]) == ("any", "fake-model", 4096)
     served = await (await client.post(URL, json={**body(), "model": "any"})).json()
     assert served["model"] == "fake-model"
 
