@@ -38,7 +38,7 @@ from protocol import (
     TokenDelta,
 )
 from proxy.app import create_app
-from proxy.dialects.base import Header
+from proxy.dialect import Header
 from proxy.dialects.chat.frames import ChatFrames
 from proxy.generation import Generation, Options
 from proxy.request_stream import RequestStream

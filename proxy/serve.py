@@ -35,7 +35,7 @@ from aiohttp import web
 from protocol.messages import Ready, Submit, choice_ids
 from proxy.constraints import validate
 from proxy.delivery import complete_response, send_body, stream_response
-from proxy.dialects.base import Context, Dialect, Handler, Header
+from proxy.dialect import Context, Dialect, Handler, Header
 from proxy.errors import (
     NOT_READY_MESSAGE,
     OPENAI_ERRORS,

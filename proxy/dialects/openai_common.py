@@ -41,7 +41,7 @@ from msgspec import UNSET, UnsetType
 from protocol.messages import PrefillProgress, QueueProgress, TokenLogprob
 from proxy import sse
 from proxy.constraints import ANY_JSON_OBJECT
-from proxy.dialects.base import Header
+from proxy.dialect import Header
 from proxy.errors import InvalidRequest, ProxyError, envelope
 from proxy.generation import Generation
 from proxy.task import JsonOutput, Sampling

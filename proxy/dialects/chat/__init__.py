@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from protocol.messages import Submit
-from proxy.dialects.base import Context, Handler, Header
+from proxy.dialect import Context, Handler, Header
 from proxy.dialects.chat.frames import ChatFrames, chat_body
 from proxy.dialects.chat.request import ChatCompletionRequest, chat_task, parse_chat_request
 from proxy.dialects.chat.tokenize import ROUTES as TOKENIZE_ROUTES

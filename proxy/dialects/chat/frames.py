@@ -35,7 +35,7 @@ from __future__ import annotations
 from msgspec import UNSET
 
 from proxy import sse
-from proxy.dialects.base import Header
+from proxy.dialect import Header
 from proxy.dialects.openai_common import (
     AssistantMessage,
     ChatDeltaChoice,

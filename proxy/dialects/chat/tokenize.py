@@ -18,7 +18,7 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from proxy.dialects.base import Handler
+from proxy.dialect import Handler
 from proxy.dialects.chat.request import ChatCompletionRequest, chat_task
 from proxy.dialects.openai_common import REFUSE_NOTHING, TokenId, decode
 from proxy.errors import InvalidRequest

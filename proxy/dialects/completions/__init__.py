@@ -22,7 +22,7 @@ import msgspec
 
 from protocol.messages import Submit
 from proxy import sse
-from proxy.dialects.base import Context, Handler, Header
+from proxy.dialect import Context, Handler, Header
 from proxy.dialects.openai_common import (
     ChunkFrames,
     Completion,

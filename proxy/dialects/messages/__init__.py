@@ -18,7 +18,7 @@ import msgspec
 from aiohttp import web
 
 from protocol.messages import Submit
-from proxy.dialects.base import Context, Handler, Header
+from proxy.dialect import Context, Handler, Header
 from proxy.dialects.messages.frames import MessagesErrors, MessagesFrames, messages_body
 from proxy.dialects.messages.request import (
     MessagesRequest,

@@ -48,7 +48,7 @@ from msgspec import UNSET, UnsetType
 
 from protocol.messages import PrefillProgress, QueueProgress
 from proxy import sse
-from proxy.dialects.base import Header
+from proxy.dialect import Header
 from proxy.dialects.openai_common import PromptProgress, QueuePosition
 from proxy.errors import ProxyError
 from proxy.generation import Choice, Generation, Logprobs

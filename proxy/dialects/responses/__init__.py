@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from protocol.messages import Submit
-from proxy.dialects.base import Context, Handler, Header
+from proxy.dialect import Context, Handler, Header
 from proxy.dialects.responses.frames import ResponsesFrames, responses_body
 from proxy.dialects.responses.request import ResponsesRequest, parse_responses_request, responses_task
 from proxy.dialects.responses.shapes import Reasoning, Response

@@ -29,7 +29,7 @@ from msgspec import UNSET
 
 from protocol.messages import PrefillProgress, QueueProgress, TokenLogprob
 from proxy import sse
-from proxy.dialects.base import Header
+from proxy.dialect import Header
 from proxy.dialects.openai_common import PromptProgress, QueuePosition, TokenLogprobOut
 from proxy.dialects.responses.shapes import (
     ArgumentsDeltaEvent,

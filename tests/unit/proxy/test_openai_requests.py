@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from protocol import ChatMessage, Submit
-from proxy.dialects.base import Context
+from proxy.dialect import Context
 from proxy.dialects.chat import ChatJob
 from proxy.dialects.chat.request import ChatCompletionRequest, parse_chat_request
 from proxy.dialects.completions import CompletionJob, CompletionRequest, parse_completion_request

@@ -20,7 +20,7 @@ from protocol import (
     Started,
     TokenDelta,
 )
-from proxy.dialects.base import Header
+from proxy.dialect import Header
 from proxy.dialects.chat.frames import ChatFrames, chat_body
 from proxy.dialects.completions import TextFrames
 from proxy.dialects.openai_common import usage_of

@@ -1,7 +1,8 @@
-"""What a wire dialect provides to the core, and what the core gives it.
+"""The core's contract with the wire dialects: what a dialect provides, and what the core gives it.
 
 A dialect (chat completions, text completions, the Responses API, Anthropic
-Messages) is one package under ``proxy.dialects`` that exports a ``Dialect``.
+Messages) is one package under ``proxy.dialects`` that exports a ``Dialect``;
+this module is the core's, so that the core depends on no dialect.
 The core (``proxy.serve``: intake, limits, admission, the engine client,
 delivery, metrics, the request log) calls it at three points and never asks
 which dialect it serves:
