@@ -57,6 +57,7 @@ CHECK_MEMORY_MB = 512
 CHECK_PROCESSES = 2
 CHECK_MAX_WAITING = 16
 CHECK_MAX_WAIT_S = 5.0
+CHILD_START_TIMEOUT_S = 30.0
 
 _encode = msgspec.json.Encoder().encode
 _MAX_REASON_CHARS = 400
@@ -123,6 +124,15 @@ class _Child:
             close_fds=True,
         )
         self._buf = b""
+        # Wait for the child to load llguidance, so that a check's deadline
+        # counts checking only (a loaded machine can take seconds to start it).
+        try:
+            ready = self.read_line(time.monotonic() + CHILD_START_TIMEOUT_S)
+        except TimeoutError:
+            ready = None
+        if ready is None:
+            self.kill()
+            raise ChecksBusy(f"the grammar checker did not start in {CHILD_START_TIMEOUT_S:g} s")
 
     def send(self, grammars: list[str]) -> None:
         stdin = self.proc.stdin

