@@ -9,9 +9,15 @@ thread of their own (``_beat``), so a long step never looks like a dead worker.
 Admission: a ``Submit`` is prepared (validated, templated, tokenized once for
 its ``n`` choices) on a thread of its own, so a long prompt never stalls the
 token flow of the running sequences. Then, in arrival order, it waits in a
-bounded FIFO queue until all its choices fit together: running sequences plus
+bounded queue until all its choices fit together: running sequences plus
 ``n`` within ``max_batch_size``, and KV reservations within
-``kv_cache_tokens`` (``ModelInfo``). A request that can never fit is refused at
+``kv_cache_tokens`` (``ModelInfo``). The queue is FIFO with backfilling: when
+the head does not fit, the first later request that does may start, so short
+requests keep moving while long reservations fill the budget; once the head has
+waited ``backfill_max_wait`` seconds nothing passes it until it starts, so it
+cannot starve (the KV reservations are backend-neutral: the CPU engine's
+``--kv-cache-mb`` budget and ExLlamaV3's cache pages, which 1.6.5 allocates
+per job at admission, are both counted this way). A request that can never fit is refused at
 once (``n`` over the batch size: ``INVALID_REQUEST``; KV:
 ``CONTEXT_LENGTH_EXCEEDED``), and so is one that finds the queue full
 (``QUEUE_FULL``). While a request waits it gets ``QueueProgress`` events: when
@@ -30,6 +36,7 @@ import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 
 import msgspec
@@ -119,8 +126,10 @@ class EngineLoop:
     """Runs ``backend`` behind ``sockets`` until ``stop`` is set.
 
     ``heartbeat_interval``: seconds between heartbeats. ``max_queue``: requests
-    that may wait for admission. ``parent_pid``: stop when this process is gone
-    (checked every heartbeat; ``serve`` passes its own pid). ``heartbeat_file``:
+    that may wait for admission. ``backfill_max_wait``: seconds the queue's
+    head may be passed by later requests that fit (0: strict FIFO).
+    ``parent_pid``: stop when this process is gone (checked every heartbeat;
+    ``serve`` passes its own pid). ``heartbeat_file``:
     where each heartbeat is also written (``protocol.liveness``), for probes
     that need no ZeroMQ peer.
     """
@@ -132,6 +141,7 @@ class EngineLoop:
         *,
         heartbeat_interval: float,
         max_queue: int,
+        backfill_max_wait: float = 0.0,
         parent_pid: int | None = None,
         heartbeat_file: Path | None = None,
     ) -> None:
@@ -139,6 +149,7 @@ class EngineLoop:
         self._sockets = sockets
         self._heartbeat_interval = heartbeat_interval
         self._max_queue = max_queue
+        self._backfill_max_wait = backfill_max_wait
         self._parent_pid = parent_pid
         self._heartbeat_file = heartbeat_file
         self.worker_id = uuid.uuid4().hex
@@ -426,14 +437,23 @@ class EngineLoop:
         )
 
     def _admit(self, pending: list[Event]) -> None:
+        """Start what fits, in queue order; a later request that fits may start
+        before a head that does not (backfilling) while the head has waited
+        less than ``backfill_max_wait``: then strict FIFO until it starts."""
         while self._queue:
-            head = self._queue[0]
-            if not self._fits_now(len(head.ids), head.reservation):
-                return
-            self._unqueue(head)
-            if head.waited:
+            chosen = self._queue[0]
+            if not self._fits_now(len(chosen.ids), chosen.reservation):
+                if time.monotonic() - chosen.queued_at >= self._backfill_max_wait:
+                    return
+                later = islice(self._queue, 1, None)
+                found = next((q for q in later if self._fits_now(len(q.ids), q.reservation)), None)
+                if found is None:
+                    return
+                chosen = found
+            self._unqueue(chosen)
+            if chosen.waited:
                 self._queue_rate.departed(time.monotonic())
-            self._start(head, pending)
+            self._start(chosen, pending)
 
     def _add_wait(self, events: list[Event]) -> list[Event]:
         """``Finished.time_queued`` from the Submit's arrival: the backend counts

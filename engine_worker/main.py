@@ -86,6 +86,7 @@ def run_worker(settings: WorkerSettings) -> None:
         sockets,
         heartbeat_interval=settings.heartbeat_interval,
         max_queue=settings.max_queue,
+        backfill_max_wait=settings.backfill_max_wait,
         parent_pid=settings.parent_pid,
         heartbeat_file=settings.heartbeat_file,
     )

@@ -126,6 +126,14 @@ class WorkerSettings(LinkSettings):
     max_queue: int = setting(
         256, "Most requests waiting for admission; beyond it requests get 429 queue_full.", ge=0
     )
+    backfill_max_wait: float = setting(
+        30.0,
+        "Seconds the request at the head of the queue may be passed by later ones that fit the "
+        "batch slots and KV budget left (backfilling: short requests keep moving while long "
+        "reservations fill the budget); after that the queue is strict FIFO until the head "
+        "starts, so it cannot starve. 0: strict FIFO.",
+        ge=0,
+    )
     parent_pid: int | None = setting(
         None, "Stop when the process with this pid is gone (serve passes its own); checked every heartbeat."
     )

@@ -597,3 +597,35 @@ def test_heartbeats_count_requests_and_sequences_and_reach_the_heartbeat_file(tm
         assert check(beats, max_age=1.0) is None
         assert check(beats, max_age=1.0, now=written.at + 1.5) is not None  # an old beat is not live
         peer.send(Abort(("three-0", "three-1", "three-2", "one")))
+
+
+def test_short_requests_pass_a_head_that_does_not_fit_until_it_waited_too_long(tmp_path: Path) -> None:
+    """Issue 20's starvation: long reservations fill the KV budget, a long request
+    waits at the head, and a short one behind it starts at once (backfilling);
+    once the head has waited ``backfill_max_wait``, nothing passes it."""
+    info = ModelInfo("scripted", 1000, None, kv_cache_tokens=100, max_batch_size=8)
+    with serve_loop(tmp_path, info, backfill_max_wait=0.5) as (backend, peer, _):
+        backend.slow_step_s = 0.03  # "slow": 76 steps of the long one take about 2.3 s
+        peer.send(_submit("long", "slow", max_tokens=76))  # reserves 80 of 100
+        _wait(lambda: "long" in dict(backend.started), "long started")
+        peer.send(_submit("head", max_tokens=56))  # 60: waits for long
+        peer.send(_submit("short", max_tokens=6))  # 10: fits beside long
+        events = peer.events_until_terminal({"short"})
+        assert [rid for rid, _ in backend.started] == ["long", "short"]
+        assert any(isinstance(e, Started) for e in _events_of(events, "short"))
+        time.sleep(0.6)  # the head has now waited past backfill_max_wait
+        peer.send(_submit("late", max_tokens=6))  # would fit, but may not pass the head now
+        peer.events_until_terminal({"long", "head", "late"}, timeout_s=30)
+        assert [rid for rid, _ in backend.started] == ["long", "short", "head", "late"]
+
+
+def test_strict_fifo_without_backfilling(tmp_path: Path) -> None:
+    info = ModelInfo("scripted", 1000, None, kv_cache_tokens=100, max_batch_size=8)
+    with serve_loop(tmp_path, info, backfill_max_wait=0.0) as (backend, peer, _):
+        backend.slow_step_s = 0.03
+        peer.send(_submit("long", "slow", max_tokens=26))
+        _wait(lambda: "long" in dict(backend.started), "long started")
+        peer.send(_submit("head", max_tokens=76))
+        peer.send(_submit("short", max_tokens=6))
+        peer.events_until_terminal({"long", "head", "short"}, timeout_s=30)
+        assert [rid for rid, _ in backend.started] == ["long", "head", "short"]
