@@ -55,7 +55,10 @@ class TerminalView:
         self._prefill: Prefill | None = None
         self._answer_open = False
         self._live_done = False
-        # Drawn from rich's refresh thread: _render reads each field once, this thread assigns whole
+        # One spinner for the whole wait: a spinner turns by the time since its first frame,
+        # so a new one per refresh would show its first frame forever.
+        self._spinner = Spinner("dots")
+        # Drawn from rich's refresh thread: live_line reads each field once, this thread assigns whole
         # values. Built last: Live renders once on construction.
         self._live = Live(
             console=err,
@@ -63,7 +66,7 @@ class TerminalView:
             refresh_per_second=10,
             redirect_stdout=False,
             redirect_stderr=False,
-            get_renderable=self._render,
+            get_renderable=self.live_line,
         )
 
     def started(self) -> None:
@@ -119,7 +122,8 @@ class TerminalView:
         if parts:
             self._err.print(Text(" · ".join(parts), style=STATUS_STYLE))
 
-    def _render(self) -> RenderableType:
+    def live_line(self) -> RenderableType:
+        """What the live line shows now (rich's refresh thread calls this ten times a second)."""
         now = self._clock()
         prefill, queue = self._prefill, self._queue
         if prefill is not None:
@@ -137,6 +141,8 @@ class TerminalView:
             return line
         if queue is not None:
             waited = queue.time_ms / 1000 + now - self._queue_at
-            return Spinner("dots", Text(f"queued: {queue_text(queue, waited)}"))
-        waiting = f"waiting for the server, {now - self._started_at:.1f} s"
-        return Spinner("dots", Text(waiting, style=STATUS_STYLE))
+            self._spinner.update(text=Text(f"queued: {queue_text(queue, waited)}"))
+        else:
+            waiting = f"waiting for the server, {now - self._started_at:.1f} s"
+            self._spinner.update(text=Text(waiting, style=STATUS_STYLE))
+        return self._spinner
