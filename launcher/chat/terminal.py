@@ -1,7 +1,7 @@
 """The chat view for a terminal, drawn with rich.
 
 While the server works, a live line on stderr: a spinner while waiting or
-queued (position, time waited, eta), then a prefill bar whose cached part has a
+queued (position, time waited since the request was sent, eta), then a prefill bar whose cached part has a
 colour of its own, with tokens/s and eta. At the first answer token the live
 line is replaced by one lasting line that sums up the wait and the prefill, and
 the answer streams to stdout. At the end, the usage line on stderr.
@@ -50,8 +50,10 @@ class TerminalView:
         self._clock = clock
         self._started_at = 0.0
         self._queue: QueueProgress | None = None
-        self._queue_at = 0.0
-        self._waited_s: float | None = None  # time spent queued, known once prefill starts
+        # Waits are timed on this clock from the request's start, not from the server's time_ms:
+        # the server counts from its receipt, and the live count must not jump back when the
+        # first queue event replaces "waiting for the server".
+        self._waited_s: float | None = None  # time spent until prefill started, known once it has
         self._prefill: Prefill | None = None
         self._answer_open = False
         self._live_done = False
@@ -74,12 +76,11 @@ class TerminalView:
         self._live.start()
 
     def queued(self, queue: QueueProgress) -> None:
-        self._queue_at = self._clock()
         self._queue = queue
 
     def prefill(self, prefill: Prefill) -> None:
         if self._prefill is None and self._queue is not None:
-            self._waited_s = self._queue.time_ms / 1000 + self._clock() - self._queue_at
+            self._waited_s = self._clock() - self._started_at
         self._prefill = prefill
 
     def content(self, text: str) -> None:
@@ -115,7 +116,7 @@ class TerminalView:
         if self._queue is not None:
             waited = self._waited_s
             if waited is None:  # left the queue without a prefill chunk
-                waited = self._queue.time_ms / 1000 + self._clock() - self._queue_at
+                waited = self._clock() - self._started_at
             parts.append(f"queued {waited:.1f} s")
         if self._prefill is not None:
             parts.append(f"prefill {prefill_text(self._prefill)}")
@@ -140,7 +141,7 @@ class TerminalView:
                 line.append(f" · eta {prefill.eta_s:.1f} s")
             return line
         if queue is not None:
-            waited = queue.time_ms / 1000 + now - self._queue_at
+            waited = now - self._started_at
             self._spinner.update(text=Text(f"queued: {queue_text(queue, waited)}"))
         else:
             waiting = f"waiting for the server, {now - self._started_at:.1f} s"

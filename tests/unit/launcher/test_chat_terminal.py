@@ -142,3 +142,27 @@ def _read_all(fd: int) -> bytes:
             break
         chunks.append(data)
     return b"".join(chunks)
+
+
+def test_the_wait_is_timed_from_sending_not_from_the_servers_receipt() -> None:
+    # The server's time_ms starts when its worker took the request; the user has waited since
+    # the request left. The live count goes on from "waiting for the server", never back.
+    clock = Clock()
+    err_file = io.StringIO()
+    err = Console(file=err_file, force_terminal=False, width=200)
+    view = TerminalView(Console(file=io.StringIO()), err, clock)
+    view.started()
+    try:
+        clock.now = 2.0
+        view.queued(QueueProgress(position=1, queued=1, time_ms=900))
+        with err.capture() as capture:
+            err.print(view.live_line())
+        assert "queued: position 1 of 1, waited 2.0 s" in capture.get()
+        clock.now = 5.0
+        view.prefill(Prefill.of(PromptProgress(total=10, cache=0, processed=0, time_ms=0)))
+        clock.now = 6.0
+        view.prefill(Prefill.of(PromptProgress(total=10, cache=0, processed=10, time_ms=1000)))
+        view.content("x")
+    finally:
+        view.close()
+    assert "queued 5.0 s · prefill 10/10 tokens (cached 0), 10 tok/s, in 1.00 s" in err_file.getvalue()
