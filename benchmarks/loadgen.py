@@ -14,6 +14,13 @@ a token's latency is its arrival time minus its stamp. Every stream's text, with
 its stamps removed, must equal ``expected_text`` of its prompt, and its usage
 chunk must count every token; anything else is reported as a failure.
 
+``--api`` picks the dialect of ``streams``: ``chat`` (``POST
+/v1/chat/completions``, the default), ``responses`` (``POST /v1/responses``) or
+``messages`` (``POST /v1/messages``); each is checked in its own events (the
+text of ``response.output_text.delta`` / ``content_block_delta`` events, the
+usage of ``response.completed`` or ``.incomplete`` / ``message_delta``, and
+those / ``message_stop`` last instead of ``[DONE]``).
+
 Modes (``python benchmarks/loadgen.py MODE --help``): ``streams`` (N concurrent
 streams started over a ramp), ``ttft`` (one long-prompt request at a time:
 first progress chunk and first token), ``hold`` (N streams held open for a
@@ -35,7 +42,7 @@ import selectors
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,6 +84,122 @@ def chat_body(content: str, max_tokens: int, *, model: str = "synthetic", progre
     if progress:
         body["return_progress"] = True
     return orjson.dumps(body)
+
+
+def responses_body(content: str, max_tokens: int, *, model: str = "synthetic") -> bytes:
+    body = {
+        "model": model,
+        "input": [{"role": "user", "content": content}],
+        "max_output_tokens": max_tokens,
+        "stream": True,
+    }
+    return orjson.dumps(body)
+
+
+def messages_body(content: str, max_tokens: int, *, model: str = "synthetic") -> bytes:
+    body = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "messages": [{"role": "user", "content": content}],
+        "stream": True,
+    }
+    return orjson.dumps(body)
+
+
+@dataclass(frozen=True)
+class Api:
+    """One dialect: its path, extra headers, request body, and how its events carry
+    the text, the usage (prompt tokens, completion tokens) and the end of the stream."""
+
+    path: str
+    headers: tuple[str, ...]
+    body: Callable[..., bytes]  # (content, max_tokens, *, model) -> the request's body
+
+    def text(self, ev: dict[str, Any]) -> str | None:
+        raise NotImplementedError
+
+    def usage(self, ev: dict[str, Any]) -> tuple[int, int] | None:
+        raise NotImplementedError
+
+    def end(self, ev: dict[str, Any]) -> bool:
+        raise NotImplementedError
+
+    def error(self, ev: dict[str, Any]) -> object:
+        raise NotImplementedError
+
+
+class ChatApi(Api):
+    def text(self, ev: dict[str, Any]) -> str | None:
+        choices = ev.get("choices") or []
+        if not choices:
+            return None
+        c0 = choices[0]
+        delta = c0.get("delta")
+        return delta.get("content") if delta is not None else c0.get("text")
+
+    def usage(self, ev: dict[str, Any]) -> tuple[int, int] | None:
+        u = ev.get("usage")
+        return (u.get("prompt_tokens"), u.get("completion_tokens")) if u else None
+
+    def end(self, ev: dict[str, Any]) -> bool:
+        return False  # data: [DONE], not an event
+
+    def error(self, ev: dict[str, Any]) -> object:
+        return ev.get("error")
+
+
+class ResponsesApi(Api):
+    def text(self, ev: dict[str, Any]) -> str | None:
+        return ev.get("delta") if ev.get("type") == "response.output_text.delta" else None
+
+    # The synthetic engine stops every stream at max_tokens: response.incomplete
+    # (max_output_tokens) is its normal end, as response.completed is a model's stop.
+    ENDS = ("response.completed", "response.incomplete")
+
+    def usage(self, ev: dict[str, Any]) -> tuple[int, int] | None:
+        if ev.get("type") not in self.ENDS:
+            return None
+        u = ev["response"]["usage"]
+        return (u["input_tokens"], u["output_tokens"])
+
+    def end(self, ev: dict[str, Any]) -> bool:
+        return ev.get("type") in self.ENDS
+
+    def error(self, ev: dict[str, Any]) -> object:
+        kind = ev.get("type")
+        if kind == "response.failed":
+            return ev["response"].get("error")
+        return ev if kind == "error" else None
+
+
+class MessagesApi(Api):
+    def text(self, ev: dict[str, Any]) -> str | None:
+        if ev.get("type") != "content_block_delta":
+            return None
+        delta = ev["delta"]
+        return delta.get("text") if delta.get("type") == "text_delta" else None
+
+    def usage(self, ev: dict[str, Any]) -> tuple[int, int] | None:
+        if ev.get("type") != "message_delta":
+            return None
+        u = ev["usage"]
+        prompt = (
+            u["input_tokens"] + u.get("cache_creation_input_tokens", 0) + u.get("cache_read_input_tokens", 0)
+        )
+        return (prompt, u["output_tokens"])
+
+    def end(self, ev: dict[str, Any]) -> bool:
+        return ev.get("type") == "message_stop"
+
+    def error(self, ev: dict[str, Any]) -> object:
+        return ev.get("error") if ev.get("type") == "error" else None
+
+
+APIS: dict[str, Api] = {
+    "chat": ChatApi("/v1/chat/completions", (), chat_body),
+    "responses": ResponsesApi("/v1/responses", (), responses_body),
+    "messages": MessagesApi("/v1/messages", ("anthropic-version: 2023-06-01",), messages_body),
+}
 
 
 def http_request(host: str, port: int, path: str, body: bytes, extra_headers: Sequence[str] = ()) -> bytes:
@@ -148,6 +271,7 @@ async def _open(host: str, port: int, request: bytes, at: float, attempts: int =
 class Event:
     arrived_ns: int
     data: bytes
+    name: bytes = b""  # the ``event:`` line, when the event has one
 
 
 @dataclass
@@ -158,9 +282,9 @@ class Response:
 
 
 def parse_response(reads: Reads) -> Response:
-    """Status and SSE events (``data:`` payloads, comments dropped) of one HTTP/1.1
-    response recorded as ``reads``; each event carries the arrival time of the
-    read that brought its last byte."""
+    """Status and SSE events (``data:`` payloads and ``event:`` names, comments
+    dropped) of one HTTP/1.1 response recorded as ``reads``; each event carries
+    the arrival time of the read that brought its last byte."""
     raw = b"".join(d for _, d in reads)
     ends: list[int] = []
     total = 0
@@ -212,6 +336,10 @@ def parse_response(reads: Reads) -> Response:
         block = body[i:j]
         if block.startswith(b"data: "):
             out.events.append(Event(arrival(j + 1), block[6:]))
+        elif block.startswith(b"event: "):
+            nl = block.find(b"\n")
+            if nl > 0 and block.startswith(b"data: ", nl + 1):
+                out.events.append(Event(arrival(j + 1), block[nl + 7 :], block[7:nl]))
         i = j + 2
     return out
 
@@ -230,52 +358,51 @@ class StreamCheck:
     stamps_us: list[int]
 
 
-def check_stream(reads: Reads, content: str, max_tokens: int, *, usage: bool = True) -> StreamCheck:
+def check_stream(
+    reads: Reads, content: str, max_tokens: int, *, usage: bool = True, api: str = "chat"
+) -> StreamCheck:
     """Parse one stream and check it against the synthetic engine's output for
-    ``content``: text exact (stamps removed), usage exact, ``[DONE]`` last."""
+    ``content``: text exact (stamps removed), usage exact, the dialect's end of
+    stream last (``[DONE]``, ``response.completed``, ``message_stop``)."""
+    shape = APIS[api]
     resp = parse_response(reads)
     lat: list[int] = []
     arrivals: list[int] = []
     stamps: list[int] = []
     pieces: list[str] = []
-    got_usage: dict[str, Any] | None = None
+    got_usage: tuple[int, int] | None = None
     done = False
     problem = resp.error
     for ev in resp.events:
+        if done:
+            problem = problem or "an event after the end of the stream"
         if ev.data == b"[DONE]":
-            done = True
+            done = api == "chat"
             continue
         chunk = orjson.loads(ev.data)
-        if "error" in chunk:
-            problem = f"error event: {chunk['error']}"
+        error = shape.error(chunk)
+        if error is not None:
+            problem = f"error event: {str(error)[:300]}"
             continue
-        choices = chunk.get("choices") or []
-        if choices:
-            c0 = choices[0]
-            delta = c0.get("delta")
-            text = delta.get("content") if delta is not None else c0.get("text")
-            if text:
-                pieces.append(text)
-                us = ev.arrived_ns // 1000
-                for m in STAMP.finditer(text):
-                    stamp = int(m.group(1))
-                    stamps.append(stamp)
-                    lat.append(us - stamp)
-                    arrivals.append(ev.arrived_ns)
-        if chunk.get("usage"):
-            got_usage = chunk["usage"]
+        text = shape.text(chunk)
+        if text:
+            pieces.append(text)
+            us = ev.arrived_ns // 1000
+            for m in STAMP.finditer(text):
+                stamp = int(m.group(1))
+                stamps.append(stamp)
+                lat.append(us - stamp)
+                arrivals.append(ev.arrived_ns)
+        got_usage = shape.usage(chunk) or got_usage
+        done = done or shape.end(chunk)
     words = expected_words(content)
     if problem is None:
         text = "".join(pieces)
         if strip_stamps(text) != expected_text(words, max_tokens):
             problem = f"text differs: {strip_stamps(text)[:80]!r}..."
         elif not done:
-            problem = "no [DONE]"
-        elif usage and (
-            got_usage is None
-            or got_usage.get("completion_tokens") != max_tokens
-            or got_usage.get("prompt_tokens") != len(words)
-        ):
+            problem = "no [DONE]" if api == "chat" else "no end of stream"
+        elif usage and got_usage != (len(words), max_tokens):
             problem = f"usage differs: {got_usage}"
     return StreamCheck(
         problem is None,
@@ -356,10 +483,11 @@ async def run_streams(args: argparse.Namespace) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     n = args.streams
     contents = [stream_content(args.offset + i) for i in range(n)]
+    api = APIS[args.api]
+    path = args.path or api.path
+    headers = [*api.headers, *args.header]
     requests = [
-        http_request(
-            args.host, args.port, args.path, chat_body(c, args.max_tokens, model=args.model), args.header
-        )
+        http_request(args.host, args.port, path, api.body(c, args.max_tokens, model=args.model), headers)
         for c in contents
     ]
     # Same schedule as the raw floor: stream i starts at start_at + ramp * i / n.
@@ -371,7 +499,8 @@ async def run_streams(args: argparse.Namespace) -> dict[str, Any]:
     await asyncio.gather(*(c.closed for c in conns))
     cpu, wall = _cpu() - cpu0, time.monotonic() - wall0
     checks = [
-        check_stream(c.reads, content, args.max_tokens) for c, content in zip(conns, contents, strict=True)
+        check_stream(c.reads, content, args.max_tokens, api=args.api)
+        for c, content in zip(conns, contents, strict=True)
     ]
     return summarize(checks, cpu, wall)
 
@@ -389,7 +518,7 @@ async def run_ttft(args: argparse.Namespace) -> dict[str, Any]:
         req = http_request(
             args.host,
             args.port,
-            args.path,
+            args.path or APIS["chat"].path,
             chat_body(content, args.max_tokens, model=args.model, progress=True),
         )
         at = loop.time()
@@ -422,7 +551,7 @@ async def run_hold(args: argparse.Namespace) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     n = args.streams
     requests = [
-        http_request(args.host, args.port, args.path, chat_body(stream_content(i), args.max_tokens))
+        http_request(args.host, args.port, APIS["chat"].path, chat_body(stream_content(i), args.max_tokens))
         for i in range(n)
     ]
     t0 = args.start_at - time.monotonic() + loop.time()
@@ -484,7 +613,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("mode", choices=["streams", "ttft", "hold", "sendfloor"])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--path", default="/v1/chat/completions")
+    parser.add_argument(
+        "--api", choices=list(APIS), default="chat", help="streams: the dialect to speak and check"
+    )
+    parser.add_argument("--path", help="streams, ttft: another path than the dialect's own")
     parser.add_argument("--model", default="synthetic")
     parser.add_argument("--header", action="append", default=[], help="extra request header, 'Name: value'")
     parser.add_argument("--streams", type=int, default=1)

@@ -36,6 +36,12 @@ Sections (``--sections``):
   first ``prompt_progress`` chunk and of the first token (medians of ``--ttft-repeat``).
 - ``idle``: RSS per open stream that gets no events (queued behind one running
   request on a worker with one batch slot), and RSS after they are dropped.
+- ``dialects``: the same streams (``--dialect-streams``, 64) in each dialect the
+  proxy speaks, chat completions, the Responses API and Anthropic's Messages,
+  each beside the floor, interleaved over ``--dialect-rounds`` rounds (the
+  medians are reported, so that a noisy moment of a shared host does not land
+  on one dialect): added latency and proxy CPU per token, and each as a ratio to
+  chat's.
 - ``litellm``: the same load through LiteLLM's proxy in front of this proxy
   (``--litellm`` names its executable; ``proxy_load.sh`` installs it into its own
   virtual environment), beside the floor: added latency and LiteLLM's CPU.
@@ -355,13 +361,15 @@ def stop_proxy(t: Target, procs: Procs) -> None:
         t.proxy = None
 
 
-def warm_up(t: Target) -> None:
+def warm_up(t: Target, api: str = "chat") -> None:
     """A few requests, so imports and first-use caches are not in the first level."""
     run_json(
         [
             sys.executable,
             str(HERE / "loadgen.py"),
             "streams",
+            "--api",
+            api,
             "--port",
             str(t.port),
             "--streams",
@@ -441,9 +449,11 @@ def streams_phase(
     model: str = "synthetic",
     cpu_name: str | None = None,
     headers: Sequence[str] = (),
+    api: str = "chat",
 ) -> dict[str, Any]:
-    """N streams through ``t`` (or another HTTP ``port`` in front of it), the
-    floor's N at the same moment; proxy CPU and RSS from the sampler."""
+    """N streams through ``t`` (or another HTTP ``port`` in front of it) in the
+    dialect ``api``, the floor's N at the same moment; proxy CPU and RSS from the
+    sampler."""
     name = cpu_name or t.label
     quiet = settle(args)
     idle_rss = sampler.rss_now(name)
@@ -467,6 +477,8 @@ def streams_phase(
             sys.executable,
             str(HERE / "loadgen.py"),
             "streams",
+            "--api",
+            api,
             "--port",
             str(port or t.port),
             "--model",
@@ -500,6 +512,7 @@ def streams_phase(
     after = sampler.rss_now(name)
     return {
         "streams": n,
+        "api": api,
         "host_idle_pct": quiet,
         "proxied": proxied,
         "floor": raw,
@@ -514,6 +527,60 @@ def streams_phase(
         "after_rss_kb": after,
         "rss_per_stream_kb": (peak - idle_rss) / n,
     }
+
+
+DIALECTS = ("chat", "responses", "messages")
+
+
+def dialects_phase(t: Target, floor: Target, args: argparse.Namespace, sampler: Sampler) -> dict[str, Any]:
+    """``--dialect-streams`` streams in each dialect, beside the floor, the
+    dialects interleaved over ``--dialect-rounds`` rounds."""
+    for api in DIALECTS[1:]:
+        warm_up(t, api)
+    rounds: dict[str, list[dict[str, Any]]] = {api: [] for api in DIALECTS}
+    for k in range(args.dialect_rounds):
+        for api in DIALECTS:
+            print(f"[dialects] round {k + 1}: {api}", file=sys.stderr, flush=True)
+            rounds[api].append(streams_phase(t, args.dialect_streams, args, sampler, floor=floor, api=api))
+    return rounds
+
+
+def _median(xs: Sequence[float | None]) -> float | None:
+    vs = [x for x in xs if x is not None]
+    return statistics.median(vs) if vs else None
+
+
+def dialects_table(rounds: dict[str, list[dict[str, Any]]], streams: int) -> list[str]:
+    """One row per dialect: medians over the rounds, and each as a ratio to chat's."""
+    med: dict[str, dict[str, float | None]] = {}
+    for api, rs in rounds.items():
+        med[api] = {
+            "p50": _median([added(r, "p50") for r in rs]),
+            "p99": _median([added(r, "p99") for r in rs]),
+            "cpu": _median([r["cpu_us_per_token"] for r in rs]),
+            "cpu_all": _median([r["cpu_us_per_token_all"] for r in rs]),
+            "tok_s": _median([r["tok_s"] for r in rs]),
+        }
+    chat = med["chat"]
+    out = [
+        f"**Dialects** ({streams} streams each, beside the floor; medians of {len(rounds['chat'])} "
+        "interleaved rounds; ratios to chat)",
+        "",
+        "| API | tok/s | added p50 / p99 ms | proxy CPU µs/token (steady · all) | CPU per round "
+        "| vs chat: CPU · added p50 · added p99 | verified |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for api, rs in rounds.items():
+        m = med[api]
+        per_round = ", ".join(f"{r['cpu_us_per_token']:.1f}" for r in rs)
+        ok = sum(r["proxied"]["verified"] for r in rs)
+        total = sum(r["proxied"]["streams"] for r in rs)
+        vs = " · ".join(ratio(m[k], chat[k]) for k in ("cpu", "p50", "p99"))
+        out.append(
+            f"| {api} | {m['tok_s'] or 0:,.0f} | {fmt_ms(m['p50'])} / {fmt_ms(m['p99'])} "
+            f"| {fmt_ms(m['cpu'])} · {fmt_ms(m['cpu_all'])} | {per_round} | {vs} | {ok}/{total} |"
+        )
+    return out
 
 
 def send_floor(n: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -892,6 +959,9 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
             f"(**{i['per_stream_kb']:.1f} KB per stream**), {i['after_kb'] / 1024:.1f} MB after they left.",
             "",
         ]
+    if results.get("dialects"):
+        lines += dialects_table(results["dialects"], args.dialect_streams)
+        lines.append("")
     if results.get("litellm"):
         lines += [
             "**Through LiteLLM's proxy** (client → LiteLLM → this proxy → worker), beside the floor",
@@ -918,7 +988,11 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> str:
             lines += [f"| {kind} % | {'area' if kind == 'areas' else 'function'} |", "|---|---|"]
             lines += [f"| {pct:.1f} | `{f}` |" for f, pct in pf["top"].get(kind, [])]
             lines.append("")
-    for label, rows in results["levels"].items():
+    runs = [
+        *results["levels"].items(),
+        *((f"dialect {a}", rs) for a, rs in results.get("dialects", {}).items()),
+    ]
+    for label, rows in runs:
         bad = [f for r in rows for f in r["proxied"]["failures"] + ((r["floor"] or {}).get("failures") or [])]
         if bad:
             lines.append(f"FAILURES ({label}): {bad[:5]}")
@@ -970,11 +1044,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     parser.add_argument(
         "--sections",
-        default="levels,saturation,ttft,idle,litellm",
-        help="comma-separated: levels, saturation, ttft, idle, litellm",
+        default="levels,dialects,saturation,ttft,idle,litellm",
+        help="comma-separated: levels, dialects, saturation, ttft, idle, litellm",
     )
     parser.add_argument("--levels", type=ints, default=[1, 16, 64, 256, 1000])
     parser.add_argument("--saturation", type=ints, default=[1000, 2000, 3000])
+    parser.add_argument("--dialect-streams", type=int, default=64, help="dialects: streams per phase")
+    parser.add_argument("--dialect-rounds", type=int, default=3, help="dialects: interleaved rounds")
     parser.add_argument("--max-tokens", type=int, default=250, help="tokens per stream")
     parser.add_argument("--step-ms", type=float, default=20.0, help="worker step period")
     parser.add_argument("--ttft-words", type=int, default=4000)
@@ -1098,6 +1174,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     results["compare_ratios"][t.label] = ratios
             for t in targets[1:]:
                 stop_proxy(t, procs)
+            if "dialects" in sections:
+                results["dialects"] = dialects_phase(main_t, floor, args, sampler)
             if "ttft" in sections:
                 print("[ttft]", file=sys.stderr, flush=True)
                 results["ttft"] = ttft_phase(main_t, floor, args)

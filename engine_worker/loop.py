@@ -81,7 +81,6 @@ class _Queued:
     prepared: Prepared
     ids: list[str]
     reservation: int  # KV tokens of all n choices
-    queued_at: float  # time.monotonic()
     arrived: float  # time.monotonic() when the Submit was received
     waited: bool = False  # still queued after the admission pass that queued it
     position: int = 0  # last position sent in a QueueProgress; 0: none sent
@@ -217,6 +216,8 @@ class EngineLoop:
                     except EngineFailed as e:
                         self._give_up(e, pending)
                     self._step_started = 0.0
+                    # Prepared during the step: queued (and reported) now, not after the next one.
+                    self._collect_prepared(pending)
                     self._admit(pending)
                     self._update_stats()
                 if self._queue:
@@ -391,7 +392,7 @@ class EngineLoop:
             text = f"admission failed: {type(e).__name__}: {e}"
             pending.extend(RequestError(rid, ErrorCode.INTERNAL, text) for rid in ids)
             return
-        queued = _Queued(prepared, ids, reservation, time.monotonic(), entry.arrived)
+        queued = _Queued(prepared, ids, reservation, entry.arrived)
         self._queue.append(queued)
         for rid in ids:
             self._queued_ids[rid] = queued
@@ -401,7 +402,8 @@ class EngineLoop:
 
     def _report_queue(self, pending: list[Event]) -> None:
         """A ``QueueProgress`` for each waiting request whose position changed
-        (or that was just queued), at most every ``QUEUE_PROGRESS_INTERVAL_S``."""
+        (or that was just queued), at most every ``QUEUE_PROGRESS_INTERVAL_S``;
+        ``time_ms`` counts from the Submit's receipt, preparation included."""
         now = time.monotonic()
         waiting = len(self._queue)
         rate = self._queue_rate
@@ -416,7 +418,7 @@ class EngineLoop:
                     q.ids[0],
                     position,
                     waiting,
-                    round((now - q.queued_at) * 1000),
+                    round((now - q.arrived) * 1000),
                     None if eta is None else round(eta * 1000),
                 )
             )

@@ -27,6 +27,14 @@ from proxy.settings import ProxySettings
 WORKER_COMMAND = (sys.executable, "-m", "engine_worker")
 """How the worker is started: by its command line, never by importing it."""
 
+WORKER_AS_SUBCOMMAND = (
+    sys.executable,
+    "-c",
+    "from engine_worker.cli import main; main(prog_name='exl3-sidecar worker')",
+)
+"""``exl3-sidecar worker``: the same command, named as the user typed it in its
+usage line and errors (``python -m engine_worker`` names itself)."""
+
 _CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 
 
@@ -48,7 +56,7 @@ main.add_command(top_command, "top")
 def worker(args: tuple[str, ...]) -> None:
     """Run the engine worker alone (one container of a pod): python -m engine_worker ARGS.
     Its options: exl3-sidecar worker --help."""
-    os.execv(WORKER_COMMAND[0], [*WORKER_COMMAND, *args])
+    os.execv(WORKER_AS_SUBCOMMAND[0], [*WORKER_AS_SUBCOMMAND, *args])
 
 
 @main.command(

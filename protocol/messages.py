@@ -241,7 +241,7 @@ class QueueProgress(_Msg, frozen=True, tag="queued"):
     request is queued and whenever its ``position`` changes, at most every
     ``QUEUE_PROGRESS_INTERVAL_S``. ``position``: 1-based among the waiting
     requests (1: next to start); ``queued``: requests waiting; ``time_ms``: ms
-    since it was queued; ``eta_ms``: estimated ms until it starts, from the
+    since the worker received it (preparation included); ``eta_ms``: estimated ms until it starts, from the
     rate at which the queue has been emptying, ``None`` when that rate is not
     known well enough to say."""
 

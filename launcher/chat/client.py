@@ -1,12 +1,13 @@
-"""The HTTP side of ``exl3-sidecar chat``: one streamed chat completion over httpx + httpx-sse.
+"""The HTTP side of ``exl3-sidecar chat``: one streamed turn over httpx + httpx-sse,
+in the API ``apis`` describes (chat completions, Responses, Messages).
 
 Errors, all raised as one type whose ``str()`` is the line to show the user::
 
     ChatError                 the chat did not complete
     ├── ConnectFailed         no connection to the server (refused, unknown host, connect timeout)
     ├── ServerError           the server answered with an error: an HTTP status with
-    │                         OpenAI's envelope, or an error event inside the stream
-    └── StreamBroken          the stream stopped making sense: not SSE, a chunk that does
+    │                         the API's error body, or an error event inside the stream
+    └── StreamBroken          the stream stopped making sense: not SSE, an event that does
                               not decode, a read timeout, or a close before it finished
 
 httpx's and msgspec's exceptions are translated here and nowhere else.
@@ -14,15 +15,14 @@ httpx's and msgspec's exceptions are translated here and nowhere else.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Generator
-from typing import Any
 
 import httpx
 import msgspec
 from httpx_sse import SSEError, connect_sse
 
-from launcher.chat.wire import Chunk, ErrorBody, chunk_decoder, error_decoder, models_decoder
+from launcher.chat.apis import Api, ChatRequest, Update
+from launcher.chat.wire import ErrorBody, models_decoder
 
 FALLBACK_MODEL = "default"
 """Sent when ``GET /models`` names none: single-model servers (llama.cpp's, this one) accept any name."""
@@ -56,38 +56,11 @@ class StreamBroken(ChatError):
     pass
 
 
-@dataclasses.dataclass(frozen=True)
-class ChatRequest:
-    """One chat completion to stream. ``messages`` are OpenAI's ``{"role", "content"}``
-    dicts; ``max_tokens`` and ``temperature`` are left to the server when ``None``."""
-
-    model: str
-    messages: tuple[dict[str, str], ...]
-    max_tokens: int | None = None
-    temperature: float | None = None
-
-    def body(self) -> dict[str, Any]:
-        """The JSON body: always a stream, with progress and a final usage chunk asked for.
-        Servers without the extensions ignore ``return_progress``."""
-        body: dict[str, Any] = {
-            "model": self.model,
-            "messages": list(self.messages),
-            "stream": True,
-            "return_progress": True,
-            "stream_options": {"include_usage": True},
-        }
-        if self.max_tokens is not None:
-            body["max_tokens"] = self.max_tokens
-        if self.temperature is not None:
-            body["temperature"] = self.temperature
-        return body
-
-
-def open_client(base_url: str, api_key: str | None, read_timeout_s: float) -> httpx.Client:
-    """An httpx client for ``base_url`` (ending in ``/v1``). ``read_timeout_s`` is how long
-    the server may stay silent: long, since a prefill without progress chunks is silent
-    (this project's server sends ``: ping`` comments every 15 s meanwhile)."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+def open_client(base_url: str, headers: dict[str, str], read_timeout_s: float) -> httpx.Client:
+    """An httpx client for ``base_url`` (ending in ``/v1``) sending ``headers`` (the
+    API's key and version headers: ``Api.headers``). ``read_timeout_s`` is how long
+    the server may stay silent: long, since a prefill without progress events is
+    silent (this project's server sends pings every 15 s meanwhile)."""
     return httpx.Client(
         base_url=base_url.rstrip("/") + "/",
         headers=headers,
@@ -111,47 +84,49 @@ def first_model_id(client: httpx.Client) -> str:
     return models.data[0].id if models.data else FALLBACK_MODEL
 
 
-def stream_chunks(client: httpx.Client, request: ChatRequest) -> Generator[Chunk, None, None]:
-    """POST ``chat/completions`` and yield each decoded chunk until ``[DONE]``.
+def stream_updates(client: httpx.Client, api: Api, request: ChatRequest) -> Generator[Update, None, None]:
+    """POST ``request`` in ``api``'s shape and yield the update of each stream event
+    until the API's end of stream (``apis``).
 
     The connection is closed when the generator is closed or an exception passes
     through it (Ctrl-C included), which is how the server learns to stop the
-    engine work. A stream that ends without ``[DONE]`` is accepted once a choice
-    has finished (older llama.cpp servers omit it), else it is ``StreamBroken``.
+    engine work. A stream that ends without its end event is accepted once the
+    answer has finished (older llama.cpp servers omit ``[DONE]``), else it is
+    ``StreamBroken``. An error event raises ``ServerError``.
     """
-    finished = False
+    reader = api.reader()
     try:
-        with connect_sse(client, "POST", "chat/completions", json=request.body()) as source:
+        with connect_sse(client, "POST", api.path, json=api.body(request)) as source:
             response = source.response
             if response.status_code >= 400:
                 response.read()
-                raise _http_error(response)
+                raise _http_error(api, response)
             for event in source.iter_sse():
-                if event.data == "[DONE]":
-                    return
                 if not event.data:
                     continue
                 try:
-                    chunk = chunk_decoder.decode(event.data)
+                    update = reader.read(event.event, event.data)
                 except msgspec.MsgspecError as e:
-                    raise StreamBroken(f"the server sent a chunk this client cannot read: {e}") from e
-                if chunk.error is not None:
-                    raise ServerError(None, chunk.error)
-                finished = finished or any(c.finish_reason is not None for c in chunk.choices)
-                yield chunk
+                    raise StreamBroken(f"the server sent an event this client cannot read: {e}") from e
+                if update is not None:
+                    if update.error is not None:
+                        raise ServerError(None, update.error)
+                    yield update
+                if reader.done:
+                    return
     except SSEError as e:
         raise StreamBroken(f"the server did not answer with a stream: {e}") from e
     except httpx.TransportError as e:
         raise _transport_error(client, e) from e
-    if not finished:
+    if not reader.finished:
         raise StreamBroken("the server closed the stream before the answer finished")
 
 
-def _http_error(response: httpx.Response) -> ServerError:
+def _http_error(api: Api, response: httpx.Response) -> ServerError:
     try:
-        body = error_decoder.decode(response.content).error
+        body = api.error(response.content)
     except msgspec.MsgspecError:
-        # Not OpenAI's envelope (a reverse proxy's page, a bare string): show its start.
+        # Not the API's error body (a reverse proxy's page, a bare string): show its start.
         text = " ".join(response.text.split())[:200] or response.reason_phrase
         body = ErrorBody(message=text)
     return ServerError(response.status_code, body)

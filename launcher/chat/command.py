@@ -5,12 +5,43 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 
+from launcher.chat.apis import APIS
+
 DEFAULT_BASE_URL = "http://127.0.0.1:5000/v1"
 """Where ``exl3-sidecar serve`` listens by default; like the OpenAI SDKs' ``base_url``, it ends in ``/v1``."""
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def server_options(f: F) -> F:
+    """``--base-url`` and ``--port``, for the commands that talk to a server (``chat``;
+    ``top`` to come). The command gets ``base_url`` and ``port``; ``base_url_of`` makes one URL."""
+    f = click.option(
+        "--port",
+        type=click.IntRange(1, 65535),
+        help="The server's port on this machine: short for --base-url http://127.0.0.1:PORT/v1.",
+    )(f)
+    f = click.option(
+        "--base-url",
+        help=f"The server's OpenAI base URL, /v1 included.  [default: {DEFAULT_BASE_URL}]",
+    )(f)
+    return f
+
+
+def base_url_of(base_url: str | None, port: int | None) -> str:
+    """The URL ``server_options`` stand for; raises ``click.UsageError`` when both are given."""
+    if base_url is not None and port is not None:
+        raise click.UsageError("give --base-url or --port, not both")
+    if port is not None:
+        return f"http://127.0.0.1:{port}/v1"
+    return base_url or DEFAULT_BASE_URL
+
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
@@ -31,22 +62,29 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopp
 @click.option("-s", "--system", help="System message, sent before the prompt.")
 @click.option("-m", "--model", help='Model name. Default: the first id from GET /v1/models, else "default".')
 @click.option(
-    "--max-tokens", type=click.IntRange(min=1), help="Most tokens to generate (default: the server's)."
+    "--max-tokens",
+    type=click.IntRange(min=1),
+    help="Most tokens to generate (default: the server's; with --api messages, which requires it, 4096).",
 )
 @click.option(
     "--temperature", type=click.FloatRange(min=0), help="Sampling temperature (default: the server's)."
 )
 @click.option(
-    "--api-key",
-    help="Sent as 'Authorization: Bearer KEY'. Default: $EXL3_SIDECAR_API_KEY (its first key), "
-    "else $OPENAI_API_KEY. Prefer the variables: a command line shows up in ps.",
+    "--api",
+    "api_name",
+    type=click.Choice(list(APIS)),
+    default="chat",
+    show_default=True,
+    help="The API to send the prompt through: chat completions (POST /v1/chat/completions), the "
+    "Responses API (POST /v1/responses) or Anthropic's Messages (POST /v1/messages).",
 )
 @click.option(
-    "--base-url",
-    default=DEFAULT_BASE_URL,
-    show_default=True,
-    help="The server's OpenAI base URL, /v1 included.",
+    "--api-key",
+    help="Sent as 'Authorization: Bearer KEY' (with --api messages: 'x-api-key: KEY'). Default: "
+    "$EXL3_SIDECAR_API_KEY (its first key), else $OPENAI_API_KEY ($ANTHROPIC_API_KEY with --api "
+    "messages). Prefer the variables: a command line shows up in ps.",
 )
+@server_options
 @click.option(
     "--timeout",
     type=click.FloatRange(min=0, min_open=True),
@@ -62,8 +100,10 @@ def chat(
     model: str | None,
     max_tokens: int | None,
     temperature: float | None,
+    api_name: str,
     api_key: str | None,
-    base_url: str,
+    base_url: str | None,
+    port: int | None,
     timeout: float,
     plain: bool,
 ) -> None:
@@ -72,9 +112,9 @@ def chat(
     The prompt is PROMPT, the file given with --file, or stdin (no PROMPT, or -). While
     the request waits in the server's queue and while the prompt is prefilled, it shows
     the queue position and the prefill progress, when the server sends them (this
-    server does; llama.cpp's sends prefill progress). Then the answer, then the usage:
-    prompt tokens and the cached share, completion tokens, draft acceptance, time to
-    first token and decode speed.
+    server does, in each of the three APIs; llama.cpp's sends prefill progress with
+    chat). Then the answer, then the usage: prompt tokens and the cached share,
+    completion tokens, draft acceptance, time to first token and decode speed.
 
     The answer goes to stdout and nothing else does; progress, usage and errors go to
     stderr. When stdout and stderr are both a terminal, progress is drawn live;
@@ -84,11 +124,11 @@ def chat(
     interrupted (Ctrl-C closes the stream, which makes the server stop the work).
     """
     code = 0
+    url = base_url_of(base_url, port)
     try:
         text = _read_prompt(prompt, prompt_file)
-        code = _chat(
-            text, system, model, max_tokens, temperature, api_key or _env_api_key(), base_url, timeout, plain
-        )
+        key = api_key or _env_api_key(api_name)
+        code = _chat(text, system, model, max_tokens, temperature, api_name, key, url, timeout, plain)
     except BrokenPipeError:
         # The reader of stdout went away (| head): stop quietly; the stream was closed on the way out.
         _silence_stdout()
@@ -105,6 +145,7 @@ def _chat(
     model: str | None,
     max_tokens: int | None,
     temperature: float | None,
+    api_name: str,
     api_key: str | None,
     base_url: str,
     timeout: float,
@@ -112,11 +153,11 @@ def _chat(
 ) -> int:
     # Imported here, not at the top: `exl3-sidecar serve` and `proxy` load this module to
     # register the command and never need the HTTP client or rich.
-    from launcher.chat.client import ChatError, ChatRequest, first_model_id, open_client
+    from launcher.chat.apis import ChatRequest
+    from launcher.chat.client import ChatError, first_model_id, open_client
     from launcher.chat.session import View, run_turn
 
-    messages: tuple[dict[str, str], ...] = ({"role": "system", "content": system},) if system else ()
-    messages += ({"role": "user", "content": text},)
+    api = APIS[api_name]
     view: View
     if plain or not _is_terminal():
         from launcher.chat.plain import PlainView
@@ -129,9 +170,9 @@ def _chat(
 
         view = TerminalView(Console(), Console(stderr=True))
     try:
-        with open_client(base_url, api_key, timeout) as client:
-            request = ChatRequest(model or first_model_id(client), messages, max_tokens, temperature)
-            run_turn(client, request, view)
+        with open_client(base_url, api.headers(api_key), timeout) as client:
+            request = ChatRequest(model or first_model_id(client), text, system, max_tokens, temperature)
+            run_turn(client, api, request, view)
     except ChatError as e:
         view.failed(str(e))
         return EXIT_ERROR
@@ -164,10 +205,11 @@ def _read_prompt(prompt: str | None, prompt_file: Path | None) -> str:
     return text
 
 
-def _env_api_key() -> str | None:
+def _env_api_key(api_name: str) -> str | None:
     # The server reads EXL3_SIDECAR_API_KEY as a comma-separated list of accepted keys; a client sends one.
     keys = [k.strip() for k in os.environ.get("EXL3_SIDECAR_API_KEY", "").split(",")]
-    return next((k for k in keys if k), None) or os.environ.get("OPENAI_API_KEY") or None
+    vendor = "ANTHROPIC_API_KEY" if api_name == "messages" else "OPENAI_API_KEY"
+    return next((k for k in keys if k), None) or os.environ.get(vendor) or None
 
 
 def _is_terminal() -> bool:

@@ -1,4 +1,4 @@
-"""One chat turn: stream the chunks, measure the times, tell a view what happens.
+"""One chat turn: stream the updates, measure the times, tell a view what happens.
 
 The view decides how things look (``plain.PlainView`` for pipes,
 ``terminal.TerminalView`` for a terminal); this module decides what happened
@@ -14,9 +14,10 @@ from typing import Protocol
 
 import httpx
 
-from launcher.chat.client import ChatRequest, stream_chunks
-from launcher.chat.stats import Prefill, Summary, summarize
-from launcher.chat.wire import QueueProgress, Usage
+from launcher.chat.apis import Api, ChatRequest
+from launcher.chat.client import stream_updates
+from launcher.chat.stats import Counts, Prefill, Summary, summarize
+from launcher.chat.wire import QueueProgress
 
 
 class View(Protocol):
@@ -35,11 +36,12 @@ class View(Protocol):
 
 def run_turn(
     client: httpx.Client,
+    api: Api,
     request: ChatRequest,
     view: View,
     clock: Callable[[], float] = time.monotonic,
 ) -> Summary:
-    """Stream ``request`` through ``view`` and return its summary.
+    """Stream ``request`` in ``api``'s shape through ``view`` and return its summary.
 
     Raises ``ChatError`` (the view has not been told; the caller says how it
     ended). Progress that arrives out of its phase is dropped: queue progress
@@ -50,31 +52,28 @@ def run_turn(
     sent_at = clock()
     first_at: float | None = None
     last_at: float | None = None
-    usage: Usage | None = None
+    counts: Counts | None = None
     finish_reason: str | None = None
     prefilling = False
-    with contextlib.closing(stream_chunks(client, request)) as chunks:
-        for chunk in chunks:
+    with contextlib.closing(stream_updates(client, api, request)) as updates:
+        for update in updates:
             now = clock()
-            if chunk.usage is not None:
+            if update.counts is not None:
                 # The last one wins: with vLLM's continuous_usage_stats every chunk has one.
-                usage = chunk.usage
+                counts = update.counts
             if first_at is None:
-                if chunk.queue_progress is not None and not prefilling:
-                    view.queued(chunk.queue_progress)
-                if chunk.prompt_progress is not None:
+                if update.queue is not None and not prefilling:
+                    view.queued(update.queue)
+                if update.prompt is not None:
                     prefilling = True
-                    view.prefill(Prefill.of(chunk.prompt_progress))
-            for choice in chunk.choices:
-                if choice.index != 0:  # n is never asked for; keep a server's extra choices out of the text
-                    continue
-                if choice.delta.content:
-                    if first_at is None:
-                        first_at = now
-                    last_at = now
-                    view.content(choice.delta.content)
-                if choice.finish_reason is not None:
-                    finish_reason = choice.finish_reason
-    summary = summarize(usage, sent_at, first_at, last_at, finish_reason)
+                    view.prefill(Prefill.of(update.prompt))
+            if update.text:
+                if first_at is None:
+                    first_at = now
+                last_at = now
+                view.content(update.text)
+            if update.finish_reason is not None:
+                finish_reason = update.finish_reason
+    summary = summarize(counts, sent_at, first_at, last_at, finish_reason)
     view.finished(summary)
     return summary

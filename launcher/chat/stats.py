@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from launcher.chat.wire import PromptProgress, QueueProgress, Usage
+from launcher.chat.wire import PromptProgress, QueueProgress
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +43,23 @@ class Prefill:
 
 
 @dataclasses.dataclass(frozen=True)
+class Counts:
+    """A usage in one vocabulary, whichever API reported it (``apis`` maps each).
+
+    ``prompt_tokens``: the whole prompt, cached part included; ``cached_tokens``:
+    its part read from the prefix cache, ``None`` when not reported;
+    ``drafts_accepted`` / ``drafts_rejected``: speculative decoding, ``None``
+    when not reported (OpenAI reports 0 and 0 on every answer).
+    """
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None = None
+    drafts_accepted: int | None = None
+    drafts_rejected: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Summary:
     """The end of one answer.
 
@@ -66,7 +83,7 @@ class Summary:
 
 
 def summarize(
-    usage: Usage | None,
+    counts: Counts | None,
     sent_at: float,
     first_token_at: float | None,
     last_token_at: float | None,
@@ -74,26 +91,22 @@ def summarize(
 ) -> Summary:
     """Times are from one monotonic clock, in seconds."""
     ttft = first_token_at - sent_at if first_token_at is not None else None
-    if usage is None:
+    if counts is None:
         return Summary(ttft_s=ttft, finish_reason=finish_reason)
     decode = None
     if first_token_at is not None and last_token_at is not None:
         span = last_token_at - first_token_at
-        if span > 0 and usage.completion_tokens > 1:
-            decode = (usage.completion_tokens - 1) / span
+        if span > 0 and counts.completion_tokens > 1:
+            decode = (counts.completion_tokens - 1) / span
     accepted = verified = None
-    details = usage.completion_tokens_details
-    if details is not None:
-        a = details.accepted_prediction_tokens or 0
-        r = details.rejected_prediction_tokens or 0
-        # OpenAI reports 0 and 0 on every answer: no drafting, nothing to show.
-        if a + r > 0:
-            accepted, verified = a, a + r
-    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else None
+    a, r = counts.drafts_accepted or 0, counts.drafts_rejected or 0
+    # OpenAI reports 0 and 0 on every answer: no drafting, nothing to show.
+    if a + r > 0:
+        accepted, verified = a, a + r
     return Summary(
-        prompt_tokens=usage.prompt_tokens,
-        cached_tokens=cached,
-        completion_tokens=usage.completion_tokens,
+        prompt_tokens=counts.prompt_tokens,
+        cached_tokens=counts.cached_tokens,
+        completion_tokens=counts.completion_tokens,
         drafts_accepted=accepted,
         drafts_verified=verified,
         ttft_s=ttft,

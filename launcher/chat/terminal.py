@@ -1,7 +1,7 @@
 """The chat view for a terminal, drawn with rich.
 
 While the server works, a live line on stderr: a spinner while waiting or
-queued (position, time waited, eta), then a prefill bar whose cached part has a
+queued (position, time waited since the request was sent, eta), then a prefill bar whose cached part has a
 colour of its own, with tokens/s and eta. At the first answer token the live
 line is replaced by one lasting line that sums up the wait and the prefill, and
 the answer streams to stdout. At the end, the usage line on stderr.
@@ -50,12 +50,17 @@ class TerminalView:
         self._clock = clock
         self._started_at = 0.0
         self._queue: QueueProgress | None = None
-        self._queue_at = 0.0
-        self._waited_s: float | None = None  # time spent queued, known once prefill starts
+        # Waits are timed on this clock from the request's start, not from the server's time_ms:
+        # the server counts from its receipt, and the live count must not jump back when the
+        # first queue event replaces "waiting for the server".
+        self._waited_s: float | None = None  # time spent until prefill started, known once it has
         self._prefill: Prefill | None = None
         self._answer_open = False
         self._live_done = False
-        # Drawn from rich's refresh thread: _render reads each field once, this thread assigns whole
+        # One spinner for the whole wait: a spinner turns by the time since its first frame,
+        # so a new one per refresh would show its first frame forever.
+        self._spinner = Spinner("dots")
+        # Drawn from rich's refresh thread: live_line reads each field once, this thread assigns whole
         # values. Built last: Live renders once on construction.
         self._live = Live(
             console=err,
@@ -63,7 +68,7 @@ class TerminalView:
             refresh_per_second=10,
             redirect_stdout=False,
             redirect_stderr=False,
-            get_renderable=self._render,
+            get_renderable=self.live_line,
         )
 
     def started(self) -> None:
@@ -71,12 +76,11 @@ class TerminalView:
         self._live.start()
 
     def queued(self, queue: QueueProgress) -> None:
-        self._queue_at = self._clock()
         self._queue = queue
 
     def prefill(self, prefill: Prefill) -> None:
         if self._prefill is None and self._queue is not None:
-            self._waited_s = self._queue.time_ms / 1000 + self._clock() - self._queue_at
+            self._waited_s = self._clock() - self._started_at
         self._prefill = prefill
 
     def content(self, text: str) -> None:
@@ -112,14 +116,15 @@ class TerminalView:
         if self._queue is not None:
             waited = self._waited_s
             if waited is None:  # left the queue without a prefill chunk
-                waited = self._queue.time_ms / 1000 + self._clock() - self._queue_at
+                waited = self._clock() - self._started_at
             parts.append(f"queued {waited:.1f} s")
         if self._prefill is not None:
             parts.append(f"prefill {prefill_text(self._prefill)}")
         if parts:
             self._err.print(Text(" · ".join(parts), style=STATUS_STYLE))
 
-    def _render(self) -> RenderableType:
+    def live_line(self) -> RenderableType:
+        """What the live line shows now (rich's refresh thread calls this ten times a second)."""
         now = self._clock()
         prefill, queue = self._prefill, self._queue
         if prefill is not None:
@@ -136,7 +141,9 @@ class TerminalView:
                 line.append(f" · eta {prefill.eta_s:.1f} s")
             return line
         if queue is not None:
-            waited = queue.time_ms / 1000 + now - self._queue_at
-            return Spinner("dots", Text(f"queued: {queue_text(queue, waited)}"))
-        waiting = f"waiting for the server, {now - self._started_at:.1f} s"
-        return Spinner("dots", Text(waiting, style=STATUS_STYLE))
+            waited = now - self._started_at
+            self._spinner.update(text=Text(f"queued: {queue_text(queue, waited)}"))
+        else:
+            waiting = f"waiting for the server, {now - self._started_at:.1f} s"
+            self._spinner.update(text=Text(waiting, style=STATUS_STYLE))
+        return self._spinner

@@ -1,9 +1,14 @@
-"""What an OpenAI-compatible server sends the chat client, as msgspec structs.
+"""What a server sends the chat client, as msgspec structs, for each API it speaks:
+chat completions (OpenAI's ``chat.completion.chunk``), the Responses API's stream
+events and Anthropic's Messages stream events.
 
 Only the fields the client reads are declared; every other field is ignored, so
-chunks from llama.cpp's server, vLLM, OpenAI or this project decode alike. The
-extensions (``queue_progress``, ``prompt_progress``, the draft counters) are
-optional: a server that sends none of them still decodes.
+chunks from llama.cpp's server, vLLM, OpenAI, Anthropic or this project decode
+alike. The extensions (``queue_progress``, ``prompt_progress``, the draft
+counters) are optional: a server that sends none of them still decodes.
+Sources: the OpenAI API reference (chat completions streaming, Responses
+streaming events), Anthropic's API reference ("Streaming Messages"), this
+project's ``docs/http-contract.md``.
 """
 
 from __future__ import annotations
@@ -88,7 +93,8 @@ class ErrorBody(msgspec.Struct, frozen=True):
 
 
 class ErrorEnvelope(msgspec.Struct, frozen=True):
-    """``{"error": {...}}``: the body of an HTTP error, or one event once a stream has started."""
+    """``{"error": {...}}``: the body of an HTTP error, or one event once a stream has started.
+    Anthropic's error body (``{"type": "error", "error": {"type", "message"}}``) decodes too."""
 
     error: ErrorBody
 
@@ -117,6 +123,109 @@ class ModelList(msgspec.Struct, frozen=True):
     data: list[Model] = []
 
 
+# ---------------------------------------------------------------- Responses API
+
+
+class InputTokensDetails(msgspec.Struct, frozen=True):
+    cached_tokens: int | None = None
+
+
+class OutputTokensDetails(msgspec.Struct, frozen=True):
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
+
+
+class ResponsesUsage(msgspec.Struct, frozen=True):
+    """``response.usage``: ``input_tokens`` is the whole prompt, cached part included."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    input_tokens_details: InputTokensDetails | None = None
+    output_tokens_details: OutputTokensDetails | None = None
+
+
+class IncompleteDetails(msgspec.Struct, frozen=True):
+    reason: str | None = None
+
+
+class ResponseError(msgspec.Struct, frozen=True):
+    code: str | None = None
+    message: str = ""
+
+
+class ResponseObject(msgspec.Struct, frozen=True):
+    """The ``response`` of the lifecycle events (``response.completed`` ...)."""
+
+    status: str | None = None
+    usage: ResponsesUsage | None = None
+    incomplete_details: IncompleteDetails | None = None
+    error: ResponseError | None = None
+
+
+class ResponsesEvent(msgspec.Struct, frozen=True):
+    """Any Responses stream event, by its ``type``: ``response.output_text.delta``
+    (``delta``: text), ``response.queue_progress`` / ``response.prompt_progress``
+    (this project's), ``response.completed`` / ``response.incomplete`` /
+    ``response.failed`` (``response``), ``error`` (``code``, ``message``, ``param``).
+    ``delta`` is any JSON: other events' deltas need not be text."""
+
+    type: str = ""
+    delta: object = None
+    response: ResponseObject | None = None
+    queue_progress: QueueProgress | None = None
+    prompt_progress: PromptProgress | None = None
+    code: str | None = None
+    message: str | None = None
+    param: str | None = None
+
+
+# ---------------------------------------------------------------- Anthropic Messages
+
+
+class MessagesUsage(msgspec.Struct, frozen=True):
+    """``message.usage`` of ``message_start``, and ``usage`` of ``message_delta``
+    (whose fields, when present, replace the first ones). The whole prompt is
+    ``input_tokens + cache_creation_input_tokens + cache_read_input_tokens``;
+    the draft counters are this project's."""
+
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cache_creation_input_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
+
+
+class StartedMessage(msgspec.Struct, frozen=True):
+    usage: MessagesUsage | None = None
+
+
+class MessagesDelta(msgspec.Struct, frozen=True):
+    """``delta`` of ``content_block_delta`` (``type``: ``text_delta`` with ``text``,
+    or another kind) and of ``message_delta`` (``stop_reason``)."""
+
+    type: str | None = None
+    text: str | None = None
+    stop_reason: str | None = None
+
+
+class MessagesEvent(msgspec.Struct, frozen=True):
+    """Any Messages stream event, by its ``type``: ``message_start`` (``message``),
+    ``queue_progress`` / ``prompt_progress`` (this project's), ``content_block_delta``
+    and ``message_delta`` (``delta``; ``usage`` on the latter), ``message_stop``,
+    ``ping``, ``error`` (``error``: ``{"type", "message"}``)."""
+
+    type: str = ""
+    message: StartedMessage | None = None
+    delta: MessagesDelta | None = None
+    usage: MessagesUsage | None = None
+    queue_progress: QueueProgress | None = None
+    prompt_progress: PromptProgress | None = None
+    error: ErrorBody | None = None
+
+
 chunk_decoder = msgspec.json.Decoder(Chunk)
+responses_event_decoder = msgspec.json.Decoder(ResponsesEvent)
+messages_event_decoder = msgspec.json.Decoder(MessagesEvent)
 error_decoder = msgspec.json.Decoder(ErrorEnvelope)
 models_decoder = msgspec.json.Decoder(ModelList)

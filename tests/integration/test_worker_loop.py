@@ -629,3 +629,35 @@ def test_strict_fifo_without_backfilling(tmp_path: Path) -> None:
         peer.send(_submit("short", max_tokens=6))
         peer.events_until_terminal({"long", "head", "short"}, timeout_s=30)
         assert [rid for rid, _ in backend.started] == ["long", "head", "short"]
+
+
+def test_the_first_queue_progress_comes_with_the_step_that_prepared_it(tmp_path: Path) -> None:
+    # One slot, held by a sequence whose every step takes slow_step_s. A request
+    # that arrives during step k is received after it, prepared during step k+1,
+    # and must be reported queued with the events of step k+1, not one step later;
+    # its time_ms counts from its receipt (before step k+1), not from when it was queued.
+    info = ModelInfo("scripted", 1000, None, max_batch_size=1)
+    with serve_loop(tmp_path, info) as (backend, peer, _):
+        backend.slow_step_s = 0.5
+        peer.send(_submit("run", prompt="slow", max_tokens=10**6))
+        _wait(lambda: "run" in backend.remaining, "run started")
+        _first(peer, EventBatch)  # a step just ended and the next one began
+        time.sleep(backend.slow_step_s / 2)  # mid-step k
+        t0 = time.monotonic()
+        peer.send(_submit("b", max_tokens=1))
+        batches = 0
+        while True:
+            msg = peer.recv()
+            if not isinstance(msg, EventBatch):
+                continue
+            batches += 1
+            mine = [e for e in msg.events if isinstance(e, QueueProgress) and e.request_id == "b"]
+            if mine:
+                waited_s = time.monotonic() - t0
+                break
+        peer.send(Abort(("run", "b")))
+    assert batches == 2, f"first queue_progress in the batch of step k+{batches}, want k+1"
+    (first,) = mine
+    assert first.position == 1 and first.queued == 1
+    # Received after step k ended, reported after step k+1: one step of waiting in the worker.
+    assert 0.8 * backend.slow_step_s * 1000 <= first.time_ms <= waited_s * 1000

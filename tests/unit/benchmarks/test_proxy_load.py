@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import orjson
+import pytest
 
 from benchmarks import loadgen
 from benchmarks.proxy_load import top_entries
@@ -110,3 +111,65 @@ def test_profile_summary_counts_only_the_serving_samples(tmp_path: Path) -> None
     assert top["own"][0] == ("write (libc.so.6)", 75.0)
     assert ("feed (streaming.py)", 25.0) in top["own"]
     assert all("import_module" not in f for f, _ in top["total"])
+
+
+def named(name: str, obj: dict[str, object]) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps({"type": name, **obj}) + b"\n\n"
+
+
+def dialect_events(api: str, tokens: list[str], prompt_tokens: int) -> tuple[list[bytes], bytes]:
+    """A whole stream of ``tokens`` in ``api``'s events, and its end event apart."""
+    n = len(tokens)
+    if api == "responses":
+        usage = {"input_tokens": prompt_tokens, "output_tokens": n}
+        return (
+            [
+                named("response.created", {"response": {}}),
+                *(named("response.output_text.delta", {"delta": t}) for t in tokens),
+                b": ping\n\n",
+            ],
+            # max_tokens reached, as every synthetic stream ends
+            named("response.incomplete", {"response": {"usage": usage}}),
+        )
+    # Anthropic's usage: the prompt is input_tokens plus the cache counts.
+    usage = {"input_tokens": prompt_tokens - 2, "cache_read_input_tokens": 2, "output_tokens": n}
+    return (
+        [
+            named("message_start", {"message": {"usage": {}}}),
+            named("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+            *(
+                named("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": t}})
+                for t in tokens
+            ),
+            named("ping", {}),
+            named("content_block_stop", {"index": 0}),
+            named("message_delta", {"delta": {"stop_reason": "max_tokens"}, "usage": usage}),
+        ],
+        named("message_stop", {}),
+    )
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+def test_each_dialect_is_checked_in_its_own_events(api: str) -> None:
+    content = loadgen.stream_content(2)
+    words = loadgen.expected_words(content)
+    tokens = [f"{words[k % len(words)]}@{1000 + k} " for k in range(3)]
+    events, end = dialect_events(api, tokens, len(words))
+    check = loadgen.check_stream([(5_000_000, chunked([*events, end]))], content, 3, api=api)
+    assert check.ok, check.problem
+    assert check.stamps_us == [1000, 1001, 1002]
+    assert check.latencies_us == [5_000 - stamp for stamp in check.stamps_us]
+    # As chat: the wrong text, a missing end, a usage that does not count every token.
+    wrong = [e.replace(words[0].encode() + b"@1000", b"intruder@1000") for e in events]
+    assert "text differs" in (
+        loadgen.check_stream([(0, chunked([*wrong, end]))], content, 3, api=api).problem or ""
+    )
+    short = loadgen.check_stream([(0, chunked(events))], content, 3, api=api)
+    assert short.problem == "no end of stream"
+    bad_events, bad_end = dialect_events(api, tokens, len(words) + 1)
+    bad = loadgen.check_stream([(0, chunked([*bad_events, bad_end]))], content, 3, api=api)
+    assert "usage differs" in (bad.problem or "")
+    # The request each dialect sends.
+    body = orjson.loads(loadgen.APIS[api].body(content, 3, model="m"))
+    assert body["stream"] is True and body["model"] == "m"
+    assert (body.get("max_output_tokens") or body.get("max_tokens")) == 3

@@ -1,9 +1,11 @@
-"""``exl3-sidecar chat`` against a scripted OpenAI-compatible server, in plain mode.
+"""``exl3-sidecar chat`` against a scripted server, in plain mode, in each API (``--api``).
 
-The server (aiohttp, in the test's loop) plays a list of steps: chunks, raw
-``data:`` payloads and pauses. The command runs in a thread (click's
-``CliRunner``, which keeps stdout and stderr apart) or as a subprocess with real
-pipes. Expected lines are computed here from the script's numbers.
+The server (aiohttp, in the test's loop) plays a list of steps: chunks, named
+events, raw ``data:`` payloads and pauses. One story (a queue, a prefill, an
+answer, a usage) is scripted in each API's own events (``script``), and the
+command must show the same lines for all three. The command runs in a thread
+(click's ``CliRunner``, which keeps stdout and stderr apart) or as a subprocess
+with real pipes. Expected lines are computed here from the script's numbers.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from click.testing import CliRunner, Result
 
+from launcher.chat.apis import ANTHROPIC_VERSION, MESSAGES_DEFAULT_MAX_TOKENS
 from launcher.cli import main
 
 MODEL = "scripted-model"
@@ -46,8 +49,12 @@ USAGE: dict[str, Any] = {
     "prompt_time": 0.9,
 }
 
-Step = dict[str, Any] | str | float
-"""A chunk (sent as JSON), a raw ``data:`` payload such as ``[DONE]``, or a pause in seconds."""
+APIS = ["chat", "responses", "messages"]
+PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
+
+Step = dict[str, Any] | tuple[str, dict[str, Any]] | str | float
+"""A chunk (sent as JSON), an ``(event name, data)`` pair, a raw ``data:`` payload such as
+``[DONE]``, or a pause in seconds."""
 
 
 def chunk(**extra: Any) -> dict[str, Any]:
@@ -107,10 +114,128 @@ def full_script() -> list[Step]:
     return [*steps, *answer_steps(PIECES), finish(), usage(USAGE), "[DONE]"]
 
 
+def queue_dicts() -> list[dict[str, Any]]:
+    out = []
+    for position, queued, time_ms, eta_ms in QUEUE:
+        q: dict[str, Any] = {"position": position, "queued": queued, "time_ms": time_ms}
+        if eta_ms is not None:
+            q["eta_ms"] = eta_ms
+        out.append(q)
+    return out
+
+
+def prefill_dicts() -> list[dict[str, Any]]:
+    return [{"total": TOTAL, "cache": CACHE, "processed": p, "time_ms": t} for p, t in PREFILL]
+
+
+def answer_pauses(events: list[Step]) -> list[Step]:
+    """``events`` (one per piece of text) with the first-token and inter-token pauses."""
+    steps: list[Step] = [FIRST_TOKEN_PAUSE_S]
+    for i, e in enumerate(events):
+        if i:
+            steps.append(TOKEN_PAUSE_S)
+        steps.append(e)
+    return steps
+
+
+def responses_usage(u: dict[str, Any]) -> dict[str, Any]:
+    """Chat's usage ``u`` in the Responses API's words."""
+    details = u.get("completion_tokens_details") or {}
+    return {
+        "input_tokens": u["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+        "output_tokens": u["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0, **details},
+        "total_tokens": u["total_tokens"],
+    }
+
+
+def responses_script(pieces: list[str], reason: str = "stop", progress: bool = True) -> list[Step]:
+    def ev(kind: str, **data: Any) -> tuple[str, dict[str, Any]]:
+        return (kind, {"type": kind, "sequence_number": 0, **data})
+
+    response = {"id": "resp_1", "object": "response", "status": "in_progress", "output": [], "usage": None}
+    steps: list[Step] = [
+        ev("response.created", response=response),
+        ev("response.in_progress", response=response),
+    ]
+    if progress:
+        steps += [ev("response.queue_progress", queue_progress=q) for q in queue_dicts()]
+        steps += [ev("response.prompt_progress", prompt_progress=p) for p in prefill_dicts()]
+    item = {"id": "msg_1", "type": "message", "status": "in_progress", "role": "assistant", "content": []}
+    steps += [
+        ev("response.output_item.added", output_index=0, item=item),
+        ev("response.content_part.added", item_id="msg_1", output_index=0, content_index=0, part={}),
+    ]
+    where = {"item_id": "msg_1", "output_index": 0, "content_index": 0}
+    steps += answer_pauses([ev("response.output_text.delta", **where, delta=p, logprobs=[]) for p in pieces])
+    text = "".join(pieces)
+    steps += [
+        ev("response.output_text.done", **where, text=text, logprobs=[]),
+        ev("response.output_item.done", output_index=0, item={**item, "status": "completed"}),
+    ]
+    final = {**response, "status": "completed", "usage": responses_usage(USAGE)}
+    if reason == "length":
+        final.update(status="incomplete", incomplete_details={"reason": "max_output_tokens"})
+        steps.append(ev("response.incomplete", response=final))
+    else:
+        steps.append(ev("response.completed", response=final))
+    return steps
+
+
+def messages_script(pieces: list[str], reason: str = "end_turn", progress: bool = True) -> list[Step]:
+    """As Anthropic's API sends it: the prompt's usage in ``message_start``, only the
+    output's in ``message_delta`` (here with this project's draft counters)."""
+
+    def ev(kind: str, **data: Any) -> tuple[str, dict[str, Any]]:
+        return (kind, {"type": kind, **data})
+
+    cached = USAGE["prompt_tokens_details"]["cached_tokens"]
+    start_usage = {
+        "input_tokens": USAGE["prompt_tokens"] - cached,
+        "output_tokens": 1,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+    }
+    message = {"id": "msg_1", "type": "message", "role": "assistant", "content": [], "usage": start_usage}
+    steps: list[Step] = [ev("message_start", message=message)]
+    if progress:
+        steps += [ev("queue_progress", queue_progress=q) for q in queue_dicts()]
+        steps += [ev("prompt_progress", prompt_progress=p) for p in prefill_dicts()]
+    steps += [ev("content_block_start", index=0, content_block={"type": "text", "text": ""}), ev("ping")]
+    steps += answer_pauses(
+        [ev("content_block_delta", index=0, delta={"type": "text_delta", "text": p}) for p in pieces]
+    )
+    details = USAGE["completion_tokens_details"]
+    delta_usage = {"output_tokens": USAGE["completion_tokens"], **details}
+    steps += [
+        ev("content_block_stop", index=0),
+        ev("message_delta", delta={"stop_reason": reason, "stop_sequence": None}, usage=delta_usage),
+        ev("message_stop"),
+    ]
+    return steps
+
+
+def through_text(steps: list[Step]) -> list[Step]:
+    """``steps`` up to the last event of answer text: no closing events."""
+    text_events = ("response.output_text.delta", "content_block_delta")
+    last = max(i for i, step in enumerate(steps) if isinstance(step, tuple) and step[0] in text_events)
+    return steps[: last + 1]
+
+
+def script(api: str) -> list[Step]:
+    """The whole story (queue, prefill, answer, usage) in ``api``'s events."""
+    if api == "responses":
+        return responses_script(PIECES)
+    if api == "messages":
+        return messages_script(PIECES)
+    return full_script()
+
+
 class ScriptedServer:
-    """``GET /v1/models`` lists ``models`` (404 when ``None``); ``POST /v1/chat/completions``
-    answers ``reply`` (status, body sent as application/json) if set, else streams ``script``. Records each
-    request's body and Authorization header; ``disconnected`` is set when a client goes
+    """``GET /v1/models`` lists ``models`` (404 when ``None``); ``POST`` on each API's path
+    answers ``reply`` (status, body sent as application/json) if set, else streams ``script``.
+    Records each request's path, body and headers; ``disconnected`` is set when a client goes
     away mid-stream (the test server cancels the handler, as the proxy's runner does)."""
 
     def __init__(self, script: list[Step], models: list[str] | None = None) -> None:
@@ -119,7 +244,9 @@ class ScriptedServer:
         self.models_route = True
         self.reply: tuple[int, str] | None = None
         self.bodies: list[dict[str, Any]] = []
+        self.paths: list[str] = []
         self.auth: list[str | None] = []
+        self.headers: list[dict[str, str]] = []
         self.models_calls = 0
         self.disconnected = asyncio.Event()
         self.base_url = ""
@@ -127,7 +254,8 @@ class ScriptedServer:
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/v1/models", self._models)
-        app.router.add_post("/v1/chat/completions", self._chat)
+        for path in PATHS.values():
+            app.router.add_post(path, self._chat)
         return app
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -140,7 +268,9 @@ class ScriptedServer:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.json())
+        self.paths.append(request.path)
         self.auth.append(request.headers.get("Authorization"))
+        self.headers.append(dict(request.headers))
         if self.reply is not None:
             status, body = self.reply
             return web.Response(status=status, text=body, content_type="application/json")
@@ -150,6 +280,10 @@ class ScriptedServer:
             for step in self.script:
                 if isinstance(step, float):
                     await asyncio.sleep(step)
+                    continue
+                if isinstance(step, tuple):
+                    name, payload = step
+                    await resp.write(f"event: {name}\ndata: {json.dumps(payload)}\n\n".encode())
                     continue
                 data = step if isinstance(step, str) else json.dumps(step)
                 await resp.write(f"data: {data}\n\n".encode())
@@ -199,9 +333,10 @@ def usage_numbers(line: str) -> dict[str, float]:
     return out
 
 
-async def test_plain_run_shows_queue_prefill_answer_and_usage(aiohttp_server: Any) -> None:
-    server = await serve(aiohttp_server, full_script())
-    r = await run_cli(["chat", "--base-url", server.base_url, "Say hello"])
+@pytest.mark.parametrize("api", APIS)
+async def test_plain_run_shows_queue_prefill_answer_and_usage(aiohttp_server: Any, api: str) -> None:
+    server = await serve(aiohttp_server, script(api))
+    r = await run_cli(["chat", "--base-url", server.base_url, "--api", api, "Say hello"])
     assert r.exit_code == 0, r.output
     assert r.stdout == "".join(PIECES) + "\n"
     assert "\x1b" not in r.output
@@ -240,12 +375,24 @@ async def test_plain_run_shows_queue_prefill_answer_and_usage(aiohttp_server: An
     out = r.output
     assert out.index("queued:") < out.index("prefill:") < out.index(PIECES[0]) < out.index("usage:")
 
+    assert server.paths == [PATHS[api]]
     (body,) = server.bodies
     assert body["model"] == MODEL
-    assert body["messages"] == [{"role": "user", "content": "Say hello"}]
     assert body["stream"] is True and body["return_progress"] is True
-    assert body["stream_options"] == {"include_usage": True}
-    assert "max_tokens" not in body and "temperature" not in body
+    assert "temperature" not in body
+    if api == "chat":
+        assert body["messages"] == [{"role": "user", "content": "Say hello"}]
+        assert body["stream_options"] == {"include_usage": True}
+        assert "max_tokens" not in body
+    elif api == "responses":
+        assert body["input"] == "Say hello" and body["store"] is False
+        assert "max_output_tokens" not in body and "instructions" not in body
+    else:
+        assert body["messages"] == [{"role": "user", "content": "Say hello"}]
+        assert body["max_tokens"] == MESSAGES_DEFAULT_MAX_TOKENS  # required by the API
+        assert "system" not in body
+        assert server.headers[0]["anthropic-version"] == ANTHROPIC_VERSION
+        assert "x-api-key" not in server.headers[0]
     assert server.auth == [None]
 
 
@@ -487,3 +634,137 @@ async def test_ctrl_c_closes_the_stream_and_exits_130(aiohttp_server: Any) -> No
     assert proc.returncode == 130
     assert err.decode() == "error: interrupted\n"
     await asyncio.wait_for(server.disconnected.wait(), 10)
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+async def test_options_reach_the_request_in_each_api(aiohttp_server: Any, api: str) -> None:
+    server = await serve(aiohttp_server, script(api))
+    args = ["--system", "Be brief.", "--model", "mine", "--max-tokens", "7", "--temperature", "0.5"]
+    r = await run_cli(["chat", "--base-url", server.base_url, "--api", api, *args, "--api-key", "sk-t", "hi"])
+    assert r.exit_code == 0, r.output
+    (body,) = server.bodies
+    (headers,) = server.headers
+    assert (body["model"], body["temperature"]) == ("mine", 0.5)
+    if api == "responses":
+        assert (body["instructions"], body["input"], body["max_output_tokens"]) == ("Be brief.", "hi", 7)
+        assert server.auth == ["Bearer sk-t"]
+    else:
+        assert (body["system"], body["max_tokens"]) == ("Be brief.", 7)
+        assert body["messages"] == [{"role": "user", "content": "hi"}]
+        assert headers["x-api-key"] == "sk-t" and server.auth == [None]
+    assert server.models_calls == 0
+
+
+@pytest.mark.parametrize(
+    ("env", "header"),
+    [
+        ({"EXL3_SIDECAR_API_KEY": "k1,k2", "ANTHROPIC_API_KEY": "a"}, "k1"),
+        ({"ANTHROPIC_API_KEY": "a", "OPENAI_API_KEY": "o"}, "a"),
+        ({"OPENAI_API_KEY": "o"}, None),
+    ],
+)
+async def test_messages_key_from_the_environment(
+    aiohttp_server: Any, env: dict[str, str | None], header: str | None
+) -> None:
+    server = await serve(aiohttp_server, script("messages"))
+    r = await run_cli(["chat", "--base-url", server.base_url, "--api", "messages", "hi"], env=env)
+    assert r.exit_code == 0, r.output
+    assert server.headers[0].get("x-api-key") == header and server.auth == [None]
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+async def test_a_cut_answer_says_finish_length_in_each_api(aiohttp_server: Any, api: str) -> None:
+    steps = (
+        responses_script(["ok"], reason="length", progress=False)
+        if api == "responses"
+        else messages_script(["ok"], reason="max_tokens", progress=False)
+    )
+    server = await serve(aiohttp_server, steps)
+    r = await run_cli(["chat", "--base-url", server.base_url, "--api", api, "hi"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout == "ok\n"
+    (line,) = r.stderr.splitlines()
+    assert line.startswith(f"usage: prompt {TOTAL} (cached {CACHE}, ") and line.endswith(", finish length")
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+async def test_a_stream_cut_before_its_end_event_is_an_error_in_each_api(
+    aiohttp_server: Any, api: str
+) -> None:
+    whole = responses_script(["half"]) if api == "responses" else messages_script(["half"])
+    cut = through_text(whole)
+    server = await serve(aiohttp_server, cut)
+    r = await run_cli(["chat", "--base-url", server.base_url, "--api", api, "hi"])
+    assert r.exit_code == 1
+    assert r.stdout == "half\n"
+    assert r.stderr.splitlines()[-1] == "error: the server closed the stream before the answer finished"
+
+
+async def test_an_anthropic_error_body_is_shown_with_its_type(aiohttp_server: Any) -> None:
+    server = await serve(aiohttp_server, [])
+    body = {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": "max_tokens: Field required"},
+    }
+    server.reply = (400, json.dumps(body))
+    r = await run_cli(["chat", "--base-url", server.base_url, "--api", "messages", "hi"])
+    assert r.exit_code == 1
+    assert r.stderr == "error: max_tokens: Field required (HTTP 400, invalid_request_error)\n"
+
+
+@pytest.mark.parametrize(
+    ("api", "event", "line"),
+    [
+        (
+            "responses",
+            (
+                "response.failed",
+                {
+                    "type": "response.failed",
+                    "response": {
+                        "status": "failed",
+                        "error": {"code": "server_error", "message": "engine died"},
+                    },
+                },
+            ),
+            "error: engine died (server_error)",
+        ),
+        (
+            "responses",
+            (
+                "error",
+                {"type": "error", "code": "rate_limit_exceeded", "message": "slow down", "param": None},
+            ),
+            "error: slow down (rate_limit_exceeded)",
+        ),
+        (
+            "messages",
+            ("error", {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}),
+            "error: Overloaded (overloaded_error)",
+        ),
+    ],
+)
+async def test_an_error_event_mid_stream_in_each_api(
+    aiohttp_server: Any, api: str, event: tuple[str, dict[str, Any]], line: str
+) -> None:
+    whole = responses_script(["partial"]) if api == "responses" else messages_script(["partial"])
+    cut = through_text(whole)
+    server = await serve(aiohttp_server, [*cut, event])
+    r = await run_cli(["chat", "--base-url", server.base_url, "--api", api, "hi"])
+    assert r.exit_code == 1
+    assert r.stdout == "partial\n"
+    assert r.stderr.splitlines()[-1] == line
+
+
+async def test_port_is_short_for_a_local_base_url(aiohttp_server: Any) -> None:
+    server = await serve(aiohttp_server, full_script())
+    port = str(server.base_url.split(":")[-1].split("/")[0])
+    assert server.base_url == f"http://127.0.0.1:{port}/v1"  # what --port stands for
+    r = await run_cli(["chat", "--port", port, "hi"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout == "".join(PIECES) + "\n" and server.paths == [PATHS["chat"]]
+
+
+def test_port_and_base_url_together_is_a_usage_error() -> None:
+    r = CliRunner().invoke(main, ["chat", "--port", "5000", "--base-url", "http://127.0.0.1:9/v1", "hi"])
+    assert r.exit_code == 2 and "not both" in r.stderr

@@ -6,13 +6,18 @@ import io
 
 import pytest
 
+from launcher.chat.apis import chat_counts, messages_counts, responses_counts
 from launcher.chat.plain import PREFILL_LINE_INTERVAL_S, PlainView
-from launcher.chat.stats import Prefill, summarize, usage_text
+from launcher.chat.stats import Counts, Prefill, summarize, usage_text
 from launcher.chat.wire import (
     CompletionTokensDetails,
+    InputTokensDetails,
+    MessagesUsage,
+    OutputTokensDetails,
     PromptProgress,
     PromptTokensDetails,
     QueueProgress,
+    ResponsesUsage,
     Usage,
     chunk_decoder,
 )
@@ -40,16 +45,51 @@ def test_a_full_cache_hit_is_done_without_a_rate() -> None:
     assert p.done and p.rate_tok_s is None and p.eta_s is None
 
 
-def test_summary_times_and_drafts() -> None:
-    usage = Usage(
-        prompt_tokens=2_000,
-        completion_tokens=101,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=1_500),
-        completion_tokens_details=CompletionTokensDetails(
-            accepted_prediction_tokens=30, rejected_prediction_tokens=20
+COUNTS = Counts(
+    prompt_tokens=2_000, completion_tokens=101, cached_tokens=1_500, drafts_accepted=30, drafts_rejected=20
+)
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [
+        chat_counts(
+            Usage(
+                prompt_tokens=2_000,
+                completion_tokens=101,
+                prompt_tokens_details=PromptTokensDetails(cached_tokens=1_500),
+                completion_tokens_details=CompletionTokensDetails(
+                    accepted_prediction_tokens=30, rejected_prediction_tokens=20
+                ),
+            )
         ),
-    )
-    s = summarize(usage, sent_at=10.0, first_token_at=11.5, last_token_at=13.5, finish_reason="stop")
+        responses_counts(
+            ResponsesUsage(
+                input_tokens=2_000,  # the whole prompt, as OpenAI counts it
+                output_tokens=101,
+                input_tokens_details=InputTokensDetails(cached_tokens=1_500),
+                output_tokens_details=OutputTokensDetails(30, 20),
+            )
+        ),
+        messages_counts(
+            MessagesUsage(
+                input_tokens=300,  # Anthropic: neither read from nor written to the cache
+                output_tokens=101,
+                cache_creation_input_tokens=200,
+                cache_read_input_tokens=1_500,
+                accepted_prediction_tokens=30,
+                rejected_prediction_tokens=20,
+            )
+        ),
+    ],
+    ids=["chat", "responses", "messages"],
+)
+def test_each_apis_usage_means_the_same_counts(counts: Counts) -> None:
+    assert counts == COUNTS
+
+
+def test_summary_times_and_drafts() -> None:
+    s = summarize(COUNTS, sent_at=10.0, first_token_at=11.5, last_token_at=13.5, finish_reason="stop")
     assert s.ttft_s == pytest.approx(1.5)
     assert s.decode_tok_s == pytest.approx(100 / 2.0)
     assert (s.drafts_accepted, s.drafts_verified) == (30, 50)
@@ -60,7 +100,7 @@ def test_summary_times_and_drafts() -> None:
 
 
 def test_summary_leaves_out_what_was_not_reported() -> None:
-    s = summarize(Usage(prompt_tokens=5, completion_tokens=1), 0.0, 0.25, 0.25, None)
+    s = summarize(chat_counts(Usage(prompt_tokens=5, completion_tokens=1)), 0.0, 0.25, 0.25, None)
     assert usage_text(s) == "prompt 5, completion 1, ttft 0.25 s"
     assert usage_text(summarize(None, 0.0, None, None, None)) == "not reported by the server"
 

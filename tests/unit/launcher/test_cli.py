@@ -16,10 +16,12 @@ EXL3_SIDECAR = [sys.executable, "-m", "launcher"]
 def test_worker_is_the_worker_commands_own_parser() -> None:
     out = subprocess.run([*EXL3_SIDECAR, "worker", "--help"], capture_output=True, text=True, check=True)
     assert "--chunk-size" in out.stdout and "--check" in out.stdout and "--port" not in out.stdout
+    assert out.stdout.startswith("Usage: exl3-sidecar worker [OPTIONS]")  # named as it was called
     bad = subprocess.run(
         [*EXL3_SIDECAR, "worker", "--check", "--dtype", "int8"], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "--dtype" in bad.stderr
+    assert "Try 'exl3-sidecar worker --help'" in bad.stderr
 
 
 def test_proxy_is_the_proxy_commands_own_parser() -> None:
