@@ -445,7 +445,7 @@ class EngineLoop:
         while self._queue:
             chosen = self._queue[0]
             if not self._fits_now(len(chosen.ids), chosen.reservation):
-                if time.monotonic() - chosen.queued_at >= self._backfill_max_wait:
+                if time.monotonic() - chosen.arrived >= self._backfill_max_wait:
                     return
                 later = islice(self._queue, 1, None)
                 found = next((q for q in later if self._fits_now(len(q.ids), q.reservation)), None)
