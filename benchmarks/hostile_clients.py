@@ -331,6 +331,8 @@ async def host_rebinding(url: str) -> None:
 
 
 CASES = ("huge", "n", "gzip", "idle", "slowloris", "inject", "host")
+
+
 def bomb_schema(n: int, contains: bool = False) -> dict[str, object]:
     """Issue 20's schema: llguidance's check of it costs time and memory exponential in ``n``."""
     pattern = (lambda i: "a" + "." * i + "b") if contains else (lambda i: f"^(.*a.*){{{i}}}$")

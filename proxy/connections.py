@@ -66,6 +66,7 @@ def over_cap_allowance(cap: int) -> int:
     ``OVER_CAP_SHARE``), at least 1."""
     return max(1, min(OVER_CAP_MAX, int(cap * OVER_CAP_SHARE)))
 
+
 ACCEPT_ERROR_MESSAGE = "socket.accept() out of system resource"
 """The context ``message`` asyncio's selector loop reports a failed ``accept()``
 with (``EMFILE``, ``ENFILE``, ``ENOBUFS``, ``ENOMEM``), retrying 1 s later."""

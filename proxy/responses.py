@@ -75,4 +75,3 @@ class ReadyStatus(msgspec.Struct, gc=False):
     worker_active_requests: int | UnsetType | None = UNSET
     worker_waiting_requests: int | UnsetType | None = UNSET
     worker_kv_cache_usage: float | UnsetType | None = UNSET
-

@@ -5,41 +5,19 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from urllib.parse import urlsplit, urlunsplit
 
 import click
 
-from launcher.chat.command import DEFAULT_BASE_URL, EXIT_ERROR, EXIT_INTERRUPTED
+from launcher.chat.command import EXIT_ERROR, EXIT_INTERRUPTED, base_url_of, server_options
 
 DEFAULT_INTERVAL_S = 1.0
-
-
-def with_port(base_url: str, port: int | None) -> str:
-    """``base_url`` with its port replaced by ``port`` (unchanged for ``None``)."""
-    if port is None:
-        return base_url
-    parts = urlsplit(base_url)
-    host = parts.hostname or "127.0.0.1"
-    if ":" in host:  # an IPv6 literal keeps its brackets
-        host = f"[{host}]"
-    return urlunsplit(parts._replace(netloc=f"{host}:{port}"))
 
 
 @click.command(
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
     short_help="Watch what a server is doing: its load and every request in flight.",
 )
-@click.option(
-    "--base-url",
-    default=DEFAULT_BASE_URL,
-    show_default=True,
-    help="The server's OpenAI base URL, /v1 included.",
-)
-@click.option(
-    "--port",
-    type=click.IntRange(1, 65535),
-    help="Use this port on the --base-url host (e.g. a second serve on --port 5001).",
-)
+@server_options
 @click.option(
     "--api-key",
     help="Sent as 'Authorization: Bearer KEY'. Default: $EXL3_SIDECAR_API_KEY (its first key), "
@@ -70,7 +48,7 @@ def with_port(base_url: str, port: int | None) -> str:
     help="Seconds the server may send nothing before the client gives up.",
 )
 def top(
-    base_url: str,
+    base_url: str | None,
     port: int | None,
     api_key: str | None,
     interval: float,
@@ -97,10 +75,12 @@ def top(
     from launcher.top.client import fetch_status, stream_status
     from launcher.top.plain import PlainView
 
-    url = with_port(base_url, port)
+    url = base_url_of(base_url, port)
     code = 0
     try:
-        with open_client(url, api_key or _env_api_key(), timeout + interval) as client:
+        key = api_key or _env_api_key("chat")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        with open_client(url, headers, timeout + interval) as client:
             if once:
                 PlainView(sys.stdout, sort_by).show(fetch_status(client))
             elif plain or not _is_terminal():

@@ -18,7 +18,6 @@ from aiohttp.test_utils import TestServer
 from click.testing import CliRunner, Result
 
 from launcher.cli import main
-from launcher.top.command import with_port
 from launcher.top.model import Rates, RateWindow, rates, short_id, sort_requests
 from launcher.top.terminal import queue_bar
 from proxy.app import create_app
@@ -185,17 +184,13 @@ async def test_a_server_without_the_endpoint(aiohttp_server: Any) -> None:
     assert r.stderr == "error: this server has no GET /v1/status (is it exl3-sidecar?) (HTTP 404)\n"
 
 
-@pytest.mark.parametrize(
-    ("url", "port", "expected"),
-    [
-        ("http://127.0.0.1:5000/v1", 5001, "http://127.0.0.1:5001/v1"),
-        ("http://localhost/v1", 8080, "http://localhost:8080/v1"),
-        ("http://[::1]:5000/v1", 7, "http://[::1]:7/v1"),
-        ("http://127.0.0.1:5000/v1", None, "http://127.0.0.1:5000/v1"),
-    ],
-)
-def test_port_replaces_the_base_urls(url: str, port: int | None, expected: str) -> None:
-    assert with_port(url, port) == expected
+async def test_port_is_the_local_server_as_for_chat(served: Served) -> None:
+    """``--port N`` is ``--base-url http://127.0.0.1:N/v1`` as for ``chat``; both is a usage error."""
+    port = served.server.port
+    r = await run_cli(["top", "--once", "--port", str(port)])
+    assert r.exit_code == 0, r.stderr
+    both = await run_cli(["top", "--once", "--port", str(port), "--base-url", f"http://127.0.0.1:{port}/v1"])
+    assert both.exit_code == 2
 
 
 def _status(t: float, requests: int, prefilled: int, completion: int, reqs: list[RequestStatus]) -> Status:

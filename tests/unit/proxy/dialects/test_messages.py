@@ -297,4 +297,3 @@ async def test_max_tokens_cut_is_max_tokens(make_client: MakeClient, fake: FakeE
     async with sdk(client) as api:
         m = await api.messages.create(model="m", max_tokens=1, messages=MSGS)  # type: ignore[arg-type]
     assert m.stop_reason == "max_tokens"
-
