@@ -41,6 +41,8 @@ class ModelInfo:
       proxy reads the model's tool-call format from it); ``None`` if unknown.
     - ``template_tools``: the backend passes ``Submit.tools_json`` and the tool
       fields of ``ChatMessage`` to its chat template (else such requests are refused).
+    - ``cache_salt``: the backend keeps prefix-cache entries of different
+      ``Submit.cache_salt`` apart (a salted request is refused otherwise).
     - ``kv_block_tokens``: tokens per block of KV the prefix cache reuses whole
       (``Ready.kv_block_tokens``); 0 when the backend has no such unit.
     """
@@ -56,6 +58,7 @@ class ModelInfo:
     chat_template: str | None = None
     template_tools: bool = False
     kv_block_tokens: int = 0
+    cache_salt: bool = False
 
 
 @dataclass(frozen=True, slots=True)

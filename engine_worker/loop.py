@@ -549,6 +549,8 @@ def _unsupported(msg: Submit, info: ModelInfo) -> tuple[str, str | None] | None:
         return f"'{param}' (constrained decoding) is not supported by this engine", param
     if params.logprobs is not None and not info.logprobs:
         return "'logprobs' are not supported by this engine", "logprobs"
+    if msg.cache_salt is not None and not info.cache_salt:
+        return "'cache_salt' (a prefix cache of its own) is not supported by this engine", "cache_salt"
     return None
 
 

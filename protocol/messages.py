@@ -137,6 +137,11 @@ class Submit(_Msg, frozen=True, tag="submit"):
     """The request's tools (OpenAI's ``tools`` array as JSON text) for a chat
     template that renders them (its ``tools`` variable); ``None`` otherwise. A
     worker that cannot pass them to its template refuses the request."""
+    cache_salt: str | None = None
+    """vLLM's ``cache_salt``: prefix-cache entries are shared only between
+    requests of the same salt (``None`` is a salt too: the shared one), so a
+    tenant cannot learn from cache hits what another one sent. A worker whose
+    engine cannot keep salts apart refuses a salted request."""
 
 
 def choice_ids(request_id: str, n: int) -> list[str]:

@@ -28,7 +28,7 @@ from proxy.errors import ProxyError, error_response, from_http_exception
 from proxy.handlers import add_routes
 from proxy.host_check import host_check_middlewares
 from proxy.inflight import INFLIGHT, InFlight
-from proxy.intake import check_api_key, key_digest
+from proxy.intake import KEY_DIGEST, check_api_key, key_digest
 from proxy.metrics import Metrics
 from proxy.request_log import METRICS, observe_middleware, record_of
 from proxy.runner import make_runner
@@ -84,7 +84,7 @@ async def api_key_middleware(request: web.Request, handler: _Handler) -> web.Str
     if keys:
         resource = request.match_info.route.resource
         if resource is None or resource.canonical not in OPEN_PATHS:
-            check_api_key(request, keys)
+            request[KEY_DIGEST] = check_api_key(request, keys)
     return await handler(request)
 
 

@@ -34,12 +34,16 @@ def key_digest(key: str | bytes) -> bytes:
     return hashlib.sha256(raw).digest()
 
 
-def check_api_key(request: web.BaseRequest, digests: frozenset[bytes]) -> None:
-    """Raise ``InvalidApiKey`` unless ``Authorization: Bearer <key>`` or
-    ``x-api-key: <key>`` holds a key whose ``key_digest`` is in ``digests``.
-    Every digest is compared, each with ``hmac.compare_digest``, so the time
-    taken tells nothing about which key nearly matched. Keys are never logged
-    or echoed."""
+KEY_DIGEST: web.RequestKey[bytes] = web.RequestKey("key_digest", bytes)
+"""The SHA-256 digest of the API key a request was admitted with (keys configured)."""
+
+
+def check_api_key(request: web.BaseRequest, digests: frozenset[bytes]) -> bytes:
+    """The digest of the key the request carries. Raise ``InvalidApiKey``
+    unless ``Authorization: Bearer <key>`` or ``x-api-key: <key>`` holds a key
+    whose ``key_digest`` is in ``digests``. Every digest is compared, each with
+    ``hmac.compare_digest``, so the time taken tells nothing about which key
+    nearly matched. Keys are never logged or echoed."""
     given: list[bytes] = []
     auth = request.headers.get("Authorization")
     if auth is not None:
@@ -51,12 +55,14 @@ def check_api_key(request: web.BaseRequest, digests: frozenset[bytes]) -> None:
         given.append(key_digest(x_api_key.strip()))
     if not given:
         raise InvalidApiKey("Missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'")
-    ok = False
+    matched: bytes | None = None
     for candidate in given:
         for digest in digests:
-            ok |= hmac.compare_digest(candidate, digest)
-    if not ok:
+            if hmac.compare_digest(candidate, digest):
+                matched = candidate
+    if matched is None:
         raise InvalidApiKey("Incorrect API key provided")
+    return matched
 
 
 def check_json_body(request: web.BaseRequest) -> None:

@@ -26,10 +26,12 @@ listed in ``proxy.inflight`` (``GET /v1/status``, traces).
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from collections.abc import Sequence
 
+import msgspec
 from aiohttp import web
 
 from protocol.messages import Ready, Submit, choice_ids
@@ -46,7 +48,7 @@ from proxy.errors import (
 )
 from proxy.generation import Generation
 from proxy.inflight import INFLIGHT
-from proxy.intake import check_json_body, max_prompt_chars, read_body
+from proxy.intake import KEY_DIGEST, check_json_body, max_prompt_chars, read_body
 from proxy.request_log import record_of
 from proxy.state import STATE, ProxyState
 from proxy.task import prompt_chars
@@ -125,6 +127,8 @@ async def serve(request: web.Request, dialect: Dialect) -> web.StreamResponse:
     record.request_id = request_id
     record.stream = job.stream
     submits, options = job.submits(request_id, context)
+    if settings.cache_isolation == "key" and KEY_DIGEST in request:
+        submits = [salted(s, request[KEY_DIGEST]) for s in submits]
     check_limits(submits, settings.max_n, worker)
     for grammar, param in dict.fromkeys((s.params.grammar, s.params.grammar_param or "") for s in submits):
         if grammar is not None:  # checked off the event loop, bounded (proxy.constraints)
@@ -157,6 +161,15 @@ async def serve(request: web.Request, dialect: Dialect) -> web.StreamResponse:
     finally:
         state.release()
     return await send_body(request, reply, settings.stalled_client_timeout, record)
+
+
+def salted(submit: Submit, key_digest: bytes) -> Submit:
+    """``submit`` with a salt of its API key's digest (and of its own salt), so
+    that its prefix-cache entries are shared with requests of that key only
+    (``cache_isolation: key``)."""
+    own = (submit.cache_salt or "").encode()
+    salt = hashlib.sha256(key_digest + b"\0" + own).hexdigest()
+    return msgspec.structs.replace(submit, cache_salt=salt)
 
 
 def check_limits(submits: list[Submit], max_n: int, worker: Ready) -> None:

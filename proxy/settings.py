@@ -98,6 +98,13 @@ class ProxySettings(LinkSettings):
         "keep up; beyond it the stream is cut as a stalled one.",
         gt=0,
     )
+    cache_isolation: Literal["none", "key"] = setting(
+        "none",
+        "'key': each API key gets a prefix cache of its own (its digest salts every request, "
+        "vLLM's cache_salt meaning), so one tenant cannot learn from cached_tokens or prefill "
+        "time what another sent; 'none': the prefix cache is shared (a request's own "
+        "cache_salt still keeps it apart).",
+    )
     heartbeat_timeout: float = setting(
         30.0, "Seconds without any worker message before the worker is declared dead.", gt=0
     )

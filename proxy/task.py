@@ -93,7 +93,8 @@ class ChatTask:
     """A conversation to continue: ``messages`` with their content as text
     (``HistoryMessage``: roles ``system``, ``developer``, ``user``,
     ``assistant``, ``tool``), the resolved ``tools`` (``None``: none),
-    ``json_output`` and ``sampling``, ``n`` choices."""
+    ``json_output`` and ``sampling``, ``n`` choices; ``cache_salt`` (vLLM's):
+    prefix-cache entries are shared only within one salt."""
 
     messages: tuple[HistoryMessage, ...]
     sampling: Sampling
@@ -103,6 +104,7 @@ class ChatTask:
     add_generation_prompt: bool = True
     parallel_asked: bool = False
     """The client said explicitly whether calls may be parallel."""
+    cache_salt: str | None = None
     names: ParamNames = field(default=OPENAI_CHAT_NAMES)
 
 
@@ -114,6 +116,7 @@ class TextTask:
     sampling: Sampling
     json_output: JsonOutput | None = None
     n: int = 1
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,6 +299,7 @@ def chat_submit(task: ChatTask, request_id: str, max_context_tokens: int, tools:
         messages=chat_messages(task, tools),
         add_generation_prompt=task.add_generation_prompt,
         n=task.n,
+        cache_salt=task.cache_salt,
     )
 
 
@@ -304,9 +308,13 @@ def text_submits(task: TextTask, request_id: str, max_context_tokens: int) -> li
     several); choice ``j`` of prompt ``i`` is the response's choice ``i * n + j``
     (OpenAI's order). Raises ``InvalidRequest``."""
     params = sampling_params(task.sampling, max_context_tokens, task.json_output)
+    salt = task.cache_salt
     if len(task.prompts) == 1:
-        return [Submit(request_id, params, prompt=task.prompts[0], n=task.n)]
-    return [Submit(f"{request_id}-p{i}", params, prompt=p, n=task.n) for i, p in enumerate(task.prompts)]
+        return [Submit(request_id, params, prompt=task.prompts[0], n=task.n, cache_salt=salt)]
+    return [
+        Submit(f"{request_id}-p{i}", params, prompt=p, n=task.n, cache_salt=salt)
+        for i, p in enumerate(task.prompts)
+    ]
 
 
 def prompt_chars(submit: Submit) -> tuple[int, str]:

@@ -109,6 +109,7 @@ class SyntheticBackend:
             kv_cache_tokens=settings.synthetic_kv_tokens,
             max_batch_size=settings.max_batch_size,
             longest_token_chars=0,  # words have no longest length
+            cache_salt=True,  # no prefix cache: nothing is shared between requests at all
         )
         self._seqs: dict[str, _Sequence] = {}
 

@@ -70,6 +70,8 @@ TopK = Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX)]
 RepetitionPenalty = Annotated[float, msgspec.Meta(ge=0.01, le=100.0)]
 MinTokens = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
 Bias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
+Salt = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+"""vLLM's ``cache_salt``: prefix-cache entries are shared only within one salt."""
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -244,6 +246,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     return_progress: bool = False
     response_format: ResponseFormatIn | None = None
     timings_per_token: bool = False  # llama.cpp: its ``timings`` object on every chunk
+    cache_salt: Salt | None = None  # vLLM's
 
     @property
     def include_usage(self) -> bool:

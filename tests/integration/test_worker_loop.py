@@ -10,6 +10,7 @@ from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 
@@ -661,3 +662,11 @@ def test_the_first_queue_progress_comes_with_the_step_that_prepared_it(tmp_path:
     assert first.position == 1 and first.queued == 1
     # Received after step k ended, reported after step k+1: one step of waiting in the worker.
     assert 0.8 * backend.slow_step_s * 1000 <= first.time_ms <= waited_s * 1000
+
+
+def test_a_salted_request_is_refused_by_an_engine_that_cannot_keep_salts_apart(tmp_path: Path) -> None:
+    with serve_loop(tmp_path) as (backend, peer, _):  # ScriptedBackend: ModelInfo.cache_salt False
+        peer.send(msgspec.structs.replace(_submit("s"), cache_salt="tenant"))
+        (error,) = _events_of(peer.events_until_terminal({"s"}), "s")
+        assert isinstance(error, RequestError) and error.param == "cache_salt"
+        assert backend.prepared == []  # refused before any work

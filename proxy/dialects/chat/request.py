@@ -128,4 +128,5 @@ def chat_task(req: ChatCompletionRequest) -> ChatTask:
         n=req.n,
         add_generation_prompt=req.add_generation_prompt,
         parallel_asked=req.parallel_tool_calls is not None,
+        cache_salt=req.cache_salt,
     )

@@ -122,6 +122,7 @@ class CompletionJob:
             sampling=req.sampling(req.completion_limit(), req.logprobs),
             json_output=json_output(req.response_format),
             n=req.n,
+            cache_salt=req.cache_salt,
         )
         submits = text_submits(task, request_id, context.max_context_tokens)
         options = Options(

@@ -32,6 +32,7 @@ from proxy.dialects.openai_common import (
     Count,
     Prob,
     Refusals,
+    Salt,
     Seed,
     TopK,
     TopP,
@@ -109,6 +110,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     min_p: Prob | None = None
     seed: Seed | None = None
     return_progress: bool = False
+    cache_salt: Salt | None = None
 
 
 class CountTokensRequest(msgspec.Struct, kw_only=True):
@@ -288,5 +290,6 @@ def chat_task(req: MessagesRequest | CountTokensRequest) -> ChatTask:
         tools=tools,
         json_output=json_output(req.output_config, req.output_format),
         parallel_asked=parallel is not None,
+        cache_salt=req.cache_salt if isinstance(req, MessagesRequest) else None,
         names=NAMES,
     )

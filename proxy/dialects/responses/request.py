@@ -36,6 +36,7 @@ from proxy.dialects.openai_common import (
     Prob,
     Refusals,
     RepetitionPenalty,
+    Salt,
     Seed,
     Temperature,
     TokenId,
@@ -130,6 +131,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     stop_token_ids: list[TokenId] | None = None
     min_tokens: MinTokens = 0
     return_progress: bool = False
+    cache_salt: Salt | None = None
 
     @property
     def logprobs_k(self) -> int | None:
@@ -319,5 +321,6 @@ def responses_task(req: ResponsesRequest) -> ChatTask:
         tools=tools,
         json_output=_json_output(req.text),
         parallel_asked=req.parallel_tool_calls is not None,
+        cache_salt=req.cache_salt,
         names=NAMES,
     )
