@@ -216,7 +216,8 @@ def test_claude_code_print_mode_completes_a_turn(
                 "--max-turns",
                 "1",
                 # Its own system prompt, tool set (about 20 tools) and context notes
-                # come to about 20k tokens: replaced by short instructions, one tool.
+                # come to 12,201 tokens (docs/compatibility.md): replaced by short
+                # instructions and one tool.
                 "--bare",
                 "--system-prompt",
                 INSTRUCTIONS,
