@@ -4,8 +4,9 @@ Shapes follow Anthropic's API reference ("Messages", "Count message tokens")::
 
     {"model": str, "max_tokens": int,                  # required; a cap, clamped to the context
      "system"?: str | [{"type": "text", "text": str}],
-     "messages": [{"role": "user" | "assistant", "content": str | [block, ...]}],
-     "tools"?: [{"name", "description"?, "input_schema": {JSON schema}, "type"?: "custom"}],
+     "messages": [{"role": "user" | "assistant" | "system", "content": str | [block, ...]}],
+     "tools"?: [{"name", "description"?, "input_schema": {JSON schema}, "type"?: "custom",
+                 "defer_loading"?: bool}],
      "tool_choice"?: {"type": "auto" | "any" | "tool" | "none", "name"?,
                       "disable_parallel_tool_use"?: bool},
      "stop_sequences"?, "temperature"? (0..1), "top_p"?, "top_k"?, "stream"?}
@@ -15,7 +16,13 @@ Shapes follow Anthropic's API reference ("Messages", "Count message tokens")::
          | {"type": "thinking" | "redacted_thinking", ...}   # dropped: no thinking to replay
 
 ``tool_use`` blocks join their assistant turn as calls; ``tool_result`` blocks
-become tool turns. What changes nothing here (``thinking``,
+become tool turns. A ``system`` message inside ``messages`` (Claude Code 2.1
+sends its environment notes as one, after the user's turn) is a system turn at
+its place, text only. A tool with ``defer_loading: true`` is one the client
+will load later through its own tool search: it is left out of what the model
+sees, as Anthropic's API leaves it out of the context until it is loaded (a
+``tool_reference`` block that would load it is refused, as every non-text
+block in a tool result is). What changes nothing here (``thinking``,
 ``context_management``, ``cache_control``, ``metadata``, ``service_tier``) is
 accepted; what would change the answer and cannot be honoured (images,
 documents, server tools, MCP servers) is a 400 naming it.
@@ -62,6 +69,7 @@ class ToolIn_(msgspec.Struct, kw_only=True):
     description: str | None = None
     input_schema: dict[str, object] | None = None
     type: str | None = None
+    defer_loading: bool = False
 
 
 class ToolChoiceIn_(msgspec.Struct, kw_only=True):
@@ -86,7 +94,7 @@ class OutputConfigIn(msgspec.Struct, kw_only=True):
 
 
 class MessageIn(msgspec.Struct, kw_only=True):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, object]]
 
 
@@ -188,6 +196,9 @@ def history(system: object, messages: list[MessageIn]) -> tuple[HistoryMessage, 
         turns.append(HistoryMessage(role="system", content=_text_blocks(system, "system")))
     for i, m in enumerate(messages):
         where = f"messages[{i}].content"
+        if m.role == "system":
+            turns.append(HistoryMessage(role="system", content=_text_blocks(m.content, where)))
+            continue
         if isinstance(m.content, str):
             turns.append(HistoryMessage(role=m.role, content=m.content))
             continue
@@ -241,6 +252,8 @@ def _tools(
                 "'input_schema') are supported",
                 param=f"tools[{i}]",
             )
+        if t.defer_loading:
+            continue  # not loaded yet: the model does not see it (module docstring)
         fn = FunctionIn(name=t.name, description=t.description, parameters=t.input_schema)
         tools_in.append(ToolIn(type="function", function=fn))
     if choice is None:

@@ -283,16 +283,30 @@ def _json_output(text: TextConfigIn | None) -> JsonOutput | None:
     )
 
 
+def _check_tool_types(tools: list[FunctionToolIn] | None) -> None:
+    """Refuse, naming ``tools[i]``, any tool that is not a ``function``: the
+    built-in ones (``web_search``, ``file_search``, ``local_shell``, ...) run
+    on OpenAI's side, ``custom`` tools take free text under a grammar of
+    theirs, and ``namespace`` groups (Codex CLI's sub-agent tools) call
+    back with a ``namespace`` this server does not write."""
+    for i, t in enumerate(tools or ()):
+        if t.type != "function":
+            raise InvalidRequest(
+                f"'tools[{i}]' is a tool of type {t.type!r}; this server runs function tools only "
+                "(no built-in, custom or namespace tools)",
+                param=f"tools[{i}]",
+            )
+
+
 def responses_task(req: ResponsesRequest) -> ChatTask:
     """The request as a ``ChatTask``. Raises ``InvalidRequest``."""
+    _check_tool_types(req.tools)
     tools_in = [
         ToolIn(
-            type=t.type,
+            type="function",
             function=FunctionIn(
                 name=t.name, description=t.description, parameters=t.parameters, strict=t.strict
-            )
-            if t.type == "function"
-            else None,
+            ),
         )
         for t in req.tools or ()
     ]

@@ -297,3 +297,56 @@ async def test_max_tokens_cut_is_max_tokens(make_client: MakeClient, fake: FakeE
     async with sdk(client) as api:
         m = await api.messages.create(model="m", max_tokens=1, messages=MSGS)  # type: ignore[arg-type]
     assert m.stop_reason == "max_tokens"
+
+
+async def test_system_message_inside_messages_is_a_system_turn_in_place(
+    make_client: MakeClient, fake: FakeEngineClient
+) -> None:
+    # Claude Code 2.1 sends its environment notes as a system message after the user's turn.
+    client = await make_client()
+    body = {
+        "model": "m",
+        "max_tokens": 5,
+        "system": [{"type": "text", "text": "top"}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            {
+                "role": "system",
+                "content": [
+                    {"type": "text", "text": "# Environment", "cache_control": {"type": "ephemeral"}}
+                ],
+            },
+        ],
+    }
+    resp = await client.post(URL + "?beta=true", json=body)
+    assert resp.status == 200, await resp.text()
+    assert [(m.role, m.content) for m in fake.submits[-1].messages] == [
+        ("system", "top"),
+        ("user", "hi"),
+        ("system", "# Environment"),
+    ]
+    bad = {**body, "messages": [*body["messages"], {"role": "system", "content": [{"type": "image"}]}]}
+    resp = await client.post(URL, json=bad)
+    assert resp.status == 400
+    assert "messages[2].content[0]" in (await resp.json())["error"]["message"]
+
+
+async def test_deferred_tools_are_not_shown_to_the_model(
+    make_client: MakeClient, fake: FakeEngineClient
+) -> None:
+    client = await make_client()
+    deferred = {
+        "name": "cron_create",
+        "description": "Schedule a prompt",
+        "input_schema": {"type": "object", "properties": {}},
+        "defer_loading": True,
+    }
+    body = {"model": "m", "max_tokens": 5, "messages": MSGS, "tools": [WEATHER, deferred]}
+    resp = await client.post(URL, json=body)
+    assert resp.status == 200, await resp.text()
+    rendered = "\n".join(m.content for m in fake.submits[-1].messages)
+    assert "get_weather" in rendered
+    assert "cron_create" not in rendered
+    async with sdk(client) as api:
+        counted = await api.messages.count_tokens(model="m", messages=MSGS, tools=[WEATHER, deferred])  # type: ignore[arg-type,list-item]
+    assert counted.input_tokens == len(fake_token_ids(fake.submits[-1]))

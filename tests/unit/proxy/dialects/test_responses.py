@@ -189,7 +189,19 @@ async def test_parse_with_a_pydantic_model(make_client: MakeClient, fake: FakeEn
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
         ({"background": True}, "background"),
-        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+        # Codex CLI 0.171's defaults: its sub-agent tools as a namespace, a web search tool
+        (
+            {
+                "tools": [
+                    {"type": "function", "name": "f", "parameters": {"type": "object"}},
+                    {"type": "namespace", "name": "multi_agent_v1", "description": "d", "tools": []},
+                ]
+            },
+            "tools[1]",
+        ),
+        ({"tools": [{"type": "web_search", "external_web_access": False}]}, "tools[0]"),
+        ({"tools": [{"type": "custom", "name": "apply_patch"}]}, "tools[0]"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input[0].content[0]",
