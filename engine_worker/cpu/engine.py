@@ -115,6 +115,7 @@ class _Request:
     stop_ids: frozenset[int]
     reservation: int  # KV tokens reserved for it out of kv_cache_mb
     constraint: TokenConstraint | None = None  # the grammar, when the request has one
+    cache_salt: str | None = None  # prefix-cache entries are shared within one salt only
     trail: LogprobTrail | None = None  # when the request asked for logprobs
     tokens: list[int] = field(default_factory=list)  # prompt + output; tokens[:kv.length] have KV
     kv: SequenceKV | None = None
@@ -218,6 +219,7 @@ class CpuBackend:
             chat_template=self._prompt_tokenizer.chat_template,
             # Prefix-cache entries end at multiples of the chunk (_reusable).
             kv_block_tokens=self._chunk_size,
+            cache_salt=True,
         )
         self._warm_up()
 
@@ -344,6 +346,7 @@ class CpuBackend:
             stop_ids=stop_ids,
             reservation=self.reservation(prepared),
             constraint=constraint,
+            cache_salt=prepared.submit.cache_salt,
             trail=trail,
             tokens=list(prompt_ids),
         )
@@ -554,7 +557,7 @@ class CpuBackend:
         req.kv = self._runner.new_kv(min(req.prompt_len + room, self._max_context))
         cached = 0
         if self._prefix_cache.capacity_bytes > 0:
-            hit = self._prefix_cache.lookup(req.prompt_ids, max_length=req.prompt_len - 1)
+            hit = self._prefix_cache.lookup(req.prompt_ids, req.prompt_len - 1, req.cache_salt)
             if hit is not None and self._reusable(hit.length):
                 cached = self._reusable(hit.length)
                 req.kv.seed(hit.entry.kv, cached)
@@ -721,7 +724,7 @@ class CpuBackend:
         length = self._reusable(min(req.processed, kv.length))
         if length:
             kv.truncate(length)
-            self._prefix_cache.insert(req.prompt_ids[:length], kv.export())
+            self._prefix_cache.insert(req.prompt_ids[:length], kv.export(), req.cache_salt)
 
     def _reusable(self, positions: int) -> int:
         """How many of a prompt's first ``positions`` computed positions a later

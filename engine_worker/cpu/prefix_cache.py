@@ -25,11 +25,14 @@ from engine_worker.cpu.kv_cache import KVTensors, kv_length, kv_nbytes
 
 @dataclass(frozen=True, slots=True)
 class CacheEntry:
-    """Token ids (``[n]`` int64) and the KV of exactly those ``n`` positions."""
+    """Token ids (``[n]`` int64) and the KV of exactly those ``n`` positions,
+    stored under ``salt`` (``Submit.cache_salt``): only a lookup with the same
+    salt can find it."""
 
     tokens: torch.Tensor
     kv: KVTensors
     nbytes: int
+    salt: str | None = None
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -73,12 +76,16 @@ class PrefixCache:
         self._entries.clear()
         self._bytes = 0
 
-    def lookup(self, tokens: Sequence[int] | torch.Tensor, max_length: int) -> PrefixHit | None:
-        """The entry with the longest common prefix with ``tokens``, at most
-        ``max_length`` positions; ``None`` when nothing matches. Marks it used."""
+    def lookup(
+        self, tokens: Sequence[int] | torch.Tensor, max_length: int, salt: str | None = None
+    ) -> PrefixHit | None:
+        """The entry of ``salt`` with the longest common prefix with ``tokens``, at
+        most ``max_length`` positions; ``None`` when nothing matches. Marks it used."""
         query = torch.as_tensor(tokens, dtype=torch.long)
         best_id, best_len = -1, 0
         for entry_id, entry in self._entries.items():
+            if entry.salt != salt:
+                continue
             n = min(common_prefix_length(entry.tokens, query), max_length)
             if n > best_len:
                 best_id, best_len = entry_id, n
@@ -87,8 +94,8 @@ class PrefixCache:
         self._entries.move_to_end(best_id)
         return PrefixHit(self._entries[best_id], best_len)
 
-    def insert(self, tokens: Sequence[int] | torch.Tensor, kv: KVTensors) -> bool:
-        """Store ``kv`` (exactly ``len(tokens)`` positions) for ``tokens``.
+    def insert(self, tokens: Sequence[int] | torch.Tensor, kv: KVTensors, salt: str | None = None) -> bool:
+        """Store ``kv`` (exactly ``len(tokens)`` positions) for ``tokens`` under ``salt``.
 
         Returns ``False`` when not stored: empty, larger than the whole budget, or
         already covered by an entry that extends it (that entry is marked used).
@@ -101,6 +108,8 @@ class PrefixCache:
         if kv_length(kv) != n:
             raise ValueError(f"KV holds {kv_length(kv)} positions for {n} tokens")
         for entry_id, entry in list(self._entries.items()):
+            if entry.salt != salt:
+                continue
             lcp = common_prefix_length(entry.tokens, ids)
             if lcp == n and len(entry) >= n:
                 self._entries.move_to_end(entry_id)
@@ -112,7 +121,7 @@ class PrefixCache:
             return False
         while self._bytes + nbytes > self.capacity_bytes and self._entries:
             self._remove(next(iter(self._entries)))
-        self._entries[self._next_id] = CacheEntry(ids, kv, nbytes)
+        self._entries[self._next_id] = CacheEntry(ids, kv, nbytes, salt)
         self._next_id += 1
         self._bytes += nbytes
         return True

@@ -274,3 +274,15 @@ def test_prefix_cache_evicts_least_recently_used() -> None:
     assert not cache.insert(list(range(11)), _kv(11))  # larger than the whole budget
     with pytest.raises(ValueError, match="positions"):
         cache.insert([1, 2], _kv(3))
+
+
+def test_prefix_cache_entries_are_found_only_under_their_salt() -> None:
+    cache = PrefixCache(10**6)
+    assert cache.insert([1, 2, 3, 4], _kv(4), salt="a")
+    assert cache.lookup([1, 2, 3, 4, 5], max_length=10, salt="b") is None
+    assert cache.lookup([1, 2, 3, 4, 5], max_length=10) is None  # unsalted is a salt of its own
+    hit = cache.lookup([1, 2, 3, 4, 5], max_length=10, salt="a")
+    assert hit is not None and hit.length == 4
+    # The same tokens under another salt are stored beside, never covered by, salt a's entry.
+    assert cache.insert([1, 2, 3, 4], _kv(4), salt="b")
+    assert len(cache) == 2

@@ -620,3 +620,17 @@ def test_choices_of_one_prepared_request_sample_independently(tiny, make_backend
                 texts[ev.request_id].append(ev.text)
     out = {rid: "".join(t) for rid, t in texts.items()}
     assert out["r-0"] == out["r-2"] != out["r-1"]  # same seed, same text; another seed, another
+
+
+def test_a_salted_prompt_never_hits_another_salts_cache(tiny, tokenizer, make_backend, run_one, raw) -> None:
+    """Issue 20's side channel: a guessed prefix of another tenant's document
+    shows no ``cached_tokens`` (and takes a full prefill) under another salt."""
+    backend = make_backend(tiny, chunk_size=16)
+    doc = words(12)
+    total = len(ids(tokenizer, doc))
+    salted = lambda rid, salt: msgspec.structs.replace(raw(rid, doc, max_tokens=1), cache_salt=salt)  # noqa: E731
+    assert run_one(backend, salted("a1", "tenant-a")).started.cached_tokens == 0
+    assert run_one(backend, salted("b1", "tenant-b")).started.cached_tokens == 0
+    assert run_one(backend, raw("u1", doc, max_tokens=1)).started.cached_tokens == 0
+    again = run_one(backend, salted("a2", "tenant-a")).started.cached_tokens
+    assert again == (total - 1) // 16 * 16 > 0  # the same tenant still shares its own cache
