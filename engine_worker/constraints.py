@@ -30,27 +30,10 @@ import llguidance.hf
 import torch
 
 from engine_worker.backend import RequestRejected
+from protocol.grammar import GRAMMAR_LIMITS
 from protocol.messages import ErrorCode
 
 _BITS = 32  # llguidance's bitmask words are 32-bit, token i is bit i % 32 of word i // 32
-
-GRAMMAR_LIMITS: dict[str, int | bool] = {
-    "max_items_in_row": 2000,
-    "initial_lexer_fuel": 1_000_000,
-    "step_lexer_fuel": 200_000,
-    "step_max_items": 50_000,
-    "max_lexer_states": 250_000,
-    "max_grammar_size": 500_000,
-    "verbose_errors": False,
-}
-"""``llguidance.LLParserLimits`` for every matcher compiled here: the same as the
-proxy checks grammars with (``proxy.grammar_check.GRAMMAR_LIMITS``; a test keeps
-them equal), so a grammar that passed the proxy's bounded check compiles here
-within the same limits: what the proxy's check does not bound (the regex
-analysis) it has already timed, and what compiling against the vocabulary adds
-(the lexer) is bounded by the fuel and lexer-state limits. llguidance's
-documented defaults, pinned, with ``verbose_errors`` off."""
-
 
 class GrammarUnsupported(Exception):
     """The model's tokenizer cannot be turned into an llguidance tokenizer."""

@@ -31,6 +31,7 @@ from aiohttp import web
 from protocol.messages import Submit
 from proxy.errors import ErrorShape
 from proxy.generation import Frames, Generation, Options
+from proxy.task import ChatTask, chat_submit, tool_plan
 from proxy.tools import FormatChoice
 
 
@@ -101,3 +102,20 @@ class Dialect(Protocol):
     def parse(self, body: bytes) -> Job: ...
 
     def extra_routes(self) -> list[tuple[str, str, Handler]]: ...
+
+
+def chat_submits(
+    task: ChatTask, request_id: str, context: Context, *, progress: bool
+) -> tuple[list[Submit], Options]:
+    """``Job.submits`` of a conversation, the same for every chat-shaped
+    dialect: its tools plan, its one ``Submit``, and the core's options (progress
+    when asked for, logprobs when the task has them, the tools when they can be
+    called). Raises ``InvalidRequest``."""
+    plan = tool_plan(task, context.tool_format)
+    submit = chat_submit(task, request_id, context.max_context_tokens, plan)
+    options = Options(
+        progress=progress,
+        logprobs=task.sampling.logprobs is not None,
+        tools=plan if plan is not None and plan.config.active else None,
+    )
+    return [submit], options

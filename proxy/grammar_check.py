@@ -1,8 +1,8 @@
 """The grammar-checking child process: ``python -m proxy.grammar_check MEMORY_MB``.
 
 llguidance's grammar validation has costs that its own limits
-(``GRAMMAR_LIMITS``) do not bound: a string schema with ``allOf`` of N regex
-``pattern``s is intersected while llguidance decides whether the result is
+(``protocol.grammar.GRAMMAR_LIMITS``, the worker's too) do not bound: a string
+schema with ``allOf`` of N regex ``pattern``s is intersected while llguidance decides whether the result is
 empty, in time and memory exponential in N (20 patterns: 1.4 s, 250 MB; 50:
 minutes, 20 GB, then a Rust panic). So the proxy never validates on its own
 process: it sends grammars to children like this one (``proxy.constraints``),
@@ -25,20 +25,7 @@ import os
 import resource
 import sys
 
-GRAMMAR_LIMITS: dict[str, int | bool] = {
-    "max_items_in_row": 2000,
-    "initial_lexer_fuel": 1_000_000,
-    "step_lexer_fuel": 200_000,
-    "step_max_items": 50_000,
-    "max_lexer_states": 250_000,
-    "max_grammar_size": 500_000,
-    "verbose_errors": False,
-}
-"""``llguidance.LLParserLimits`` for every grammar the proxy checks: llguidance's
-documented defaults (``LLParserLimits`` in its ``_lib.pyi``), pinned here so an
-upgrade cannot loosen them unnoticed, and ``verbose_errors`` off (errors do not
-dump the parser state and the client's schema). The worker compiles with the
-same (``engine_worker.constraints.GRAMMAR_LIMITS``; a test keeps them equal)."""
+from protocol.grammar import GRAMMAR_LIMITS
 
 
 def main() -> None:

@@ -74,7 +74,7 @@ def first_model_id(client: httpx.Client) -> str:
     try:
         response = client.get("models")
     except httpx.TransportError as e:
-        raise _transport_error(client, e) from e
+        raise transport_error(client, e) from e
     if response.status_code != 200:
         return FALLBACK_MODEL
     try:
@@ -117,7 +117,7 @@ def stream_updates(client: httpx.Client, api: Api, request: ChatRequest) -> Gene
     except SSEError as e:
         raise StreamBroken(f"the server did not answer with a stream: {e}") from e
     except httpx.TransportError as e:
-        raise _transport_error(client, e) from e
+        raise transport_error(client, e) from e
     if not reader.finished:
         raise StreamBroken("the server closed the stream before the answer finished")
 
@@ -132,7 +132,8 @@ def _http_error(api: Api, response: httpx.Response) -> ServerError:
     return ServerError(response.status_code, body)
 
 
-def _transport_error(client: httpx.Client, e: httpx.TransportError) -> ChatError:
+def transport_error(client: httpx.Client, e: httpx.TransportError) -> ChatError:
+    """One line for the user about a broken or refused connection."""
     where = str(client.base_url).rstrip("/")
     if isinstance(e, httpx.ConnectError | httpx.ConnectTimeout):
         return ConnectFailed(f"cannot connect to {where}: {e or type(e).__name__}")

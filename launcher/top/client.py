@@ -13,7 +13,7 @@ import httpx
 import msgspec
 from httpx_sse import SSEError, connect_sse
 
-from launcher.chat.client import ChatError, ConnectFailed, ServerError, StreamBroken
+from launcher.chat.client import ServerError, StreamBroken, transport_error
 from launcher.chat.wire import ErrorBody, error_decoder
 from proxy.status_types import Status, status_decoder
 
@@ -26,7 +26,7 @@ def fetch_status(client: httpx.Client) -> Status:
     try:
         response = client.get(PATH)
     except httpx.TransportError as e:
-        raise _transport_error(client, e) from e
+        raise transport_error(client, e) from e
     if response.status_code >= 400:
         raise _http_error(response)
     return _decode(response.content)
@@ -48,7 +48,7 @@ def stream_status(client: httpx.Client, interval_s: float) -> Iterator[Status]:
     except SSEError as e:
         raise StreamBroken(f"the server did not answer with a stream: {e}") from e
     except httpx.TransportError as e:
-        raise _transport_error(client, e) from e
+        raise transport_error(client, e) from e
 
 
 def _decode(data: bytes) -> Status:
@@ -69,11 +69,3 @@ def _http_error(response: httpx.Response) -> ServerError:
         body = ErrorBody(message=text)
     return ServerError(response.status_code, body)
 
-
-def _transport_error(client: httpx.Client, e: httpx.TransportError) -> ChatError:
-    where = str(client.base_url).rstrip("/")
-    if isinstance(e, httpx.ConnectError | httpx.ConnectTimeout):
-        return ConnectFailed(f"cannot connect to {where}: {e or type(e).__name__}")
-    if isinstance(e, httpx.TimeoutException):
-        return StreamBroken(f"{where} sent nothing for too long ({type(e).__name__}); see --timeout")
-    return StreamBroken(f"the connection to {where} broke: {e or type(e).__name__}")

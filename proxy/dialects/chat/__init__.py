@@ -10,13 +10,12 @@
 from __future__ import annotations
 
 from protocol.messages import Submit
-from proxy.dialect import Context, Handler, Header
+from proxy.dialect import Context, Handler, Header, chat_submits
 from proxy.dialects.chat.frames import ChatFrames, chat_body
 from proxy.dialects.chat.request import ChatCompletionRequest, chat_task, parse_chat_request
 from proxy.dialects.chat.tokenize import ROUTES as TOKENIZE_ROUTES
 from proxy.errors import OPENAI_ERRORS, ErrorShape
 from proxy.generation import Frames, Generation, Options
-from proxy.task import chat_submit, tool_plan
 
 
 class ChatJob:
@@ -32,16 +31,7 @@ class ChatJob:
         return self.req.stream
 
     def submits(self, request_id: str, context: Context) -> tuple[list[Submit], Options]:
-        req = self.req
-        task = chat_task(req)
-        plan = tool_plan(task, context.tool_format)
-        submit = chat_submit(task, request_id, context.max_context_tokens, plan)
-        options = Options(
-            progress=req.progress,
-            logprobs=req.logprobs_k() is not None,
-            tools=plan if plan is not None and plan.config.active else None,
-        )
-        return [submit], options
+        return chat_submits(chat_task(self.req), request_id, context, progress=self.req.progress)
 
     def frames(self, generation: Generation, header: Header) -> Frames:
         req = self.req

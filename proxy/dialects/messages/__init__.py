@@ -18,7 +18,7 @@ import msgspec
 from aiohttp import web
 
 from protocol.messages import Submit
-from proxy.dialect import Context, Handler, Header
+from proxy.dialect import Context, Handler, Header, chat_submits
 from proxy.dialects.messages.frames import MessagesErrors, MessagesFrames, messages_body
 from proxy.dialects.messages.request import (
     MessagesRequest,
@@ -48,15 +48,8 @@ class MessagesJob:
         return self.req.stream
 
     def submits(self, request_id: str, context: Context) -> tuple[list[Submit], Options]:
-        req = self.req
-        task = chat_task(req)
-        plan = tool_plan(task, context.tool_format)
-        submit = chat_submit(task, request_id, context.max_context_tokens, plan)
-        options = Options(
-            progress=req.stream and req.return_progress,
-            tools=plan if plan is not None and plan.config.active else None,
-        )
-        return [submit], options
+        progress = self.req.stream and self.req.return_progress
+        return chat_submits(chat_task(self.req), request_id, context, progress=progress)
 
     def frames(self, generation: Generation, header: Header) -> Frames:
         return MessagesFrames(generation, header)

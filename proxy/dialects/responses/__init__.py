@@ -20,13 +20,12 @@ from typing import Any
 import msgspec
 
 from protocol.messages import Submit
-from proxy.dialect import Context, Handler, Header
+from proxy.dialect import Context, Handler, Header, chat_submits
 from proxy.dialects.responses.frames import ResponsesFrames, responses_body
 from proxy.dialects.responses.request import ResponsesRequest, parse_responses_request, responses_task
 from proxy.dialects.responses.shapes import Reasoning, Response
 from proxy.errors import OPENAI_ERRORS, ErrorShape, NotFound
 from proxy.generation import Frames, Generation, Options
-from proxy.task import chat_submit, tool_plan
 
 
 class ResponsesJob:
@@ -42,16 +41,8 @@ class ResponsesJob:
         return self.req.stream
 
     def submits(self, request_id: str, context: Context) -> tuple[list[Submit], Options]:
-        req = self.req
-        task = responses_task(req)
-        plan = tool_plan(task, context.tool_format)
-        submit = chat_submit(task, request_id, context.max_context_tokens, plan)
-        options = Options(
-            progress=req.stream and req.return_progress,
-            logprobs=req.logprobs_k is not None,
-            tools=plan if plan is not None and plan.config.active else None,
-        )
-        return [submit], options
+        progress = self.req.stream and self.req.return_progress
+        return chat_submits(responses_task(self.req), request_id, context, progress=progress)
 
     def snapshot(self, header: Header) -> Any:
         """``snapshot(status=..., output=..., ...)``: the response object with

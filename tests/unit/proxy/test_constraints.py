@@ -12,11 +12,9 @@ from typing import Any
 import orjson
 import pytest
 
-from engine_worker.constraints import GRAMMAR_LIMITS as WORKER_LIMITS
 from proxy import constraints
 from proxy.constraints import GrammarChecker, grammar_pieces, json_schema_grammar, validate
 from proxy.errors import InvalidRequest, ServiceUnavailable
-from proxy.grammar_check import GRAMMAR_LIMITS
 from proxy.tools.formats import HERMES
 from proxy.tools.grammar import tool_call_grammar
 from proxy.tools.spec import FunctionTool, ToolConfig
@@ -121,10 +119,6 @@ async def test_checks_are_bounded_in_number(checker: GrammarChecker) -> None:
             await first
     finally:
         await asyncio.to_thread(waiting.close)
-
-
-def test_the_worker_compiles_with_the_limits_the_proxy_checks_with() -> None:
-    assert WORKER_LIMITS == GRAMMAR_LIMITS
 
 
 async def test_http_refuses_a_bomb_naming_the_field(
