@@ -35,6 +35,7 @@ from protocol.messages import ErrorCode
 
 _BITS = 32  # llguidance's bitmask words are 32-bit, token i is bit i % 32 of word i // 32
 
+
 class GrammarUnsupported(Exception):
     """The model's tokenizer cannot be turned into an llguidance tokenizer."""
 

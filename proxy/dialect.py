@@ -81,27 +81,20 @@ class Job(Protocol):
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-class Dialect(Protocol):
-    """A wire dialect: its generation endpoint's parser, id prefix and error
-    shape, and any further routes of its own (``extra_routes``: method, path,
-    handler; they answer errors in the dialect's shape too)."""
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """A wire dialect: ``name`` (for logs and docs: ``chat``, ``completions``,
+    ``responses``, ``messages``), the prefix of its response ids (``chatcmpl-``,
+    ``cmpl-``, ``resp_``, ``msg_``), its error shape, the parser of its
+    generation endpoint's body (raises ``InvalidRequest``), and any further
+    routes of its own (method, path, handler; they answer errors in the
+    dialect's shape too)."""
 
-    @property
-    def name(self) -> str:
-        """Short name for logs and docs (``chat``, ``completions``, ``responses``, ``messages``)."""
-        ...
-
-    @property
-    def id_prefix(self) -> str:
-        """Prefix of response ids (``chatcmpl-``, ``cmpl-``, ``resp_``, ``msg_``)."""
-        ...
-
-    @property
-    def errors(self) -> ErrorShape: ...
-
-    def parse(self, body: bytes) -> Job: ...
-
-    def extra_routes(self) -> list[tuple[str, str, Handler]]: ...
+    name: str
+    id_prefix: str
+    errors: ErrorShape
+    parse: Callable[[bytes], Job]
+    extra_routes: tuple[tuple[str, str, Handler], ...] = ()
 
 
 def chat_submits(

@@ -88,7 +88,7 @@ def add_dialect_routes(app: web.Application, routes: Sequence[tuple[str, Dialect
     for path, dialect in routes:
         app.router.add_post(path, endpoint(dialect))
         shapes[path] = dialect.errors
-        for method, extra, handler in dialect.extra_routes():
+        for method, extra, handler in dialect.extra_routes:
             app.router.add_route(method, extra, handler)
             shapes[extra] = dialect.errors
     app[ERROR_SHAPES] = shapes

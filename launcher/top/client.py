@@ -68,4 +68,3 @@ def _http_error(response: httpx.Response) -> ServerError:
         text = " ".join(response.text.split())[:200] or response.reason_phrase
         body = ErrorBody(message=text)
     return ServerError(response.status_code, body)
-

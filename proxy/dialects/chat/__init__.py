@@ -10,11 +10,11 @@
 from __future__ import annotations
 
 from protocol.messages import Submit
-from proxy.dialect import Context, Handler, Header, chat_submits
+from proxy.dialect import Context, Dialect, Header, chat_submits
 from proxy.dialects.chat.frames import ChatFrames, chat_body
 from proxy.dialects.chat.request import ChatCompletionRequest, chat_task, parse_chat_request
 from proxy.dialects.chat.tokenize import ROUTES as TOKENIZE_ROUTES
-from proxy.errors import OPENAI_ERRORS, ErrorShape
+from proxy.errors import OPENAI_ERRORS
 from proxy.generation import Frames, Generation, Options
 
 
@@ -48,21 +48,13 @@ class ChatJob:
         return chat_body(generation, header, self.req.timings_per_token)
 
 
-class ChatDialect:
-    """``POST /v1/chat/completions``."""
+CHAT = Dialect(
+    name="chat",
+    id_prefix="chatcmpl-",
+    errors=OPENAI_ERRORS,
+    parse=lambda body: ChatJob(parse_chat_request(body)),
+    extra_routes=TOKENIZE_ROUTES,
+)
+"""``POST /v1/chat/completions``; vLLM's ``/tokenize`` and ``/detokenize``."""
 
-    __slots__ = ()
-    name = "chat"
-    id_prefix = "chatcmpl-"
-    errors: ErrorShape = OPENAI_ERRORS
-
-    def parse(self, body: bytes) -> ChatJob:
-        return ChatJob(parse_chat_request(body))
-
-    def extra_routes(self) -> list[tuple[str, str, Handler]]:
-        return list(TOKENIZE_ROUTES)
-
-
-CHAT = ChatDialect()
-
-__all__ = ["CHAT", "ChatCompletionRequest", "ChatDialect", "ChatJob", "parse_chat_request"]
+__all__ = ["CHAT", "ChatCompletionRequest", "ChatJob", "parse_chat_request"]

@@ -82,7 +82,7 @@ async def detokenize_handler(request: web.Request) -> web.Response:
     return web.Response(body=encode(DetokenizeResponse(text)), content_type="application/json")
 
 
-ROUTES: list[tuple[str, str, Handler]] = [
+ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("POST", "/tokenize", tokenize_handler),
     ("POST", "/detokenize", detokenize_handler),
-]
+)

@@ -22,7 +22,7 @@ import msgspec
 
 from protocol.messages import Submit
 from proxy import sse
-from proxy.dialect import Context, Handler, Header
+from proxy.dialect import Context, Dialect, Header
 from proxy.dialects.openai_common import (
     ChunkFrames,
     Completion,
@@ -36,7 +36,7 @@ from proxy.dialects.openai_common import (
     json_output,
     usage_of,
 )
-from proxy.errors import OPENAI_ERRORS, ErrorShape, InvalidRequest
+from proxy.errors import OPENAI_ERRORS, InvalidRequest
 from proxy.generation import Choice, Frames, Generation, Logprobs, Options
 from proxy.responses import encode
 from proxy.task import TextTask, text_submits
@@ -161,19 +161,10 @@ class CompletionJob:
         return encode(body)
 
 
-class CompletionsDialect:
-    """``POST /v1/completions``."""
-
-    __slots__ = ()
-    name = "completions"
-    id_prefix = "cmpl-"
-    errors: ErrorShape = OPENAI_ERRORS
-
-    def parse(self, body: bytes) -> CompletionJob:
-        return CompletionJob(parse_completion_request(body))
-
-    def extra_routes(self) -> list[tuple[str, str, Handler]]:
-        return []
-
-
-COMPLETIONS = CompletionsDialect()
+COMPLETIONS = Dialect(
+    name="completions",
+    id_prefix="cmpl-",
+    errors=OPENAI_ERRORS,
+    parse=lambda body: CompletionJob(parse_completion_request(body)),
+)
+"""``POST /v1/completions``."""

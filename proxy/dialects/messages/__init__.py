@@ -18,7 +18,7 @@ import msgspec
 from aiohttp import web
 
 from protocol.messages import Submit
-from proxy.dialect import Context, Handler, Header, chat_submits
+from proxy.dialect import Context, Dialect, Header, chat_submits
 from proxy.dialects.messages.frames import MessagesErrors, MessagesFrames, messages_body
 from proxy.dialects.messages.request import (
     MessagesRequest,
@@ -26,7 +26,6 @@ from proxy.dialects.messages.request import (
     parse_count_tokens_request,
     parse_messages_request,
 )
-from proxy.errors import ErrorShape
 from proxy.generation import Frames, Generation, Options
 from proxy.lookups import tokenize
 from proxy.responses import encode
@@ -76,22 +75,11 @@ async def count_tokens(request: web.Request) -> web.Response:
     return web.Response(body=encode(TokenCount(len(ids))), content_type="application/json")
 
 
-MESSAGES_ERRORS: ErrorShape = MessagesErrors()
-
-
-class MessagesDialect:
-    """``POST /v1/messages``, ``POST /v1/messages/count_tokens``."""
-
-    __slots__ = ()
-    name = "messages"
-    id_prefix = "msg_"
-    errors: ErrorShape = MESSAGES_ERRORS
-
-    def parse(self, body: bytes) -> MessagesJob:
-        return MessagesJob(parse_messages_request(body))
-
-    def extra_routes(self) -> list[tuple[str, str, Handler]]:
-        return [("POST", "/v1/messages/count_tokens", count_tokens)]
-
-
-MESSAGES = MessagesDialect()
+MESSAGES = Dialect(
+    name="messages",
+    id_prefix="msg_",
+    errors=MessagesErrors(),
+    parse=lambda body: MessagesJob(parse_messages_request(body)),
+    extra_routes=(("POST", "/v1/messages/count_tokens", count_tokens),),
+)
+"""``POST /v1/messages`` (``?beta=true`` too), ``POST /v1/messages/count_tokens``."""

@@ -20,11 +20,11 @@ from typing import Any
 import msgspec
 
 from protocol.messages import Submit
-from proxy.dialect import Context, Handler, Header, chat_submits
+from proxy.dialect import Context, Dialect, Header, chat_submits
 from proxy.dialects.responses.frames import ResponsesFrames, responses_body
 from proxy.dialects.responses.request import ResponsesRequest, parse_responses_request, responses_task
 from proxy.dialects.responses.shapes import Reasoning, Response
-from proxy.errors import OPENAI_ERRORS, ErrorShape, NotFound
+from proxy.errors import OPENAI_ERRORS, NotFound
 from proxy.generation import Frames, Generation, Options
 
 
@@ -95,19 +95,11 @@ async def get_response(request: Any) -> Any:
     )
 
 
-class ResponsesDialect:
-    """``POST /v1/responses``; ``GET /v1/responses/{response_id}`` is a 404."""
-
-    __slots__ = ()
-    name = "responses"
-    id_prefix = "resp_"
-    errors: ErrorShape = OPENAI_ERRORS
-
-    def parse(self, body: bytes) -> ResponsesJob:
-        return ResponsesJob(parse_responses_request(body))
-
-    def extra_routes(self) -> list[tuple[str, str, Handler]]:
-        return [("GET", "/v1/responses/{response_id}", get_response)]
-
-
-RESPONSES = ResponsesDialect()
+RESPONSES = Dialect(
+    name="responses",
+    id_prefix="resp_",
+    errors=OPENAI_ERRORS,
+    parse=lambda body: ResponsesJob(parse_responses_request(body)),
+    extra_routes=(("GET", "/v1/responses/{response_id}", get_response),),
+)
+"""``POST /v1/responses``; ``GET /v1/responses/{response_id}`` is a 404."""
