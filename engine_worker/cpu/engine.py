@@ -52,6 +52,7 @@ from llguidance import LLMatcher
 
 from engine_worker.admission import check_prompt_fits, full_reservation, validate_sampling
 from engine_worker.backend import Backend, ModelInfo, Prepared, RequestRejected
+from engine_worker.client_text import ControlTokens, control_tokens
 from engine_worker.constraints import GrammarUnsupported, TokenConstraint, Vocabulary, compile_grammar
 from engine_worker.cpu.detokenize import IncrementalDetokenizer, StopStringMatcher
 from engine_worker.cpu.kv_cache import SequenceKV
@@ -188,6 +189,7 @@ class CpuBackend:
         # self._tokenizer; transformers may reconfigure a fast tokenizer's backend
         # (truncation, padding) on encode, so the two threads never share one.
         self._prompt_tokenizer: Any = copy.deepcopy(loaded.tokenizer)
+        self._control_tokens = ControlTokens(control_tokens(self._prompt_tokenizer))
         text_config = loaded.model.config.get_text_config(decoder=True)
         self._text_config: Any = text_config
         self._vocab_size = int(text_config.vocab_size)
@@ -514,26 +516,41 @@ class CpuBackend:
         if submit.messages and submit.prompt is not None:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, "send either messages or prompt, not both")
         if submit.prompt is not None:
-            ids = self._prompt_tokenizer(submit.prompt, add_special_tokens=True)["input_ids"]
-            return [int(i) for i in ids], "prompt"
+            # The caller's own template: its control tokens' text is parsed as such.
+            raw = self._prompt_tokenizer(submit.prompt, add_special_tokens=True)["input_ids"]
+            return [int(i) for i in raw], "prompt"
         if not submit.messages:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, "messages is empty", param="messages")
         if self._prompt_tokenizer.chat_template is None:
             raise RequestRejected(
                 ErrorCode.INVALID_REQUEST, "this model has no chat template; use prompt", param="messages"
             )
+        guard = self._control_tokens.guard()
         conversation = [{"role": m.role, "content": m.content} for m in submit.messages]
         try:
             text = self._prompt_tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=submit.add_generation_prompt, tokenize=False
+                guard.escape(conversation), add_generation_prompt=submit.add_generation_prompt, tokenize=False
             )
+            pieces = guard.pieces(text)
         except Exception as exc:  # the template itself rejects e.g. unsupported roles
             raise RequestRejected(
                 ErrorCode.INVALID_REQUEST, f"the chat template rejected the messages: {exc}", param="messages"
             ) from exc
-        # The rendered template already holds its special tokens as text.
-        ids = self._prompt_tokenizer(text, add_special_tokens=False)["input_ids"]
-        return [int(i) for i in ids], "messages"
+        # Control tokens only where the template wrote them; the rest, client text
+        # included, with special-token parsing off (engine_worker.client_text).
+        texts = [p.text for p in pieces if not p.control]
+        encoded = iter(
+            self._prompt_tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            if texts
+            else []
+        )
+        ids: list[int] = []
+        for piece in pieces:
+            if piece.control:
+                ids.append(int(self._prompt_tokenizer.convert_tokens_to_ids(piece.text)))
+            else:
+                ids += (int(i) for i in next(encoded))
+        return ids, "messages"
 
     # ------------------------------------------------------------------ stepping
 

@@ -349,13 +349,10 @@ def load_engine(config: WorkerSettings) -> EngineHandle:
         bos = add_bos and bos_ok and not (bos_text and text.startswith(bos_text))
         return tokenizer.encode(text, add_bos=bos, encode_special_tokens=True)
 
-    def encode_chat(
-        messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[Any] | None
-    ) -> Any:
-        # hf_chat_template passes extra keywords to apply_chat_template (tokenizer/tokenizer.py:830-832,
-        # 870-876), whose `tools` the template reads.
-        extra = {} if tools is None else {"tools": tools}
-        return tokenizer.hf_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
+    # Client text tokenized as text, control tokens only where the template wrote them.
+    encode_chat = chat_template.chat_encoder(
+        hf_tokenizer, tokenizer, lambda ids: torch.tensor([ids], dtype=torch.long)
+    )
 
     def ll_tokenizer() -> Any:
         # The llguidance tokenizer LLGuidanceFilter builds and caches per Tokenizer
