@@ -7,9 +7,13 @@ prepare thread, concurrently with ``step``, and so must not touch engine state. 
 engine's native results into ``protocol.messages`` events at one place and never
 forwards native dicts.
 
-A request (``Submit`` with ``n`` choices) is prepared once — validated, templated,
-tokenized, checked against the context — and then started once per choice when
-the loop admits it, so the prompt of an ``n``-choice request is tokenized once.
+A request (``Submit`` with ``n`` choices) is validated by the loop when it
+arrives (``admission.validate_request``: sampling, limits, by the backend's
+``ModelInfo``), prepared once by the backend — templated, tokenized — then checked
+against the context and given its completion budget by the loop
+(``admission.budget``), and started once per choice when the loop admits it, so
+the prompt of an ``n``-choice request is tokenized once. Backends do not repeat
+those checks.
 """
 
 from __future__ import annotations
@@ -41,6 +45,12 @@ class ModelInfo:
       proxy reads the model's tool-call format from it); ``None`` if unknown.
     - ``template_tools``: the backend passes ``Submit.tools_json`` and the tool
       fields of ``ChatMessage`` to its chat template (else such requests are refused).
+    - ``vocab_size``: token ids ``0 .. vocab_size - 1`` are valid in
+      ``stop_token_ids`` and ``logit_bias`` (0: the backend has no vocabulary).
+    - ``max_logit_bias``, ``logit_bias_ban``: a bias must be within
+      ``±max_logit_bias``, or ``-inf`` (a ban) where ``logit_bias_ban``.
+    - ``context_settings``: what sets ``max_context_tokens``, named in the error of
+      a prompt that does not fit.
     """
 
     model_id: str
@@ -53,18 +63,25 @@ class ModelInfo:
     logprobs: bool = False
     chat_template: str | None = None
     template_tools: bool = False
+    vocab_size: int = 0
+    max_logit_bias: float = 100.0
+    logit_bias_ban: bool = False
+    context_settings: str = "setting: max_seq_len"
 
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
     """A request ready to start: ``prompt`` is the backend's own token sequence
     (opaque to the loop), ``prompt_tokens`` its length, ``param`` the request field
-    it came from (``messages`` or ``prompt``)."""
+    it came from (``messages`` or ``prompt``). ``max_new_tokens``: the completion
+    budget, ``max_tokens`` clamped to the context; set by ``admission.budget``
+    (0 until then), read by ``reservation`` and ``start``."""
 
     submit: Submit
     prompt: Any
     prompt_tokens: int
     param: str
+    max_new_tokens: int = 0
 
 
 class RequestRejected(Exception):
@@ -106,14 +123,15 @@ class Backend(Protocol):
     def info(self) -> ModelInfo: ...
 
     def prepare(self, submit: Submit) -> Prepared:
-        """Validate, template and tokenize ``submit`` once; called on another thread
-        than the rest, concurrently with ``step`` (touch no engine state). Raises
-        ``RequestRejected``."""
+        """Template and tokenize ``submit`` once (its sampling already validated);
+        called on another thread than the rest, concurrently with ``step`` (touch no
+        engine state). Raises ``RequestRejected``."""
         ...
 
     def reservation(self, prepared: Prepared) -> int:
-        """KV tokens one sequence of ``prepared`` may come to hold, which the loop
-        reserves for it out of ``info.kv_cache_tokens`` while it runs."""
+        """KV tokens one sequence of ``prepared`` (after ``admission.budget``) may come
+        to hold, which the loop reserves for it out of ``info.kv_cache_tokens`` while
+        it runs."""
         ...
 
     def kv_reserved(self) -> int:
@@ -121,9 +139,11 @@ class Backend(Protocol):
         ...
 
     def start(self, request_id: str, prepared: Prepared, params: SamplingParams) -> None:
-        """Start one sequence (a choice) of ``prepared`` under ``request_id``, whose id
-        is not active (the loop checks that), sampling with ``params`` (the choice's
-        seed). Raises ``RequestRejected``; work happens in ``step``."""
+        """Start one sequence (a choice) of ``prepared`` (after ``admission.budget``)
+        under ``request_id``, whose id is not active (the loop checks that), sampling
+        with ``params`` (validated; the choice's seed) for at most
+        ``prepared.max_new_tokens`` tokens. Raises ``RequestRejected``; work happens
+        in ``step``."""
         ...
 
     def abort(self, request_id: str) -> None:

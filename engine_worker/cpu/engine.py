@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from llguidance import LLMatcher
 
-from engine_worker.admission import check_prompt_fits, full_reservation, validate_sampling
+from engine_worker.admission import full_reservation
 from engine_worker.backend import Backend, ModelInfo, Prepared, RequestRejected
 from engine_worker.client_text import ControlTokens, control_tokens
 from engine_worker.constraints import GrammarUnsupported, TokenConstraint, Vocabulary, compile_grammar
@@ -87,8 +87,6 @@ _END_OF_TEXT_TOKENS = ("<|endoftext|>",)
 _DETOKENIZER_CONTEXT = 4
 # First KV allocation beyond the prompt, tokens; the cache grows when needed.
 _INITIAL_DECODE_ROOM = 256
-# Most alternatives per token (SamplingParams.logprobs), OpenAI's top_logprobs limit.
-_MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +106,7 @@ class _Request:
     request_id: str
     params: SamplingParams
     prompt_ids: list[int]
+    max_new: int  # completion budget: max_tokens within the context (Prepared.max_new_tokens)
     t_added: float
     sampler: TokenSampler
     detokenizer: IncrementalDetokenizer
@@ -215,6 +214,7 @@ class CpuBackend:
             longest_token_chars=max((len(t) for t in vocab), default=0),
             grammar=True,
             logprobs=True,
+            vocab_size=self._vocab_size,
             # The proxy reads the model's tool-call format from it; this engine
             # passes no tools to its template, so tools come as a system prompt.
             chat_template=self._prompt_tokenizer.chat_template,
@@ -258,31 +258,16 @@ class CpuBackend:
         return self._requests.keys()
 
     def prepare(self, submit: Submit) -> Prepared:
-        """Tokenize (applying the chat template to ``messages``), check, and compile
-        the grammar, if any.
+        """Tokenize (applying the chat template to ``messages``) and compile the
+        grammar, if any. Sampling and the context are the loop's to check
+        (``engine_worker.admission``).
 
-        Raises ``RequestRejected``: ``INVALID_REQUEST`` for bad parameters, an
-        empty prompt or a grammar that does not compile (``param`` =
-        ``params.grammar_param``); ``CONTEXT_LENGTH_EXCEEDED`` when the prompt has
-        ``max_seq_len`` tokens or more.
+        Raises ``RequestRejected`` (``INVALID_REQUEST``) for messages the chat
+        template refuses and for a grammar that does not compile (``param`` =
+        ``params.grammar_param``).
         """
         params = submit.params
-        validate_sampling(params, self._vocab_size)
-        for token_id, bias in (params.logit_bias or {}).items():
-            if not -100.0 <= bias <= 100.0:  # OpenAI's range; the sampler adds it to fp32 logits
-                raise RequestRejected(
-                    ErrorCode.INVALID_REQUEST,
-                    f"logit_bias: bias {bias} for token {token_id} is outside [-100, 100]",
-                    param="logit_bias",
-                )
-        if params.logprobs is not None and not 0 <= params.logprobs <= _MAX_LOGPROBS:
-            raise RequestRejected(
-                ErrorCode.INVALID_REQUEST,
-                f"logprobs must be in [0, {_MAX_LOGPROBS}], got {params.logprobs}",
-                param="logprobs",
-            )
         prompt_ids, param = self._tokenize(submit)
-        check_prompt_fits(len(prompt_ids), self._max_context, param, "setting: max_seq_len")
         matcher = None
         if params.grammar is not None:
             # Compiled here, off the engine thread; start() copies it per choice.
@@ -294,14 +279,10 @@ class CpuBackend:
     def reservation(self, prepared: Prepared) -> int:
         """Prompt plus every completion token the sequence may produce: its KV never
         grows past that, so admitted sequences never exceed ``kv_cache_mb``."""
-        return full_reservation(prepared.prompt_tokens, prepared.submit.params.max_tokens, self._max_context)
+        return full_reservation(prepared)
 
     def kv_reserved(self) -> int:
         return sum(r.reservation for r in self._requests.values())
-
-    def add(self, submit: Submit) -> None:
-        """``prepare`` and ``start`` one sequence under ``submit.request_id`` (tests)."""
-        self.start(submit.request_id, self.prepare(submit), submit.params)
 
     def start(self, request_id: str, prepared: Prepared, params: SamplingParams) -> None:
         """Admit one sequence of ``prepared``, sampling with ``params``. Raises
@@ -328,6 +309,7 @@ class CpuBackend:
             request_id=request_id,
             params=params,
             prompt_ids=prompt_ids,
+            max_new=prepared.max_new_tokens,
             t_added=time.perf_counter(),
             sampler=TokenSampler(params, prompt_ids, self._vocab_size, stop_ids),
             detokenizer=IncrementalDetokenizer(self._tokenizer, prompt_ids[-_DETOKENIZER_CONTEXT:]),
@@ -556,7 +538,7 @@ class CpuBackend:
 
     def _start(self, req: _Request, events: list[Event]) -> None:
         req.t_start = time.perf_counter()
-        room = min(req.params.max_tokens, _INITIAL_DECODE_ROOM) + self._num_draft_tokens + 1
+        room = min(req.max_new, _INITIAL_DECODE_ROOM) + self._num_draft_tokens + 1
         # Positions never exceed the context: drafts are limited to fit in it.
         req.kv = self._runner.new_kv(min(req.prompt_len + room, self._max_context))
         cached = 0
@@ -595,14 +577,10 @@ class CpuBackend:
 
     def _propose(self, req: _Request) -> list[int]:
         """Drafted tokens to verify after ``req``'s last token (n-gram drafting),
-        within ``max_tokens``, the context and the grammar."""
+        within its completion budget (so within the context) and the grammar."""
         if req.drafter is None:
             return []
-        room = min(
-            self._num_draft_tokens,
-            req.params.max_tokens - req.num_output - 1,
-            self._max_context - len(req.tokens) - 1,
-        )
+        room = min(self._num_draft_tokens, req.max_new - req.num_output - 1)
         drafts = req.drafter.propose(room)
         if drafts and req.constraint is not None:
             drafts = drafts[: req.constraint.valid_prefix(drafts)]
@@ -670,7 +648,7 @@ class CpuBackend:
             req.trail.emitted(emit)
         if stopped or complete:
             return emit, FinishReason.STOP
-        if req.num_output >= req.params.max_tokens or len(req.tokens) >= self._max_context:
+        if req.num_output >= req.max_new:
             return emit, FinishReason.LENGTH
         return emit, None
 

@@ -19,6 +19,7 @@ from engine_worker.sockets import WorkerSockets
 from protocol import (
     PROTOCOL_VERSION,
     Abort,
+    ChatMessage,
     ErrorCode,
     Event,
     EventBatch,
@@ -171,12 +172,16 @@ Running = tuple[ScriptedBackend, Peer, EngineLoop]
 
 @contextlib.contextmanager
 def serve_loop(
-    tmp_path: Path, info: ModelInfo | None = None, stop: threading.Event | None = None, **loop_kw: Any
+    tmp_path: Path,
+    info: ModelInfo | None = None,
+    stop: threading.Event | None = None,
+    backend: Any = None,
+    **loop_kw: Any,
 ) -> Iterator[Running]:
-    """A loop on its own thread over a ``ScriptedBackend`` with ``info``, and a peer
-    whose Hello has been answered; ``stop`` stops the loop early."""
+    """A loop on its own thread over ``backend`` (default: a ``ScriptedBackend`` with
+    ``info``), and a peer whose Hello has been answered; ``stop`` stops the loop early."""
     addrs = f"ipc://{tmp_path}/in.sock", f"ipc://{tmp_path}/out.sock"
-    backend = ScriptedBackend(info or ModelInfo("scripted", 1000, None))
+    backend = backend or ScriptedBackend(info or ModelInfo("scripted", 1000, None))
     sockets = WorkerSockets(*addrs)
     kw: dict[str, Any] = {"heartbeat_interval": 0.05, "max_queue": 16} | loop_kw
     loop = EngineLoop(backend, sockets, **kw)
@@ -205,8 +210,9 @@ def serve_loop(
         sockets.close()
         peer.close()
         assert not t.is_alive()
-        assert backend.thread_ids <= {t.ident}, "engine state touched from another thread"
-        assert t.ident not in backend.prepare_thread_ids, "prepare ran on the loop thread"
+        if isinstance(backend, ScriptedBackend):
+            assert backend.thread_ids <= {t.ident}, "engine state touched from another thread"
+            assert t.ident not in backend.prepare_thread_ids, "prepare ran on the loop thread"
 
 
 @pytest.fixture
@@ -286,22 +292,39 @@ def test_duplicate_request_id_is_refused(running: tuple[ScriptedBackend, Peer, E
     peer.send(Abort(("dup",)))
 
 
-def test_abort_stops_events(running: tuple[ScriptedBackend, Peer, EngineLoop]) -> None:
+def test_abort_stops_events_with_one_terminal_error(running: Running) -> None:
     backend, peer, _ = running
     peer.send(_submit("long", max_tokens=10**9))
     _first(peer, EventBatch)
     peer.send(Abort(("long", "unknown")))
-    deadline = time.monotonic() + 5
-    while "long" not in backend.aborted and time.monotonic() < deadline:
-        time.sleep(0.01)
+    events = peer.events_until_terminal({"long"})
     assert backend.aborted == ["long"]  # unknown ids never reach the backend
-    # After the abort is handled, no event for the request arrives any more.
+    end = events[-1]
+    assert isinstance(end, RequestError) and end.request_id == "long" and end.code is ErrorCode.OVERLOADED
+    assert "aborted" in end.message
+    # After it, no event for the request arrives any more.
     peer.send(_submit("after", max_tokens=1))
-    events = peer.events_until_terminal({"after"})
-    late = [e for e in events if getattr(e, "request_id", None) == "long"]
-    # Events already in flight before the abort may still arrive, but never a
-    # terminal one: the request was dropped, not finished.
-    assert not any(isinstance(e, Finished | RequestError) for e in late)
+    later = peer.events_until_terminal({"after"})
+    assert not [e for e in later if getattr(e, "request_id", None) in ("long", "unknown")]
+
+
+def test_aborting_one_choice_of_a_queued_request_ends_all_its_choices(tmp_path: Path) -> None:
+    """A queued request leaves whole: the choice the Abort did not name must not be
+    left waiting for an event that never comes."""
+    info = ModelInfo("scripted", 1000, None, max_batch_size=2)
+    with serve_loop(tmp_path, info) as (backend, peer, _):
+        peer.send(_submit("a", max_tokens=10**6))
+        _wait(lambda: "a" in backend.remaining, "a started")
+        peer.send(Submit("b", SamplingParams(3), prompt="p", n=2))  # needs both slots: waits
+        _wait(lambda: backend.prepared[-1:] == ["b"], "b prepared")
+        time.sleep(0.2)
+        peer.send(Abort(("b-0",)))
+        events = peer.events_until_terminal({"b-0", "b-1"})
+        peer.send(Abort(("a",)))
+        peer.events_until_terminal({"a"})
+    ends = {e.request_id: e for e in events if isinstance(e, RequestError)}
+    assert set(ends) == {"b-0", "b-1"} and all(e.code is ErrorCode.OVERLOADED for e in ends.values())
+    assert [rid for rid, _ in backend.started] == ["a"]
 
 
 def test_step_failure_fails_active_requests_and_keeps_serving(
@@ -498,8 +521,10 @@ def test_an_aborted_queued_request_never_starts_and_the_next_moves_up(tmp_path: 
         peer.send(Abort(("run",)))
         events = peer.events_until_terminal({"next"})
         assert "gone" not in [rid for rid, _ in backend.started]
-        # Only its place in the queue was ever reported.
-        assert all(isinstance(e, QueueProgress) for e in _events_of(events, "gone"))
+        # Only its place in the queue was ever reported, then its end.
+        gone = _events_of(events, "gone")
+        assert all(isinstance(e, QueueProgress) for e in gone[:-1])
+        assert isinstance(gone[-1], RequestError) and gone[-1].code is ErrorCode.OVERLOADED
 
 
 def test_heartbeats_keep_flowing_during_a_long_step(tmp_path: Path) -> None:
@@ -575,3 +600,52 @@ def test_features_the_backend_lacks_are_refused_not_ignored(tmp_path: Path) -> N
     assert by_id["g"].code == ErrorCode.INVALID_REQUEST and by_id["g"].param == "tools"
     assert by_id["l"].param == "logprobs"
     assert backend.prepared == []  # refused before any work
+
+
+def _synthetic() -> Any:
+    from engine_worker.settings import WorkerSettings
+    from engine_worker.synthetic.backend import SyntheticBackend
+
+    return SyntheticBackend(WorkerSettings(backend="synthetic", max_batch_size=1, synthetic_step_ms=5))
+
+
+def _exllamav3() -> Any:
+    from tests.fakes.exllamav3_driver import make_backend
+
+    return make_backend(max_batch_size=1)[0]
+
+
+def _cpu() -> Any:
+    pytest.importorskip("torch")
+    from engine_worker.cpu.engine import CpuBackend
+    from engine_worker.cpu.model_store import load_tokenizer_embedded
+    from engine_worker.settings import WorkerSettings
+    from tests.fakes.cpu import tiny_random_llama
+
+    loaded = tiny_random_llama(load_tokenizer_embedded())
+    return CpuBackend.from_loaded(loaded, WorkerSettings(max_batch_size=1))
+
+
+@pytest.mark.parametrize("make", [_synthetic, _exllamav3, _cpu], ids=["synthetic", "exllamav3", "cpu"])
+def test_invalid_sampling_is_refused_before_the_queue_on_every_backend(tmp_path: Path, make: Any) -> None:
+    """Sampling is validated once, by the loop, when the Submit arrives: a request that
+    would fail gets its error with no QueueProgress first, whatever the backend (before,
+    ExLlamaV3 checked in ``start``, after the queue, and the synthetic engine never)."""
+    backend = make()
+    with serve_loop(tmp_path, backend=backend) as (_, peer, _loop):
+        peer.send(Submit("run", SamplingParams(10**6, ignore_eos=True), prompt="one two three"))
+        _wait(lambda: "run" in backend.active_ids(), "run started")
+        bad = SamplingParams(5, temperature=-1.0)
+        peer.send(Submit("bad", bad, messages=(ChatMessage("user", "hello there"),)))
+        peer.send(Submit("waits", SamplingParams(5), prompt="one two three"))  # queues: one slot
+        events = peer.events_until_terminal({"bad"})
+        later: list[Event] = []
+        deadline = time.monotonic() + 5
+        while not any(isinstance(e, QueueProgress) and e.request_id == "waits" for e in events + later):
+            msg = peer.recv(max(0.0, deadline - time.monotonic()))
+            if isinstance(msg, EventBatch):
+                later += msg.events
+        peer.send(Abort(("run", "waits")))
+    mine = _events_of(events + later, "bad")
+    assert len(mine) == 1 and isinstance(mine[0], RequestError)
+    assert (mine[0].code, mine[0].param) == (ErrorCode.INVALID_REQUEST, "temperature")
