@@ -113,7 +113,9 @@ class Backend(Protocol):
 
     Event order per sequence is documented in ``protocol.messages``. A backend
     must emit ``Started`` and the first ``PrefillProgress`` (``processed ==
-    cached``) no later than the first ``step`` after ``start``, a last
+    cached``) no later than the first ``step`` after ``start`` (a later choice of a
+    request may wait for its first choice's prefill, whose prompt it then reuses:
+    ``n > 1`` shares one prefill on both engines), a last
     ``PrefillProgress`` with ``processed == total`` before the first
     ``TokenDelta``, and exactly one terminal event (``Finished`` or
     ``RequestError``) for every sequence it started and did not abort.

@@ -29,6 +29,17 @@ With ``SamplingParams.logprobs`` the sampler also scores each chosen token
 (``TokenSampler.sample_scored``) and a ``LogprobTrail`` lines the entries up with
 the text each ``TokenDelta`` carries. Without it neither runs.
 
+Choices of one request (``n > 1``: one ``Prepared`` started several times) share
+one prefill. The first choice prefills the prompt; the later ones wait, with no
+events, until its last prompt chunk has run, then start from it in that same
+step: a copy of its prompt KV and the logits of its last prompt position, from
+which each samples its first token with its own sampler. That is bitwise what
+their own prefill would have computed (chunks at the same multiples of
+``chunk_size``, rows computed as alone: ``docs/performance.md#batch-invariance``),
+so greedy output is unchanged, and ``cached_tokens`` is then the whole prompt,
+none of which they computed. If the first choice ends before its prefill does,
+the next one prefills in its place.
+
 Events follow ``protocol.messages``: ``Started``, ``PrefillProgress`` (first with
 ``processed == cached``, one after every chunk, last with ``processed == total``),
 ``TokenDelta``, then ``Finished`` or ``RequestError``. A finished or aborted
@@ -105,6 +116,7 @@ class _Request:
 
     request_id: str
     params: SamplingParams
+    source: _Prompt  # the prepared prompt; choices of one request share it (and one prefill)
     prompt_ids: list[int]
     max_new: int  # completion budget: max_tokens within the context (Prepared.max_new_tokens)
     t_added: float
@@ -308,6 +320,7 @@ class CpuBackend:
         self._requests[request_id] = _Request(
             request_id=request_id,
             params=params,
+            source=prompt,
             prompt_ids=prompt_ids,
             max_new=prepared.max_new_tokens,
             t_added=time.perf_counter(),
@@ -347,7 +360,7 @@ class CpuBackend:
             return []
         events: list[Event] = []
         with torch.inference_mode():
-            waiting = [r for r in self._requests.values() if r.kv is None]
+            waiting = self._startable()
             if waiting:
                 for req in waiting:
                     self._guarded(req, events, self._start, req, events)
@@ -357,6 +370,20 @@ class CpuBackend:
             for item, logits in results:
                 self._guarded(item.req, events, self._apply, item, logits, events)
         return events
+
+    def _startable(self) -> list[_Request]:
+        """Admitted sequences to start now: all but the later choices of a request
+        whose first choice is still before the end of its prefill (they start from
+        it, ``_follow``)."""
+        prefilling: set[int] = set()  # id() of the prompts a choice is prefilling
+        out: list[_Request] = []
+        for req in self._requests.values():
+            key = id(req.source)
+            if req.kv is None and key not in prefilling:
+                out.append(req)
+            if req.kv is None or req.processed < req.prompt_len:
+                prefilling.add(key)
+        return out
 
     def _plan(self) -> list[_Work]:
         """This step's segments: every decoding sequence (its drafts proposed and
@@ -368,7 +395,8 @@ class CpuBackend:
         work: list[_Work] = []
         prefilling: list[_Request] = []
         for req in self._requests.values():
-            assert req.kv is not None
+            if req.kv is None:
+                continue  # a later choice waiting for its first one's prefill
             if req.processed < req.prompt_len:
                 prefilling.append(req)
                 continue
@@ -571,9 +599,27 @@ class CpuBackend:
         if req.processed == req.prompt_len:
             assert logits is not None
             req.t_prefill_end = now
+            for later in [r for r in self._requests.values() if r.source is req.source and r.kv is None]:
+                self._guarded(later, events, self._follow, later, req, logits[-1], events)
             token, scored = self._choose(req, logits[-1])
             text, reason = self._append_token(req, token, scored)
             self._report(req, text, reason, events)
+
+    def _follow(self, req: _Request, first: _Request, logits: torch.Tensor, events: list[Event]) -> None:
+        """Start ``req``, a later choice, from ``first``, which has just prefilled
+        their prompt: its prompt KV copied, its last prompt ``logits`` sampled with
+        ``req``'s own sampler (module docstring)."""
+        assert first.kv is not None and first.kv.length == req.prompt_len
+        req.t_start = req.t_prefill_end = time.perf_counter()
+        room = min(req.max_new, _INITIAL_DECODE_ROOM) + self._num_draft_tokens + 1
+        req.kv = self._runner.new_kv(min(req.prompt_len + room, self._max_context))
+        req.kv.seed(first.kv.view(), req.prompt_len)
+        req.cached = req.processed = req.prompt_len
+        events.append(Started(req.request_id, req.prompt_len, req.cached))
+        events.append(PrefillProgress(req.request_id, req.prompt_len, req.cached, req.processed, 0))
+        token, scored = self._choose(req, logits.clone())  # the sampler may work in place
+        text, reason = self._append_token(req, token, scored)
+        self._report(req, text, reason, events)
 
     def _propose(self, req: _Request) -> list[int]:
         """Drafted tokens to verify after ``req``'s last token (n-gram drafting),

@@ -622,3 +622,75 @@ def test_choices_of_one_prepared_request_sample_independently(tiny, make_backend
                 texts[ev.request_id].append(ev.text)
     out = {rid: "".join(t) for rid, t in texts.items()}
     assert out["r-0"] == out["r-2"] != out["r-1"]  # same seed, same text; another seed, another
+
+
+def _choices(backend: Any, submit: Submit, n: int) -> dict[str, list[Any]]:
+    """Start ``n`` choices of one prepared request and step until idle; events per choice."""
+    prepared = checked_prepare(backend, submit)
+    events: dict[str, list[Any]] = {f"r-{i}": [] for i in range(n)}
+    for rid in events:
+        backend.start(rid, prepared, submit.params)
+    while backend.active_ids():
+        for ev in backend.step():
+            events[ev.request_id].append(ev)
+    return events
+
+
+def test_choices_of_one_request_share_one_prefill(scripted, tokenizer, make_backend, raw) -> None:
+    """n > 1: the prompt is fed once, by the first choice; the others start from its KV
+    and last logits, report the whole prompt as cached, and write what it writes."""
+    prompt = words(40)  # several 64-token chunks
+    answer = ids(tokenizer, " red green blue", special=False)
+    scripted.model.setup_script(chain(ids(tokenizer, prompt)[-1], answer))
+    alone = make_backend(scripted, chunk_size=64, prefix_cache_mb=0)
+    single = _choices(alone, raw("r", prompt, max_tokens=8), 1)["r-0"]
+    backend = make_backend(scripted, chunk_size=64, prefix_cache_mb=0)
+    scripted.model.passes.clear()  # after the warm-up pass
+    events = _choices(backend, raw("r", prompt, max_tokens=8), 3)
+    total = len(ids(tokenizer, prompt))
+    fed = sum(length for p in scripted.model.passes for length, keep in p if keep != length or length > 1)
+    assert fed == total  # prompt chunks of one choice only (decode passes feed 1 token, keep 1)
+    assert [e for e in events["r-0"] if isinstance(e, Started)] == [Started("r-0", total, 0)]
+    for rid in ("r-1", "r-2"):
+        mine = events[rid]
+        assert mine[:2] == [Started(rid, total, total), PrefillProgress(rid, total, total, total, 0)]
+        assert mine[-1].cached_tokens == total
+    text = {rid: "".join(e.text for e in ev if isinstance(e, TokenDelta)) for rid, ev in events.items()}
+    assert (
+        set(text.values())
+        == {"".join(e.text for e in single if isinstance(e, TokenDelta))}
+        == {" red green blue"}
+    )
+
+
+def test_greedy_choices_that_share_a_prefill_match_a_lone_run_bitwise(shaped, make_backend, raw) -> None:
+    """Random weights in SmolLM2's shapes, where one bit of difference shows in the
+    tokens: each later choice samples from the first one's logits and KV."""
+    prompt = words(30)
+    lone = _choices(
+        make_backend(shaped, chunk_size=64, prefix_cache_mb=0), raw("r", prompt, max_tokens=12), 1
+    )
+    shared = _choices(
+        make_backend(shaped, chunk_size=64, prefix_cache_mb=0), raw("r", prompt, max_tokens=12), 3
+    )
+    tokens = {rid: [e.text for e in ev if isinstance(e, TokenDelta)] for rid, ev in shared.items()}
+    assert all(t == [e.text for e in lone["r-0"] if isinstance(e, TokenDelta)] for t in tokens.values())
+
+
+def test_a_later_choice_prefills_itself_when_the_first_ends_before_its_prefill(
+    scripted, tokenizer, make_backend, raw
+) -> None:
+    backend = make_backend(scripted, chunk_size=16, prefix_cache_mb=0)
+    submit = raw("r", words(20), max_tokens=3, ignore_eos=True)
+    prepared = checked_prepare(backend, submit)
+    for rid in ("r-0", "r-1"):
+        backend.start(rid, prepared, submit.params)
+    first = backend.step()  # admission of r-0 only: r-1 waits for its prefill
+    assert {e.request_id for e in first} == {"r-0"}
+    backend.step()  # one chunk of r-0
+    backend.abort("r-0")
+    events: list[Any] = []
+    while backend.active_ids():
+        events += backend.step()
+    assert events[0] == Started("r-1", prepared.prompt_tokens, 0)
+    assert isinstance(events[-1], Finished) and events[-1].completion_tokens == 3
