@@ -36,6 +36,7 @@ import venv
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine_worker.admission import checked_prepare
 from engine_worker.cpu import CpuBackend
 from engine_worker.cpu.model_store import LoadedModel, find_embedded_gguf, load_embedded
 from engine_worker.settings import DraftMode, WorkerSettings
@@ -104,7 +105,7 @@ def run(backend: CpuBackend, submit: Submit) -> tuple[str, Finished]:
 def run_many(backend: CpuBackend, submits: list[Submit]) -> tuple[list[str], list[Finished]]:
     """Admit ``submits`` together and step until all finish."""
     for submit in submits:
-        backend.add(submit)
+        backend.start(submit.request_id, checked_prepare(backend, submit), submit.params)
     text: dict[str, list[str]] = {s.request_id: [] for s in submits}
     finished: dict[str, Finished] = {}
     while backend.active_ids():

@@ -21,28 +21,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
 import time
-from collections.abc import Sequence
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
+# The flood engine is a fake and lives with the others in tests/fakes.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 from protocol import (
-    PROTOCOL_VERSION,
-    Finished,
-    FinishReason,
     PrefillProgress,
-    Ready,
     Started,
-    Submit,
     TokenDelta,
 )
 from proxy.app import create_app
 from proxy.dialect import Header
 from proxy.dialects.chat.frames import ChatFrames
 from proxy.generation import Generation, Options
-from proxy.request_stream import RequestStream
 from proxy.settings import ProxySettings
+from tests.fakes.flood_engine import FloodEngine
 
 
 def bench_render(n: int, repeat: int, *, text: str, continuous: bool) -> list[float]:
@@ -77,50 +76,11 @@ def bench_render(n: int, repeat: int, *, text: str, continuous: bool) -> list[fl
     return per_chunk
 
 
-class _FloodEngine:
-    """Engine client that answers each submit with ``tokens`` deltas, yielding to
-    the loop every ``batch`` events like a worker's reader task would."""
-
-    def __init__(self, tokens: int, batch: int) -> None:
-        self.tokens = tokens
-        self.batch = batch
-        self.worker = Ready(PROTOCOL_VERSION, "bench", "bench-model", "bench", 1 << 20, None)
-        self.ready = True
-        self.worker_active_requests: int | None = None
-        self.heartbeat = None
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    async def start(self) -> None:
-        return None
-
-    async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-
-    def submit(self, submit: Submit) -> RequestStream:
-        stream = RequestStream([submit.request_id], 256)
-        task = asyncio.create_task(self._play(submit.request_id, stream))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return stream
-
-    async def _play(self, rid: str, stream: RequestStream) -> None:
-        stream.put(Started(rid, 100, 0))
-        for i in range(self.tokens):
-            stream.put(TokenDelta(rid, " tok", 1))
-            if i % self.batch == 0:
-                await asyncio.sleep(0)
-        stream.put(Finished(rid, FinishReason.LENGTH, 100, 0, self.tokens))
-
-    def abort(self, request_ids: Sequence[str]) -> None:
-        return None
-
-
 async def bench_http(tokens: int, batch: int) -> tuple[float, int, int]:
     """(seconds, data events received, bytes received) for one streamed request."""
     # The addresses are never used: the flood engine replaces the ZeroMQ client.
     config = ProxySettings(input_addr="inproc://unused-in", output_addr="inproc://unused-out")
-    app = create_app(config, _FloodEngine(tokens, batch))
+    app = create_app(config, FloodEngine(tokens, batch))
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

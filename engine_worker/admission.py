@@ -1,21 +1,67 @@
-"""Checks every backend makes before admitting a request.
+"""The checks of every request, made once by the worker loop for every backend.
 
 The proxy already validates OpenAI requests; these checks hold the wire
 contract for any client of the worker socket and for limits only the worker
-knows (vocabulary size, context length). Engine-specific limits stay with the
-engine (e.g. ExLlamaV3's float32 logit-bias range).
+knows (vocabulary size, context length). Engine-specific limits come from the
+backend's ``ModelInfo`` (e.g. ExLlamaV3's float32 logit-bias range), so no
+backend repeats a check: ``validate_request`` when a ``Submit`` arrives, before
+it is prepared or queued; ``budget`` once it is tokenized, before it is queued.
+``checked_prepare`` does both in a row, for callers without a loop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import TYPE_CHECKING
 
-from engine_worker.backend import RequestRejected
-from protocol.messages import ErrorCode, SamplingParams
+from engine_worker.backend import ModelInfo, Prepared, RequestRejected
+from protocol.messages import ErrorCode, SamplingParams, Submit
+
+if TYPE_CHECKING:
+    from engine_worker.backend import Backend
+
+MAX_LOGPROBS = 20
+"""Most alternatives per token (``SamplingParams.logprobs``), OpenAI's ``top_logprobs`` limit."""
 
 
 def _reject(param: str, message: str) -> RequestRejected:
     return RequestRejected(ErrorCode.INVALID_REQUEST, message, param=param)
+
+
+def validate_request(submit: Submit, info: ModelInfo) -> None:
+    """Raises ``RequestRejected`` (``INVALID_REQUEST``, ``param`` = the field) for
+    sampling ``info``'s backend cannot honour: ``validate_sampling``, a
+    ``logit_bias`` value beyond ``±info.max_logit_bias`` (``-inf`` only where
+    ``info.logit_bias_ban``), ``logprobs`` outside ``[0, MAX_LOGPROBS]``."""
+    p = submit.params
+    validate_sampling(p, info.vocab_size)
+    for token_id, bias in (p.logit_bias or {}).items():
+        ban = bias == -math.inf and info.logit_bias_ban
+        if not (ban or -info.max_logit_bias <= bias <= info.max_logit_bias):
+            allowed = f"[-{info.max_logit_bias:.4g}, {info.max_logit_bias:.4g}]"
+            if info.logit_bias_ban:
+                allowed += " or -inf"
+            raise _reject("logit_bias", f"logit_bias: bias {bias} for token {token_id} is outside {allowed}")
+    if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
+        raise _reject("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}")
+
+
+def budget(prepared: Prepared, info: ModelInfo) -> Prepared:
+    """``prepared`` with its completion budget (``Prepared.max_new_tokens``):
+    ``max_tokens`` clamped to the room the context leaves after the prompt.
+    Raises ``RequestRejected`` from ``check_prompt_fits``."""
+    max_context = info.max_context_tokens
+    check_prompt_fits(prepared.prompt_tokens, max_context, prepared.param, info.context_settings)
+    max_new = min(prepared.submit.params.max_tokens, max_context - prepared.prompt_tokens)
+    return dataclasses.replace(prepared, max_new_tokens=max_new)
+
+
+def checked_prepare(backend: Backend, submit: Submit) -> Prepared:
+    """``validate_request``, ``backend.prepare`` and ``budget`` in a row: what the
+    loop does for a request before queueing it. Raises ``RequestRejected``."""
+    validate_request(submit, backend.info)
+    return budget(backend.prepare(submit), backend.info)
 
 
 def validate_sampling(p: SamplingParams, vocab_size: int) -> None:
@@ -24,7 +70,8 @@ def validate_sampling(p: SamplingParams, vocab_size: int) -> None:
     non-finite temperature, ``top_p`` outside (0, 1], a negative ``top_k``,
     ``min_p`` outside [0, 1], a non-positive repetition penalty, non-finite
     presence/frequency penalties outside [-2, 2], ``min_tokens`` outside [0, max_tokens], or a
-    token id (``stop_token_ids``, ``logit_bias`` keys) outside the vocabulary."""
+    token id (``stop_token_ids``, ``logit_bias`` keys) outside the vocabulary
+    (``0 .. vocab_size - 1``; not checked when ``vocab_size`` is 0)."""
     if p.max_tokens < 1:
         raise _reject("max_tokens", f"max_tokens must be >= 1, got {p.max_tokens}")
     if not (p.temperature >= 0.0 and math.isfinite(p.temperature)):
@@ -44,7 +91,7 @@ def validate_sampling(p: SamplingParams, vocab_size: int) -> None:
         raise _reject("min_tokens", f"min_tokens must be in [0, max_tokens], got {p.min_tokens}")
     for param, ids in (("stop_token_ids", p.stop_token_ids), ("logit_bias", (p.logit_bias or {}).keys())):
         for token_id in ids:
-            if not 0 <= token_id < vocab_size:
+            if vocab_size and not 0 <= token_id < vocab_size:
                 raise _reject(
                     param, f"{param}: token id {token_id} is outside the vocabulary (0..{vocab_size - 1})"
                 )
@@ -66,8 +113,7 @@ def check_prompt_fits(prompt_tokens: int, max_context: int, param: str, setting:
         )
 
 
-def full_reservation(prompt_tokens: int, max_tokens: int, max_context: int) -> int:
+def full_reservation(prepared: Prepared) -> int:
     """KV tokens a sequence can come to hold when its cache grows with every
-    token: its prompt plus every completion token it may produce within the
-    context."""
-    return prompt_tokens + min(max_tokens, max_context - prompt_tokens)
+    token: its prompt plus its completion budget."""
+    return prepared.prompt_tokens + prepared.max_new_tokens

@@ -7,9 +7,13 @@ prepare thread, concurrently with ``step``, and so must not touch engine state. 
 engine's native results into ``protocol.messages`` events at one place and never
 forwards native dicts.
 
-A request (``Submit`` with ``n`` choices) is prepared once — validated, templated,
-tokenized, checked against the context — and then started once per choice when
-the loop admits it, so the prompt of an ``n``-choice request is tokenized once.
+A request (``Submit`` with ``n`` choices) is validated by the loop when it
+arrives (``admission.validate_request``: sampling, limits, by the backend's
+``ModelInfo``), prepared once by the backend — templated, tokenized — then checked
+against the context and given its completion budget by the loop
+(``admission.budget``), and started once per choice when the loop admits it, so
+the prompt of an ``n``-choice request is tokenized once. Backends do not repeat
+those checks.
 """
 
 from __future__ import annotations
@@ -45,6 +49,12 @@ class ModelInfo:
       ``Submit.cache_salt`` apart (a salted request is refused otherwise).
     - ``kv_block_tokens``: tokens per block of KV the prefix cache reuses whole
       (``Ready.kv_block_tokens``); 0 when the backend has no such unit.
+    - ``vocab_size``: token ids ``0 .. vocab_size - 1`` are valid in
+      ``stop_token_ids`` and ``logit_bias`` (0: the backend has no vocabulary).
+    - ``max_logit_bias``, ``logit_bias_ban``: a bias must be within
+      ``±max_logit_bias``, or ``-inf`` (a ban) where ``logit_bias_ban``.
+    - ``context_settings``: what sets ``max_context_tokens``, named in the error of
+      a prompt that does not fit.
     """
 
     model_id: str
@@ -59,18 +69,25 @@ class ModelInfo:
     template_tools: bool = False
     kv_block_tokens: int = 0
     cache_salt: bool = False
+    vocab_size: int = 0
+    max_logit_bias: float = 100.0
+    logit_bias_ban: bool = False
+    context_settings: str = "setting: max_seq_len"
 
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
     """A request ready to start: ``prompt`` is the backend's own token sequence
     (opaque to the loop), ``prompt_tokens`` its length, ``param`` the request field
-    it came from (``messages`` or ``prompt``)."""
+    it came from (``messages`` or ``prompt``). ``max_new_tokens``: the completion
+    budget, ``max_tokens`` clamped to the context; set by ``admission.budget``
+    (0 until then), read by ``reservation`` and ``start``."""
 
     submit: Submit
     prompt: Any
     prompt_tokens: int
     param: str
+    max_new_tokens: int = 0
 
 
 class RequestRejected(Exception):
@@ -113,7 +130,9 @@ class Backend(Protocol):
 
     Event order per sequence is documented in ``protocol.messages``. A backend
     must emit ``Started`` and the first ``PrefillProgress`` (``processed ==
-    cached``) no later than the first ``step`` after ``start``, a last
+    cached``) no later than the first ``step`` after ``start`` (a later choice of a
+    request may wait for its first choice's prefill, whose prompt it then reuses:
+    ``n > 1`` shares one prefill on both engines), a last
     ``PrefillProgress`` with ``processed == total`` before the first
     ``TokenDelta``, and exactly one terminal event (``Finished`` or
     ``RequestError``) for every sequence it started and did not abort.
@@ -123,9 +142,9 @@ class Backend(Protocol):
     def info(self) -> ModelInfo: ...
 
     def prepare(self, submit: Submit) -> Prepared:
-        """Validate, template and tokenize ``submit`` once; called on another thread
-        than the rest, concurrently with ``step`` (touch no engine state). Raises
-        ``RequestRejected``."""
+        """Template and tokenize ``submit`` once (its sampling already validated);
+        called on another thread than the rest, concurrently with ``step`` (touch no
+        engine state). Raises ``RequestRejected``."""
         ...
 
     def prompt_ids(self, prepared: Prepared) -> list[int]:
@@ -139,8 +158,9 @@ class Backend(Protocol):
         ...
 
     def reservation(self, prepared: Prepared) -> int:
-        """KV tokens one sequence of ``prepared`` may come to hold, which the loop
-        reserves for it out of ``info.kv_cache_tokens`` while it runs."""
+        """KV tokens one sequence of ``prepared`` (after ``admission.budget``) may come
+        to hold, which the loop reserves for it out of ``info.kv_cache_tokens`` while
+        it runs."""
         ...
 
     def kv_reserved(self) -> int:
@@ -148,9 +168,11 @@ class Backend(Protocol):
         ...
 
     def start(self, request_id: str, prepared: Prepared, params: SamplingParams) -> None:
-        """Start one sequence (a choice) of ``prepared`` under ``request_id``, whose id
-        is not active (the loop checks that), sampling with ``params`` (the choice's
-        seed). Raises ``RequestRejected``; work happens in ``step``."""
+        """Start one sequence (a choice) of ``prepared`` (after ``admission.budget``)
+        under ``request_id``, whose id is not active (the loop checks that), sampling
+        with ``params`` (validated; the choice's seed) for at most
+        ``prepared.max_new_tokens`` tokens. Raises ``RequestRejected``; work happens
+        in ``step``."""
         ...
 
     def abort(self, request_id: str) -> None:

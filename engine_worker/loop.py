@@ -6,9 +6,13 @@ calls ``iterate``). Socket I/O happens between engine steps, so a step's events
 leave as one ``EventBatch`` as soon as the step returns. Heartbeats come from a
 thread of their own (``_beat``), so a long step never looks like a dead worker.
 
-Admission: a ``Submit`` is prepared (validated, templated, tokenized once for
-its ``n`` choices) on a thread of its own, so a long prompt never stalls the
-token flow of the running sequences. Then, in arrival order, it waits in a
+Admission: a ``Submit`` is validated at once (``admission.validate_request``:
+sampling and limits, by the backend's ``ModelInfo``; the one place they are
+checked), then prepared (templated, tokenized once for its ``n`` choices) on a
+thread of its own, so a long prompt never stalls the token flow of the running
+sequences, then checked against the context and given its completion budget
+(``admission.budget``). So a request that would fail never shows queue
+progress. Then, in arrival order, it waits in a
 bounded queue until all its choices fit together: running sequences plus
 ``n`` within ``max_batch_size``, and KV reservations within
 ``kv_cache_tokens`` (``ModelInfo``). The queue is FIFO with backfilling: when
@@ -23,7 +27,7 @@ once (``n`` over the batch size: ``INVALID_REQUEST``; KV:
 (``QUEUE_FULL``). While a request waits it gets ``QueueProgress`` events: when
 queued and whenever its position changes (``_report_queue``). Every sequence
 the worker drops gets a terminal event: refused, failed in a step, or still
-queued, preparing or running when the worker stops.
+queued, preparing or running when the worker stops, or aborted (``_abort``).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from pathlib import Path
 
 import msgspec
 
+from engine_worker.admission import budget, validate_request
 from engine_worker.backend import (
     ENGINE_FAILED_EXIT_STATUS,
     Backend,
@@ -287,16 +292,7 @@ class EngineLoop:
         elif isinstance(msg, Detokenize):
             self._lookups.append((msg.request_id, self._prepare_pool.submit(self._detokenize, msg)))
         elif isinstance(msg, Abort):
-            active = self._backend.active_ids()
-            for rid in msg.request_ids:
-                queued = self._queued_ids.get(rid)
-                preparing = self._preparing_ids.get(rid)
-                if queued is not None:
-                    self._unqueue(queued)
-                elif preparing is not None:
-                    preparing.aborted = True
-                elif rid in active:
-                    self._backend.abort(rid)
+            self._abort(msg.request_ids, pending)
         elif msg.protocol_version == PROTOCOL_VERSION:
             self._sockets.send(self._ready())
         else:
@@ -306,6 +302,31 @@ class EngineLoop:
                 msg.protocol_version,
                 PROTOCOL_VERSION,
             )
+
+    def _abort(self, request_ids: tuple[str, ...], pending: list[Event]) -> None:
+        """Drop these choices now: running ones one by one, a queued or preparing
+        request whole (its choices wait and start together). Every sequence dropped
+        gets a terminal ``RequestError`` (``OVERLOADED``): the proxy that sent the
+        Abort has forgotten the ids and ignores it (``ZmqEngineClient._route`` drops
+        terminal events of unknown ids without a second Abort), and whoever else
+        holds the stream (an Abort it did not send, a choice its Abort did not name)
+        learns at once that it is over instead of waiting for its idle timeout."""
+        active = self._backend.active_ids()
+        dropped: list[str] = []
+        for rid in request_ids:
+            queued = self._queued_ids.get(rid)
+            preparing = self._preparing_ids.get(rid)
+            if queued is not None:
+                self._unqueue(queued)
+                dropped += queued.ids
+            elif preparing is not None and not preparing.aborted:
+                preparing.aborted = True
+                dropped += preparing.ids
+            elif rid in active:
+                self._backend.abort(rid)
+                dropped.append(rid)
+        message = "the request was aborted in the engine worker (an Abort for it arrived)"
+        pending.extend(RequestError(rid, ErrorCode.OVERLOADED, message) for rid in dict.fromkeys(dropped))
 
     def _submit(self, msg: Submit, pending: list[Event]) -> None:
         ids = choice_ids(msg.request_id, max(1, msg.n))
@@ -327,6 +348,11 @@ class EngineLoop:
                 else f"n must be >= 1, got {msg.n}"
             )
             pending.extend(RequestError(rid, ErrorCode.INVALID_REQUEST, message, "n") for rid in ids)
+            return
+        try:
+            validate_request(msg, info)
+        except RequestRejected as e:
+            pending.extend(RequestError(rid, e.code, e.message, e.param) for rid in ids)
             return
         entry = _Preparing(msg, ids, self._prepare_pool.submit(self._backend.prepare, msg))
         self._preparing.append(entry)
@@ -365,7 +391,7 @@ class EngineLoop:
     def _enqueue(self, entry: _Preparing, pending: list[Event]) -> None:
         msg, ids, info = entry.submit, entry.ids, self._backend.info
         try:
-            prepared = entry.future.result()
+            prepared = budget(entry.future.result(), info)
             reservation = msg.n * self._backend.reservation(prepared)
             if reservation > info.kv_cache_tokens:
                 raise RequestRejected(

@@ -158,7 +158,10 @@ def choice_seed(seed: int, i: int) -> int:
 
 class Abort(_Msg, frozen=True, tag="abort"):
     """Free the engine work of these choices (``choice_ids``) at the next engine
-    step, queued ones included. Unknown or already finished ids are ignored."""
+    step, queued ones included (a queued request leaves whole, all its choices).
+    Unknown or already finished ids are ignored; every choice dropped gets a
+    terminal ``RequestError`` (``OVERLOADED``), which the proxy that sent the
+    Abort ignores and any other holder of the stream ends it on."""
 
     request_ids: tuple[str, ...]
 

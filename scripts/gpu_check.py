@@ -823,6 +823,7 @@ def phase_warm(work: Path, res: Result) -> None:
 
 
 def phase_backend(work: Path, res: Result) -> None:
+    from engine_worker.admission import checked_prepare
     from engine_worker.backend import RequestRejected
     from engine_worker.exllamav3.backend import ExLlamaV3Backend
     from engine_worker.exllamav3.loader import load_engine
@@ -1058,7 +1059,7 @@ def phase_backend(work: Path, res: Result) -> None:
 
         def context() -> None:
             try:
-                backend.prepare(raw("ctx", "word " * 6000))
+                checked_prepare(backend, raw("ctx", "word " * 6000))
             except RequestRejected as e:
                 res.check("context_length_exceeded", e.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED)
             else:

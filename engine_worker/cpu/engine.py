@@ -29,6 +29,17 @@ With ``SamplingParams.logprobs`` the sampler also scores each chosen token
 (``TokenSampler.sample_scored``) and a ``LogprobTrail`` lines the entries up with
 the text each ``TokenDelta`` carries. Without it neither runs.
 
+Choices of one request (``n > 1``: one ``Prepared`` started several times) share
+one prefill. The first choice prefills the prompt; the later ones wait, with no
+events, until its last prompt chunk has run, then start from it in that same
+step: a copy of its prompt KV and the logits of its last prompt position, from
+which each samples its first token with its own sampler. That is bitwise what
+their own prefill would have computed (chunks at the same multiples of
+``chunk_size``, rows computed as alone: ``docs/performance.md#batch-invariance``),
+so greedy output is unchanged, and ``cached_tokens`` is then the whole prompt,
+none of which they computed. If the first choice ends before its prefill does,
+the next one prefills in its place.
+
 Events follow ``protocol.messages``: ``Started``, ``PrefillProgress`` (first with
 ``processed == cached``, one after every chunk, last with ``processed == total``),
 ``TokenDelta``, then ``Finished`` or ``RequestError``. A finished or aborted
@@ -50,8 +61,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from llguidance import LLMatcher
 
-from engine_worker.admission import check_prompt_fits, full_reservation, validate_sampling
+from engine_worker.admission import full_reservation
 from engine_worker.backend import Backend, ModelInfo, Prepared, RequestRejected, check_token_ids
+from engine_worker.client_text import ControlTokens, control_tokens
 from engine_worker.constraints import GrammarUnsupported, TokenConstraint, Vocabulary, compile_grammar
 from engine_worker.cpu.detokenize import IncrementalDetokenizer, StopStringMatcher
 from engine_worker.cpu.kv_cache import SequenceKV
@@ -86,8 +98,6 @@ _END_OF_TEXT_TOKENS = ("<|endoftext|>",)
 _DETOKENIZER_CONTEXT = 4
 # First KV allocation beyond the prompt, tokens; the cache grows when needed.
 _INITIAL_DECODE_ROOM = 256
-# Most alternatives per token (SamplingParams.logprobs), OpenAI's top_logprobs limit.
-_MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +116,9 @@ class _Request:
 
     request_id: str
     params: SamplingParams
+    source: _Prompt  # the prepared prompt; choices of one request share it (and one prefill)
     prompt_ids: list[int]
+    max_new: int  # completion budget: max_tokens within the context (Prepared.max_new_tokens)
     t_added: float
     sampler: TokenSampler
     detokenizer: IncrementalDetokenizer
@@ -189,6 +201,7 @@ class CpuBackend:
         # self._tokenizer; transformers may reconfigure a fast tokenizer's backend
         # (truncation, padding) on encode, so the two threads never share one.
         self._prompt_tokenizer: Any = copy.deepcopy(loaded.tokenizer)
+        self._control_tokens = ControlTokens(control_tokens(self._prompt_tokenizer))
         text_config = loaded.model.config.get_text_config(decoder=True)
         self._text_config: Any = text_config
         self._vocab_size = int(text_config.vocab_size)
@@ -214,6 +227,7 @@ class CpuBackend:
             longest_token_chars=max((len(t) for t in vocab), default=0),
             grammar=True,
             logprobs=True,
+            vocab_size=self._vocab_size,
             # The proxy reads the model's tool-call format from it; this engine
             # passes no tools to its template, so tools come as a system prompt.
             chat_template=self._prompt_tokenizer.chat_template,
@@ -260,31 +274,16 @@ class CpuBackend:
         return self._requests.keys()
 
     def prepare(self, submit: Submit) -> Prepared:
-        """Tokenize (applying the chat template to ``messages``), check, and compile
-        the grammar, if any.
+        """Tokenize (applying the chat template to ``messages``) and compile the
+        grammar, if any. Sampling and the context are the loop's to check
+        (``engine_worker.admission``).
 
-        Raises ``RequestRejected``: ``INVALID_REQUEST`` for bad parameters, an
-        empty prompt or a grammar that does not compile (``param`` =
-        ``params.grammar_param``); ``CONTEXT_LENGTH_EXCEEDED`` when the prompt has
-        ``max_seq_len`` tokens or more.
+        Raises ``RequestRejected`` (``INVALID_REQUEST``) for messages the chat
+        template refuses and for a grammar that does not compile (``param`` =
+        ``params.grammar_param``).
         """
         params = submit.params
-        validate_sampling(params, self._vocab_size)
-        for token_id, bias in (params.logit_bias or {}).items():
-            if not -100.0 <= bias <= 100.0:  # OpenAI's range; the sampler adds it to fp32 logits
-                raise RequestRejected(
-                    ErrorCode.INVALID_REQUEST,
-                    f"logit_bias: bias {bias} for token {token_id} is outside [-100, 100]",
-                    param="logit_bias",
-                )
-        if params.logprobs is not None and not 0 <= params.logprobs <= _MAX_LOGPROBS:
-            raise RequestRejected(
-                ErrorCode.INVALID_REQUEST,
-                f"logprobs must be in [0, {_MAX_LOGPROBS}], got {params.logprobs}",
-                param="logprobs",
-            )
         prompt_ids, param = self._tokenize(submit)
-        check_prompt_fits(len(prompt_ids), self._max_context, param, "setting: max_seq_len")
         matcher = None
         if params.grammar is not None:
             # Compiled here, off the engine thread; start() copies it per choice.
@@ -304,14 +303,10 @@ class CpuBackend:
     def reservation(self, prepared: Prepared) -> int:
         """Prompt plus every completion token the sequence may produce: its KV never
         grows past that, so admitted sequences never exceed ``kv_cache_mb``."""
-        return full_reservation(prepared.prompt_tokens, prepared.submit.params.max_tokens, self._max_context)
+        return full_reservation(prepared)
 
     def kv_reserved(self) -> int:
         return sum(r.reservation for r in self._requests.values())
-
-    def add(self, submit: Submit) -> None:
-        """``prepare`` and ``start`` one sequence under ``submit.request_id`` (tests)."""
-        self.start(submit.request_id, self.prepare(submit), submit.params)
 
     def start(self, request_id: str, prepared: Prepared, params: SamplingParams) -> None:
         """Admit one sequence of ``prepared``, sampling with ``params``. Raises
@@ -337,7 +332,9 @@ class CpuBackend:
         self._requests[request_id] = _Request(
             request_id=request_id,
             params=params,
+            source=prompt,
             prompt_ids=prompt_ids,
+            max_new=prepared.max_new_tokens,
             t_added=time.perf_counter(),
             sampler=TokenSampler(params, prompt_ids, self._vocab_size, stop_ids),
             detokenizer=IncrementalDetokenizer(self._tokenizer, prompt_ids[-_DETOKENIZER_CONTEXT:]),
@@ -376,7 +373,7 @@ class CpuBackend:
             return []
         events: list[Event] = []
         with torch.inference_mode():
-            waiting = [r for r in self._requests.values() if r.kv is None]
+            waiting = self._startable()
             if waiting:
                 for req in waiting:
                     self._guarded(req, events, self._start, req, events)
@@ -386,6 +383,20 @@ class CpuBackend:
             for item, logits in results:
                 self._guarded(item.req, events, self._apply, item, logits, events)
         return events
+
+    def _startable(self) -> list[_Request]:
+        """Admitted sequences to start now: all but the later choices of a request
+        whose first choice is still before the end of its prefill (they start from
+        it, ``_follow``)."""
+        prefilling: set[int] = set()  # id() of the prompts a choice is prefilling
+        out: list[_Request] = []
+        for req in self._requests.values():
+            key = id(req.source)
+            if req.kv is None and key not in prefilling:
+                out.append(req)
+            if req.kv is None or req.processed < req.prompt_len:
+                prefilling.add(key)
+        return out
 
     def _plan(self) -> list[_Work]:
         """This step's segments: every decoding sequence (its drafts proposed and
@@ -397,7 +408,8 @@ class CpuBackend:
         work: list[_Work] = []
         prefilling: list[_Request] = []
         for req in self._requests.values():
-            assert req.kv is not None
+            if req.kv is None:
+                continue  # a later choice waiting for its first one's prefill
             if req.processed < req.prompt_len:
                 prefilling.append(req)
                 continue
@@ -527,32 +539,47 @@ class CpuBackend:
         if submit.messages and submit.prompt is not None:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, "send either messages or prompt, not both")
         if submit.prompt is not None:
-            ids = self._prompt_tokenizer(submit.prompt, add_special_tokens=True)["input_ids"]
-            return [int(i) for i in ids], "prompt"
+            # The caller's own template: its control tokens' text is parsed as such.
+            raw = self._prompt_tokenizer(submit.prompt, add_special_tokens=True)["input_ids"]
+            return [int(i) for i in raw], "prompt"
         if not submit.messages:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, "messages is empty", param="messages")
         if self._prompt_tokenizer.chat_template is None:
             raise RequestRejected(
                 ErrorCode.INVALID_REQUEST, "this model has no chat template; use prompt", param="messages"
             )
+        guard = self._control_tokens.guard()
         conversation = [{"role": m.role, "content": m.content} for m in submit.messages]
         try:
             text = self._prompt_tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=submit.add_generation_prompt, tokenize=False
+                guard.escape(conversation), add_generation_prompt=submit.add_generation_prompt, tokenize=False
             )
+            pieces = guard.pieces(text)
         except Exception as exc:  # the template itself rejects e.g. unsupported roles
             raise RequestRejected(
                 ErrorCode.INVALID_REQUEST, f"the chat template rejected the messages: {exc}", param="messages"
             ) from exc
-        # The rendered template already holds its special tokens as text.
-        ids = self._prompt_tokenizer(text, add_special_tokens=False)["input_ids"]
-        return [int(i) for i in ids], "messages"
+        # Control tokens only where the template wrote them; the rest, client text
+        # included, with special-token parsing off (engine_worker.client_text).
+        texts = [p.text for p in pieces if not p.control]
+        encoded = iter(
+            self._prompt_tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            if texts
+            else []
+        )
+        ids: list[int] = []
+        for piece in pieces:
+            if piece.control:
+                ids.append(int(self._prompt_tokenizer.convert_tokens_to_ids(piece.text)))
+            else:
+                ids += (int(i) for i in next(encoded))
+        return ids, "messages"
 
     # ------------------------------------------------------------------ stepping
 
     def _start(self, req: _Request, events: list[Event]) -> None:
         req.t_start = time.perf_counter()
-        room = min(req.params.max_tokens, _INITIAL_DECODE_ROOM) + self._num_draft_tokens + 1
+        room = min(req.max_new, _INITIAL_DECODE_ROOM) + self._num_draft_tokens + 1
         # Positions never exceed the context: drafts are limited to fit in it.
         req.kv = self._runner.new_kv(min(req.prompt_len + room, self._max_context))
         cached = 0
@@ -585,20 +612,34 @@ class CpuBackend:
         if req.processed == req.prompt_len:
             assert logits is not None
             req.t_prefill_end = now
+            for later in [r for r in self._requests.values() if r.source is req.source and r.kv is None]:
+                self._guarded(later, events, self._follow, later, req, logits[-1], events)
             token, scored = self._choose(req, logits[-1])
             text, reason = self._append_token(req, token, scored)
             self._report(req, text, reason, events)
 
+    def _follow(self, req: _Request, first: _Request, logits: torch.Tensor, events: list[Event]) -> None:
+        """Start ``req``, a later choice, from ``first``, which has just prefilled
+        their prompt: its prompt KV copied, its last prompt ``logits`` sampled with
+        ``req``'s own sampler (module docstring)."""
+        assert first.kv is not None and first.kv.length == req.prompt_len
+        req.t_start = req.t_prefill_end = time.perf_counter()
+        room = min(req.max_new, _INITIAL_DECODE_ROOM) + self._num_draft_tokens + 1
+        req.kv = self._runner.new_kv(min(req.prompt_len + room, self._max_context))
+        req.kv.seed(first.kv.view(), req.prompt_len)
+        req.cached = req.processed = req.prompt_len
+        events.append(Started(req.request_id, req.prompt_len, req.cached))
+        events.append(PrefillProgress(req.request_id, req.prompt_len, req.cached, req.processed, 0))
+        token, scored = self._choose(req, logits.clone())  # the sampler may work in place
+        text, reason = self._append_token(req, token, scored)
+        self._report(req, text, reason, events)
+
     def _propose(self, req: _Request) -> list[int]:
         """Drafted tokens to verify after ``req``'s last token (n-gram drafting),
-        within ``max_tokens``, the context and the grammar."""
+        within its completion budget (so within the context) and the grammar."""
         if req.drafter is None:
             return []
-        room = min(
-            self._num_draft_tokens,
-            req.params.max_tokens - req.num_output - 1,
-            self._max_context - len(req.tokens) - 1,
-        )
+        room = min(self._num_draft_tokens, req.max_new - req.num_output - 1)
         drafts = req.drafter.propose(room)
         if drafts and req.constraint is not None:
             drafts = drafts[: req.constraint.valid_prefix(drafts)]
@@ -666,7 +707,7 @@ class CpuBackend:
             req.trail.emitted(emit)
         if stopped or complete:
             return emit, FinishReason.STOP
-        if req.num_output >= req.params.max_tokens or len(req.tokens) >= self._max_context:
+        if req.num_output >= req.max_new:
             return emit, FinishReason.LENGTH
         return emit, None
 

@@ -72,6 +72,13 @@ class SequenceKV:
         self._buffer[:, :, :, :length] = kv[:, :, :, :length]
         self.length = length
 
+    def view(self) -> KVTensors:
+        """The filled positions as a view of the buffer (no copy): valid until the
+        cache is next written or grown."""
+        if self._buffer is None:
+            raise ValueError("the cache holds no KV")
+        return self._buffer[:, :, :, : self.length]
+
     def export(self) -> KVTensors:
         """The filled positions, without copying unless much of the buffer is
         unused. The cache must not be written afterwards (they may share memory)."""

@@ -26,8 +26,6 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    LlamaConfig,
-    LlamaForCausalLM,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -160,37 +158,6 @@ def load_tokenizer_embedded(cache_dir: Path | None = None) -> PreTrainedTokenize
     if (folder / _COMPLETE_MARKER).is_file():
         return AutoTokenizer.from_pretrained(str(folder))
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-
-
-def tiny_random_llama(
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    seed: int = 0,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    max_position_embeddings: int = 8192,
-    model_id: str = "tiny-random-llama",
-) -> LoadedModel:
-    """A small Llama with random weights over ``tokenizer``'s vocabulary, for tests
-    of engine mechanics (shapes, caches, counters) that need real tensors but not
-    sensible text. Deterministic for a given ``seed``."""
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    model.eval()  # type: ignore[no-untyped-call]
-    return LoadedModel(model=model, tokenizer=tokenizer, model_id=model_id)
 
 
 def main(argv: list[str] | None = None) -> None:

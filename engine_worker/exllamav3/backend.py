@@ -126,14 +126,13 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from engine_worker.admission import check_prompt_fits
 from engine_worker.backend import EngineFailed, ModelInfo, Prepared, RequestRejected, check_token_ids
 from engine_worker.constraints import grammar_failure
 from engine_worker.exllamav3 import logprobs as lp
 from engine_worker.exllamav3.config import PAGE_SIZE
 from engine_worker.exllamav3.engine import EngineHandle, GeneratorLike
 from engine_worker.exllamav3.grammar import compile_filter, failure_of
-from engine_worker.exllamav3.sampling import MAX_LOGPROBS, job_settings
+from engine_worker.exllamav3.sampling import FLOAT32_MAX, job_settings
 from engine_worker.settings import WorkerSettings
 from protocol.messages import (
     ErrorCode,
@@ -289,6 +288,10 @@ class ExLlamaV3Backend:
             chat_template=handle.chat_template,
             template_tools=True,
             kv_block_tokens=PAGE_SIZE,
+            vocab_size=handle.vocab_size,
+            max_logit_bias=FLOAT32_MAX,
+            logit_bias_ban=True,
+            context_settings="settings: max_seq_len, cache_size",
         )
         self._token_bytes = lp.TokenBytes(handle.ll_tokenizer, handle.pieces)
         self._requests: dict[str, _Request] = {}
@@ -328,23 +331,16 @@ class ExLlamaV3Backend:
 
     def prepare(self, submit: Submit) -> Prepared:
         """Tokenize (chat template for ``messages``, with ``tools_json`` and the turns'
-        tool fields), check the context, compile the grammar (one filter per choice).
+        tool fields) and compile the grammar (one filter per choice). Sampling and the
+        context are the loop's to check (``engine_worker.admission``).
 
-        Raises ``RequestRejected``: ``CONTEXT_LENGTH_EXCEEDED`` when the prompt leaves
-        no room for a completion token within ``info.max_context_tokens`` or the
-        cache; ``INVALID_REQUEST`` for a chat template that refuses the messages, a
-        ``logprobs`` out of range, or a grammar that does not compile
-        (``param = params.grammar_param``).
+        Raises ``RequestRejected`` (``INVALID_REQUEST``) for a chat template that
+        refuses the messages or a grammar that does not compile (``param =
+        params.grammar_param``).
         """
         # No _check_thread(): this runs on the loop's prepare thread, and only the
         # tokenizer, chat template and grammar compiler are used, never the generator.
         params = submit.params
-        if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
-            raise RequestRejected(
-                ErrorCode.INVALID_REQUEST,
-                f"logprobs must be in [0, {MAX_LOGPROBS}], got {params.logprobs}",
-                "logprobs",
-            )
         param = "prompt" if submit.prompt is not None else "messages"
         try:
             input_ids, param = self._tokenize(submit)
@@ -355,7 +351,6 @@ class ExLlamaV3Backend:
                 ErrorCode.INVALID_REQUEST, f"could not build the prompt: {type(e).__name__}: {e}", param
             ) from e
         n = _token_count(input_ids)
-        check_prompt_fits(n, self._max_context, param, "settings: max_seq_len, cache_size")
         filters = []
         if params.grammar is not None:
             filters = [self._compile(params) for _ in range(max(1, submit.n))]
@@ -427,30 +422,28 @@ class ExLlamaV3Backend:
         the engine itself will allocate, so that a job the loop admits finds its pages
         free. A job that re-queues (output chunking) takes its sequence so far plus a new
         window: its reservation grows then (``kv_reserved``)."""
-        max_new = min(prepared.submit.params.max_tokens, self._max_context - prepared.prompt_tokens)
-        return self._segment_tokens(self._segment(prepared.prompt_tokens, max_new))
+        return self._segment_tokens(self._segment(prepared.prompt_tokens, prepared.max_new_tokens))
 
     def kv_reserved(self) -> int:
         return sum(r.reservation for r in self._requests.values())
 
     def start(self, request_id: str, prepared: Prepared, params: SamplingParams) -> None:
-        """Validate the sampling ``params`` and enqueue one job; a later choice of a
-        ``prepared`` whose first choice is still before its first token is held back
-        until then (see the module docstring).
+        """Enqueue one job; a later choice of a ``prepared`` whose first choice is
+        still before its first token is held back until then (see the module
+        docstring).
 
-        Raises ``RequestRejected``: ``INVALID_REQUEST`` for parameters the engine
-        cannot honour, ``CONTEXT_LENGTH_EXCEEDED`` when the job can never fit the
-        cache, ``INTERNAL`` for anything unexpected.
+        Raises ``RequestRejected``: ``CONTEXT_LENGTH_EXCEEDED`` when the job can never
+        fit the cache, ``INVALID_REQUEST`` for a job the engine refuses, ``INTERNAL``
+        for anything unexpected.
         """
         self._check_thread()
         prompt: _Prompt = prepared.prompt
         rid, n, input_ids = request_id, prepared.prompt_tokens, prompt.ids
-        max_new = min(params.max_tokens, self._max_context - n)
+        max_new = prepared.max_new_tokens
         settings = job_settings(
             params,
             max_new_tokens=max_new,
             eos_token_ids=self._h.eos_token_ids,
-            vocab_size=self._h.vocab_size,
             stop_strings=self._h.stop_strings,
         )
         segment = self._segment(n, max_new)

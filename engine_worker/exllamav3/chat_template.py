@@ -11,6 +11,12 @@ where ``hf_chat_template`` looks for it (``Tokenizer.hf_tokenizer``, set to
 rendered once: a model without a usable template stops the worker with one
 line (``ChatTemplateError``).
 
+Chat is rendered to text here and tokenized in pieces (``chat_encoder``): the
+template's control tokens as control tokens, all client text as text
+(``engine_worker.client_text``), which 1.6.5's ``hf_chat_template`` cannot do (it
+tokenizes the whole rendered prompt with special tokens parsed,
+``tokenizer/tokenizer.py:870-876``).
+
 The template also tells how an assistant turn ends (``<|im_end|>``,
 ``<|eot_id|>``, ``<end_of_turn>``): ``turn_end`` finds that text by rendering a
 short conversation, and the loader makes it a stop condition, because a model's
@@ -22,6 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from engine_worker.client_text import ControlTokens, control_tokens
 
 Render = Callable[[list[dict[str, str]], bool], str]
 """``(messages, add_generation_prompt) -> prompt text``."""
@@ -71,6 +79,46 @@ def renderer(hf_tokenizer: Any) -> Render:
         return text
 
     return render
+
+
+EncodeChat = Callable[[list[dict[str, Any]], bool, list[Any] | None], Any]
+"""``EngineHandle.encode_chat``: ``(messages, add_generation_prompt, tools) -> (1, n) ids``."""
+
+
+def chat_encoder(hf_tokenizer: Any, tokenizer: Any, as_ids: Callable[[list[int]], Any]) -> EncodeChat:
+    """``EngineHandle.encode_chat`` over ``hf_tokenizer`` (renders the template, names
+    the control tokens) and ExLlamaV3's ``tokenizer``; ``as_ids`` makes the ``(1, n)``
+    tensor of a list of ids.
+
+    Client text (every string of ``messages`` and ``tools``) is escaped before
+    rendering (``client_text``); each piece of the rendered prompt is then encoded
+    with 1.6.5's ``Tokenizer.encode(text, add_bos=False, add_eos=False,
+    encode_special_tokens=False, ...)`` (``tokenizer/tokenizer.py:445-452``):
+    ``encode_special_tokens=True`` only for a control token the template wrote.
+    ``False`` sets the ``tokenizers`` backend's split-special-tokens mode, so a
+    special token's text in the input is encoded as text (docstring at ``467-469``,
+    ``encode_part_base`` at ``362-368``). Non-special added tokens are split out
+    in both modes (``369-389``). Raises what the template raises, and
+    ``client_text.TemplateMangled``."""
+    controls = ControlTokens(control_tokens(hf_tokenizer))
+
+    def encode_chat(
+        messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[Any] | None
+    ) -> Any:
+        guard = controls.guard()
+        extra = {} if tools is None else {"tools": guard.escape(tools)}
+        text = hf_tokenizer.apply_chat_template(
+            guard.escape(messages), add_generation_prompt=add_generation_prompt, tokenize=False, **extra
+        )
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template returned {type(text).__name__}, not text")
+        ids: list[int] = []
+        for piece in guard.pieces(text):
+            encoded = tokenizer.encode(piece.text, encode_special_tokens=piece.control).tolist()
+            ids += (int(i) for i in (encoded[0] if encoded and isinstance(encoded[0], list) else encoded))
+        return as_ids(ids)
+
+    return encode_chat
 
 
 def check(hf_tokenizer: Any, directory: Path) -> Render:

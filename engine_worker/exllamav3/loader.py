@@ -96,6 +96,13 @@ def _start_moe_cpu_hosts(model: Any) -> None:
         host.ensure_started()
 
 
+def _as_ids(ids: list[int]) -> Any:
+    """The ``(1, n)`` token tensor ExLlamaV3's jobs take."""
+    import torch
+
+    return torch.tensor([ids], dtype=torch.long)
+
+
 def _wants_bos(tokenizer: Any) -> bool:
     """Whether the model's own tokenizer puts BOS in front of plain text: ``add_bos_token``
     in ``tokenizer_config.json`` (Llama 2, Mistral, Gemma) or a post-processor that adds it
@@ -402,6 +409,7 @@ class LoadedEngine:
         tokenizer = text.tokenizer
         self.bos_ok = _wants_bos(tokenizer)
         self.bos_text: str | None = getattr(tokenizer, "bos_token", None) or None
+        self._encode_chat = chat_template.chat_encoder(text.hf_tokenizer, tokenizer, _as_ids)
 
     def warm(self) -> float:
         """One short job through the generator (``_warm_generator``); seconds taken."""
@@ -419,12 +427,8 @@ class LoadedEngine:
     def encode_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[Any] | None
     ) -> Any:
-        # hf_chat_template passes extra keywords to apply_chat_template (tokenizer/tokenizer.py:830-832,
-        # 870-876), whose `tools` the template reads.
-        extra = {} if tools is None else {"tools": tools}
-        return self.text.tokenizer.hf_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, **extra
-        )
+        # Client text tokenized as text, control tokens only where the template wrote them.
+        return self._encode_chat(messages, add_generation_prompt, tools)
 
     def decode(self, ids: list[int]) -> str:
         import torch

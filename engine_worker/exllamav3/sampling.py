@@ -1,4 +1,4 @@
-"""``SamplingParams`` -> ExLlamaV3 sampler and job arguments, with validation.
+"""``SamplingParams`` -> ExLlamaV3 sampler and job arguments.
 
 Every keyword produced here exists in the exllamav3 1.6.5 signatures
 (``ComboSampler.__init__`` has no ``**kwargs`` and would raise ``TypeError`` on
@@ -32,24 +32,23 @@ Semantics that differ from OpenAI's, documented rather than hidden:
   (``generator/job.py:64-66``); what 1.6.5 returns is described in
   ``engine_worker.exllamav3.logprobs``.
 
-A parameter the engine cannot honour is refused with ``RequestRejected`` naming it.
+Parameters are validated before they get here, by the worker loop
+(``engine_worker.admission.validate_request``) with this engine's limits from its
+``ModelInfo``: ``logit_bias`` within float32 (``FLOAT32_MAX``) or ``-inf``.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
-from engine_worker.admission import validate_sampling
-from engine_worker.backend import RequestRejected
-from protocol.messages import ErrorCode, SamplingParams
-
-MAX_LOGPROBS = 20
-"""Most alternatives per token (``SamplingParams.logprobs``), OpenAI's ``top_logprobs`` limit."""
+from protocol.messages import SamplingParams
 
 FLOAT32_MAX = 3.4028234663852886e38
-"""Largest finite float32: ExLlamaV3's bias vector is float32 (``generator/sampler/custom.py:604-611``)."""
+"""Largest finite float32: ExLlamaV3's bias vector is float32 (``generator/sampler/custom.py:604-611``).
+``LogitBias`` silently drops nan and anything above it, ``+inf`` included, and a
+finite bias below ``-FLOAT32_MAX`` would become ``-inf``, a ban nobody asked for;
+``-inf`` itself is a deliberate ban (``ModelInfo.logit_bias_ban``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,43 +60,22 @@ class JobSettings:
     job_kwargs: dict[str, Any]
 
 
-def _reject(message: str, param: str) -> RequestRejected:
-    return RequestRejected(ErrorCode.INVALID_REQUEST, message, param)
-
-
 def job_settings(
     params: SamplingParams,
     *,
     max_new_tokens: int,
     eos_token_ids: tuple[int, ...],
-    vocab_size: int,
     stop_strings: tuple[str, ...] = (),
 ) -> JobSettings:
-    """Validate ``params`` and translate them.
+    """Translate ``params`` (already validated).
 
     ``max_new_tokens`` is the completion budget after clamping to the context
-    (tokens, >= 1). Stop conditions are the stop strings, ``stop_token_ids`` and,
-    unless ``ignore_eos``, the model's EOS ids and ``stop_strings`` (the chat
-    template's turn end). Raises ``RequestRejected``
-    (``INVALID_REQUEST``) with the offending field as ``param``.
+    (``Prepared.max_new_tokens``, >= 1). Stop conditions are the stop strings,
+    ``stop_token_ids`` and, unless ``ignore_eos``, the model's EOS ids and
+    ``stop_strings`` (the chat template's turn end).
     """
     p = params
-    validate_sampling(p, vocab_size)
-    if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
-        raise _reject(f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}", "logprobs")
-
-    logit_bias: dict[int, float] = {}
-    for token_id, bias in (p.logit_bias or {}).items():
-        # LogitBias silently drops nan and anything above float32 max, +inf included
-        # (generator/sampler/custom.py:604-611); a finite bias below -float32 max would
-        # become -inf in its float32 vector, a ban nobody asked for. -inf is a deliberate ban.
-        if math.isnan(bias) or (abs(bias) > FLOAT32_MAX and bias != -math.inf):
-            raise _reject(
-                f"logit_bias: bias for token {token_id} must be -inf or within float32 range "
-                f"(|bias| <= {FLOAT32_MAX:.4g}), got {bias}",
-                "logit_bias",
-            )
-        logit_bias[int(token_id)] = float(bias)
+    logit_bias = {int(token_id): float(bias) for token_id, bias in (p.logit_bias or {}).items()}
 
     stop_conditions: list[int | str] = [s for s in p.stop if s]
     if not p.ignore_eos:

@@ -30,7 +30,7 @@ import zlib
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from engine_worker.admission import check_prompt_fits, full_reservation
+from engine_worker.admission import full_reservation
 from engine_worker.backend import ModelInfo, Prepared
 from engine_worker.settings import WorkerSettings
 from protocol.messages import (
@@ -120,7 +120,6 @@ class SyntheticBackend:
     def prepare(self, submit: Submit) -> Prepared:
         param = "prompt" if submit.prompt is not None else "messages"
         words = prompt_words(submit)
-        check_prompt_fits(len(words), self._info.max_context_tokens, param, "setting: max_seq_len")
         return Prepared(submit, words, len(words), param)
 
     def prompt_ids(self, prepared: Prepared) -> list[int]:
@@ -133,20 +132,17 @@ class SyntheticBackend:
         return " ".join(f"t{t}" for t in token_ids)
 
     def reservation(self, prepared: Prepared) -> int:
-        max_context = self._info.max_context_tokens
-        return full_reservation(prepared.prompt_tokens, prepared.submit.params.max_tokens, max_context)
+        return full_reservation(prepared)
 
     def kv_reserved(self) -> int:
         return sum(s.reservation for s in self._seqs.values())
 
     def start(self, request_id: str, prepared: Prepared, params: SamplingParams) -> None:
-        n = prepared.prompt_tokens
-        max_tokens = min(params.max_tokens, self._info.max_context_tokens - n)
         words = prepared.prompt
         self._seqs[request_id] = _Sequence(
             request_id,
             words,
-            max_tokens,
+            prepared.max_new_tokens,
             self.reservation(prepared),
             time.monotonic(),
             stamped=STAMP_WORD in words,

@@ -372,6 +372,13 @@ class ChatMLTemplate:
 
     chat_template = CHATML_TEMPLATE
 
+    @property
+    def added_tokens_decoder(self) -> dict[int, Any]:
+        """The special tokens, as a ``transformers`` tokenizer lists them (``AddedToken``s)."""
+        from tokenizers import AddedToken
+
+        return {i: AddedToken(s, special=True) for i, s in SPECIAL_PIECES.items()}
+
     def apply_chat_template(
         self,
         messages: list[dict[str, str]],
@@ -2191,6 +2198,7 @@ def make_handle(
     ``ChatMLTemplate``, or with a real ``transformers`` tokenizer holding ``chat_template``
     when one is given (``hf_tokenizer``). Grammars use ``LLGuidanceFilter`` as the loader
     does (``grammar.contained_filter_class``)."""
+    from engine_worker.exllamav3.chat_template import chat_encoder
     from engine_worker.exllamav3.engine import EngineHandle
     from engine_worker.exllamav3.grammar import contained_filter_class, filter_factory
 
@@ -2225,11 +2233,10 @@ def make_handle(
     def encode(text: str, add_bos: bool) -> FakeTensor:
         return tok.encode(text, add_bos=add_bos and not text.startswith("<s>"), encode_special_tokens=True)
 
-    def encode_chat(
-        messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[Any] | None
-    ) -> FakeTensor:
-        extra = {} if tools is None else {"tools": tools}
-        return tok.hf_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
+    # As the loader builds it: rendered to text, tokenized in pieces (chat_template.chat_encoder).
+    encode_chat = chat_encoder(
+        tok.hf_tokenizer if chat_template is not None else ChatMLTemplate(), tok, FakeTensor
+    )
 
     def decode(ids: list[int]) -> str:
         return str(tok.decode(FakeTensor(ids, flat=True), decode_special_tokens=True))

@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from engine_worker.admission import checked_prepare
 from engine_worker.exllamav3.backend import ExLlamaV3Backend
 from engine_worker.settings import WorkerSettings
 from protocol.messages import (
@@ -55,9 +56,9 @@ class RecordingGenerator:
 
 
 def add(backend: ExLlamaV3Backend, submit: Submit) -> None:
-    """``prepare`` and ``start`` one request under its own id, as the worker loop does
-    with a request it admits at once."""
-    backend.start(submit.request_id, backend.prepare(submit), submit.params)
+    """Validate, ``prepare`` and ``start`` one request under its own id, as the
+    worker loop does with a request it admits at once (``checked_prepare``)."""
+    backend.start(submit.request_id, checked_prepare(backend, submit), submit.params)
 
 
 def make_backend(

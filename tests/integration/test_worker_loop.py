@@ -6,28 +6,26 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
-import zmq
 
-from engine_worker.backend import ModelInfo, Prepared, RequestRejected
+from engine_worker.backend import ModelInfo
 from engine_worker.loop import EngineLoop, QueueRate
 from engine_worker.sockets import WorkerSockets
 from protocol import (
     PROTOCOL_VERSION,
     Abort,
+    ChatMessage,
     ErrorCode,
     Event,
     EventBatch,
     Finished,
-    FinishReason,
     Heartbeat,
     Hello,
-    PrefillProgress,
     QueueProgress,
     Ready,
     RequestError,
@@ -36,149 +34,25 @@ from protocol import (
     Submit,
     TokenDelta,
     WorkerMessage,
-    decode_worker_message,
-    encode,
 )
 from protocol.liveness import check, read_beat
-
-
-class ScriptedBackend:
-    """Each sequence emits Started+progress, then one token per step for
-    ``max_tokens`` steps, then Finished. A prompt of "reject" is refused, "buggy"
-    raises, "explode" makes the next step raise, "slow" makes every step of it
-    take ``slow_step_s``. Prompts are 4 tokens; a sequence reserves 4 +
-    ``max_tokens`` KV tokens."""
-
-    def __init__(self, info: ModelInfo) -> None:
-        self._info = info
-        self.remaining: dict[str, int] = {}
-        self.max_tokens: dict[str, int] = {}
-        self.reserved: dict[str, int] = {}
-        self.prepared: list[str] = []
-        self.started: list[tuple[str, int | None]] = []
-        self.aborted: list[str] = []
-        self.thread_ids: set[int] = set()  # engine-state calls: the loop thread only
-        self.prepare_thread_ids: set[int] = set()
-        self._explode = False
-        self.slow: set[str] = set()
-        self.slow_step_s = 0.6
-        self.broken_cancel = False
-
-    @property
-    def info(self) -> ModelInfo:
-        return self._info
-
-    def prepare(self, submit: Submit) -> Prepared:
-        self.prepare_thread_ids.add(threading.get_ident())
-        self.prepared.append(submit.request_id)
-        if submit.prompt == "slowprep":
-            time.sleep(1.0)
-        if submit.prompt == "reject":
-            raise RequestRejected(ErrorCode.CONTEXT_LENGTH_EXCEEDED, "too long", "messages")
-        if submit.prompt == "buggy":
-            raise KeyError("tokenizer bug")
-        return Prepared(submit, submit.prompt, 4, "prompt")
-
-    def reservation(self, prepared: Prepared) -> int:
-        return 4 + prepared.submit.params.max_tokens
-
-    def kv_reserved(self) -> int:
-        return sum(self.reserved[rid] for rid in self.remaining)
-
-    def start(self, request_id: str, prepared: Prepared, params: SamplingParams) -> None:
-        self.thread_ids.add(threading.get_ident())
-        if prepared.prompt == "explode":
-            self._explode = True
-        if prepared.prompt == "slow":
-            self.slow.add(request_id)
-        self.started.append((request_id, params.seed))
-        self.remaining[request_id] = -params.max_tokens
-        self.max_tokens[request_id] = params.max_tokens
-        self.reserved[request_id] = self.reservation(prepared)
-
-    def abort(self, request_id: str) -> None:
-        self.thread_ids.add(threading.get_ident())
-        self.aborted.append(request_id)
-        if self.broken_cancel:
-            raise RuntimeError("cannot cancel in this state")
-        self.remaining.pop(request_id, None)
-
-    def active_ids(self) -> Collection[str]:
-        return self.remaining.keys()
-
-    def step(self) -> list[Event]:
-        self.thread_ids.add(threading.get_ident())
-        if self._explode:
-            self._explode = False
-            raise RuntimeError("kaboom")
-        if self.slow & self.remaining.keys():
-            time.sleep(self.slow_step_s)
-        events: list[Event] = []
-        for rid, left in list(self.remaining.items()):
-            if left < 0:  # not started yet: -max_tokens
-                events += [
-                    Started(rid, 4, 0),
-                    PrefillProgress(rid, 4, 0, 0, 0),
-                    PrefillProgress(rid, 4, 0, 4, 1),
-                ]
-                self.remaining[rid] = -left
-            elif left > 0:
-                events.append(TokenDelta(rid, "x", 1))
-                self.remaining[rid] = left - 1
-            else:
-                events.append(Finished(rid, FinishReason.LENGTH, 4, 0, self.max_tokens[rid]))
-                del self.remaining[rid]
-        return events
-
-    def close(self) -> None:
-        pass
-
-
-class Peer:
-    """The proxy's side of the sockets, synchronous."""
-
-    def __init__(self, input_addr: str, output_addr: str) -> None:
-        ctx = zmq.Context.instance()
-        self.push = ctx.socket(zmq.PUSH)
-        self.push.connect(input_addr)
-        self.pull = ctx.socket(zmq.PULL)
-        self.pull.connect(output_addr)
-
-    def send(self, msg: Hello | Submit | Abort) -> None:
-        self.push.send_multipart(encode(msg))
-
-    def recv(self, timeout_s: float = 5.0) -> WorkerMessage:
-        if not self.pull.poll(int(timeout_s * 1000)):
-            raise TimeoutError
-        return decode_worker_message(self.pull.recv_multipart())
-
-    def events_until_terminal(self, ids: set[str], timeout_s: float = 5.0) -> list[Event]:
-        out: list[Event] = []
-        pending = set(ids)
-        deadline = time.monotonic() + timeout_s
-        while pending:
-            msg = self.recv(deadline - time.monotonic())
-            if isinstance(msg, EventBatch):
-                out += msg.events
-                pending -= {e.request_id for e in msg.events if isinstance(e, Finished | RequestError)}
-        return out
-
-    def close(self) -> None:
-        self.push.close(0)
-        self.pull.close(0)
-
+from tests.fakes.scripted_worker import Peer, ScriptedBackend
 
 Running = tuple[ScriptedBackend, Peer, EngineLoop]
 
 
 @contextlib.contextmanager
 def serve_loop(
-    tmp_path: Path, info: ModelInfo | None = None, stop: threading.Event | None = None, **loop_kw: Any
+    tmp_path: Path,
+    info: ModelInfo | None = None,
+    stop: threading.Event | None = None,
+    backend: Any = None,
+    **loop_kw: Any,
 ) -> Iterator[Running]:
-    """A loop on its own thread over a ``ScriptedBackend`` with ``info``, and a peer
-    whose Hello has been answered; ``stop`` stops the loop early."""
+    """A loop on its own thread over ``backend`` (default: a ``ScriptedBackend`` with
+    ``info``), and a peer whose Hello has been answered; ``stop`` stops the loop early."""
     addrs = f"ipc://{tmp_path}/in.sock", f"ipc://{tmp_path}/out.sock"
-    backend = ScriptedBackend(info or ModelInfo("scripted", 1000, None))
+    backend = backend or ScriptedBackend(info or ModelInfo("scripted", 1000, None))
     sockets = WorkerSockets(*addrs)
     kw: dict[str, Any] = {"heartbeat_interval": 0.05, "max_queue": 16} | loop_kw
     loop = EngineLoop(backend, sockets, **kw)
@@ -207,8 +81,9 @@ def serve_loop(
         sockets.close()
         peer.close()
         assert not t.is_alive()
-        assert backend.thread_ids <= {t.ident}, "engine state touched from another thread"
-        assert t.ident not in backend.prepare_thread_ids, "prepare ran on the loop thread"
+        if isinstance(backend, ScriptedBackend):
+            assert backend.thread_ids <= {t.ident}, "engine state touched from another thread"
+            assert t.ident not in backend.prepare_thread_ids, "prepare ran on the loop thread"
 
 
 @pytest.fixture
@@ -288,22 +163,39 @@ def test_duplicate_request_id_is_refused(running: tuple[ScriptedBackend, Peer, E
     peer.send(Abort(("dup",)))
 
 
-def test_abort_stops_events(running: tuple[ScriptedBackend, Peer, EngineLoop]) -> None:
+def test_abort_stops_events_with_one_terminal_error(running: Running) -> None:
     backend, peer, _ = running
     peer.send(_submit("long", max_tokens=10**9))
     _first(peer, EventBatch)
     peer.send(Abort(("long", "unknown")))
-    deadline = time.monotonic() + 5
-    while "long" not in backend.aborted and time.monotonic() < deadline:
-        time.sleep(0.01)
+    events = peer.events_until_terminal({"long"})
     assert backend.aborted == ["long"]  # unknown ids never reach the backend
-    # After the abort is handled, no event for the request arrives any more.
+    end = events[-1]
+    assert isinstance(end, RequestError) and end.request_id == "long" and end.code is ErrorCode.OVERLOADED
+    assert "aborted" in end.message
+    # After it, no event for the request arrives any more.
     peer.send(_submit("after", max_tokens=1))
-    events = peer.events_until_terminal({"after"})
-    late = [e for e in events if getattr(e, "request_id", None) == "long"]
-    # Events already in flight before the abort may still arrive, but never a
-    # terminal one: the request was dropped, not finished.
-    assert not any(isinstance(e, Finished | RequestError) for e in late)
+    later = peer.events_until_terminal({"after"})
+    assert not [e for e in later if getattr(e, "request_id", None) in ("long", "unknown")]
+
+
+def test_aborting_one_choice_of_a_queued_request_ends_all_its_choices(tmp_path: Path) -> None:
+    """A queued request leaves whole: the choice the Abort did not name must not be
+    left waiting for an event that never comes."""
+    info = ModelInfo("scripted", 1000, None, max_batch_size=2)
+    with serve_loop(tmp_path, info) as (backend, peer, _):
+        peer.send(_submit("a", max_tokens=10**6))
+        _wait(lambda: "a" in backend.remaining, "a started")
+        peer.send(Submit("b", SamplingParams(3), prompt="p", n=2))  # needs both slots: waits
+        _wait(lambda: backend.prepared[-1:] == ["b"], "b prepared")
+        time.sleep(0.2)
+        peer.send(Abort(("b-0",)))
+        events = peer.events_until_terminal({"b-0", "b-1"})
+        peer.send(Abort(("a",)))
+        peer.events_until_terminal({"a"})
+    ends = {e.request_id: e for e in events if isinstance(e, RequestError)}
+    assert set(ends) == {"b-0", "b-1"} and all(e.code is ErrorCode.OVERLOADED for e in ends.values())
+    assert [rid for rid, _ in backend.started] == ["a"]
 
 
 def test_step_failure_fails_active_requests_and_keeps_serving(
@@ -500,8 +392,10 @@ def test_an_aborted_queued_request_never_starts_and_the_next_moves_up(tmp_path: 
         peer.send(Abort(("run",)))
         events = peer.events_until_terminal({"next"})
         assert "gone" not in [rid for rid, _ in backend.started]
-        # Only its place in the queue was ever reported.
-        assert all(isinstance(e, QueueProgress) for e in _events_of(events, "gone"))
+        # Only its place in the queue was ever reported, then its end.
+        gone = _events_of(events, "gone")
+        assert all(isinstance(e, QueueProgress) for e in gone[:-1])
+        assert isinstance(gone[-1], RequestError) and gone[-1].code is ErrorCode.OVERLOADED
 
 
 def test_heartbeats_keep_flowing_during_a_long_step(tmp_path: Path) -> None:
@@ -670,3 +564,52 @@ def test_a_salted_request_is_refused_by_an_engine_that_cannot_keep_salts_apart(t
         (error,) = _events_of(peer.events_until_terminal({"s"}), "s")
         assert isinstance(error, RequestError) and error.param == "cache_salt"
         assert backend.prepared == []  # refused before any work
+
+
+def _synthetic() -> Any:
+    from engine_worker.settings import WorkerSettings
+    from engine_worker.synthetic.backend import SyntheticBackend
+
+    return SyntheticBackend(WorkerSettings(backend="synthetic", max_batch_size=1, synthetic_step_ms=5))
+
+
+def _exllamav3() -> Any:
+    from tests.fakes.exllamav3_driver import make_backend
+
+    return make_backend(max_batch_size=1)[0]
+
+
+def _cpu() -> Any:
+    pytest.importorskip("torch")
+    from engine_worker.cpu.engine import CpuBackend
+    from engine_worker.cpu.model_store import load_tokenizer_embedded
+    from engine_worker.settings import WorkerSettings
+    from tests.fakes.cpu import tiny_random_llama
+
+    loaded = tiny_random_llama(load_tokenizer_embedded())
+    return CpuBackend.from_loaded(loaded, WorkerSettings(max_batch_size=1))
+
+
+@pytest.mark.parametrize("make", [_synthetic, _exllamav3, _cpu], ids=["synthetic", "exllamav3", "cpu"])
+def test_invalid_sampling_is_refused_before_the_queue_on_every_backend(tmp_path: Path, make: Any) -> None:
+    """Sampling is validated once, by the loop, when the Submit arrives: a request that
+    would fail gets its error with no QueueProgress first, whatever the backend (before,
+    ExLlamaV3 checked in ``start``, after the queue, and the synthetic engine never)."""
+    backend = make()
+    with serve_loop(tmp_path, backend=backend) as (_, peer, _loop):
+        peer.send(Submit("run", SamplingParams(10**6, ignore_eos=True), prompt="one two three"))
+        _wait(lambda: "run" in backend.active_ids(), "run started")
+        bad = SamplingParams(5, temperature=-1.0)
+        peer.send(Submit("bad", bad, messages=(ChatMessage("user", "hello there"),)))
+        peer.send(Submit("waits", SamplingParams(5), prompt="one two three"))  # queues: one slot
+        events = peer.events_until_terminal({"bad"})
+        later: list[Event] = []
+        deadline = time.monotonic() + 5
+        while not any(isinstance(e, QueueProgress) and e.request_id == "waits" for e in events + later):
+            msg = peer.recv(max(0.0, deadline - time.monotonic()))
+            if isinstance(msg, EventBatch):
+                later += msg.events
+        peer.send(Abort(("run", "waits")))
+    mine = _events_of(events + later, "bad")
+    assert len(mine) == 1 and isinstance(mine[0], RequestError)
+    assert (mine[0].code, mine[0].param) == (ErrorCode.INVALID_REQUEST, "temperature")

@@ -22,51 +22,18 @@ from protocol import (
     FinishReason,
     Heartbeat,
     Hello,
-    ProxyMessage,
     Ready,
     RequestError,
     SamplingParams,
     Started,
     Submit,
     TokenDelta,
-    WorkerMessage,
-    decode_proxy_message,
     encode,
 )
 from proxy.engine_client import ZmqEngineClient
 from proxy.errors import EngineDead, EngineNotReady, EngineUnavailable
 from proxy.settings import ProxySettings
-
-GUARD_S = 10.0  # safety limit for waits that must end; never a speed check
-
-
-class FakeWorker:
-    """Binds the worker's two sockets and speaks the protocol by hand."""
-
-    def __init__(self, ctx: zmq.asyncio.Context, input_addr: str, output_addr: str) -> None:
-        self.pull = ctx.socket(zmq.PULL)
-        self.pull.setsockopt(zmq.LINGER, 0)
-        self.pull.bind(input_addr)
-        self.push = ctx.socket(zmq.PUSH)
-        self.push.setsockopt(zmq.LINGER, 0)
-        self.push.bind(output_addr)
-
-    async def recv(self) -> ProxyMessage:
-        async with asyncio.timeout(GUARD_S):
-            return decode_proxy_message(await self.pull.recv_multipart())
-
-    async def recv_until(self, cls: type[ProxyMessage]) -> ProxyMessage:
-        while True:
-            msg = await self.recv()
-            if isinstance(msg, cls):
-                return msg
-
-    async def send(self, msg: WorkerMessage) -> None:
-        await self.push.send_multipart(encode(msg))
-
-    def close(self) -> None:
-        self.pull.close(linger=0)
-        self.push.close(linger=0)
+from tests.fakes.zmq_worker import GUARD_S, FakeWorker
 
 
 def ready(worker_id: str = "w1", version: int = PROTOCOL_VERSION) -> Ready:

@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks import loadgen
 from benchmarks.proxy_load import top_entries
+from engine_worker.admission import checked_prepare
 from engine_worker.settings import WorkerSettings
 from engine_worker.synthetic import STAMP, STAMP_WORD, SyntheticBackend, expected_text, strip_stamps
 from protocol import ChatMessage, SamplingParams, Submit, TokenDelta
@@ -21,7 +22,7 @@ def run_backend(content: str, max_tokens: int, tokens_per_step: int = 1) -> str:
     )
     backend = SyntheticBackend(settings)
     submit = Submit("r", SamplingParams(max_tokens), messages=(ChatMessage("user", content),))
-    prepared = backend.prepare(submit)
+    prepared = checked_prepare(backend, submit)
     backend.start("r", prepared, submit.params)
     text = []
     while backend.active_ids():

@@ -1,9 +1,12 @@
+import dataclasses
+import math
+
 import msgspec
 import pytest
 
-from engine_worker.admission import check_prompt_fits, validate_sampling
-from engine_worker.backend import RequestRejected
-from protocol import ErrorCode, SamplingParams
+from engine_worker.admission import budget, check_prompt_fits, validate_request, validate_sampling
+from engine_worker.backend import ModelInfo, Prepared, RequestRejected
+from protocol import ErrorCode, SamplingParams, Submit
 
 OK = SamplingParams(max_tokens=8, stop_token_ids=(0, 99), logit_bias={99: -5.0})
 
@@ -41,3 +44,32 @@ def test_prompt_must_leave_room_for_one_token() -> None:
     with pytest.raises(RequestRejected) as e:
         check_prompt_fits(0, 100, "prompt", "setting: x")
     assert e.value.code is ErrorCode.INVALID_REQUEST and e.value.param == "prompt"
+
+
+def _submit(**params: object) -> Submit:
+    return Submit("r", msgspec.structs.replace(OK, **params), prompt="p")
+
+
+def test_the_backends_limits_come_from_its_model_info() -> None:
+    info = ModelInfo("m", 100, None, vocab_size=100)
+    validate_request(_submit(logit_bias={1: 100.0}, logprobs=20), info)
+    for change, param in (({"logit_bias": {1: 100.5}}, "logit_bias"), ({"logprobs": 21}, "logprobs")):
+        with pytest.raises(RequestRejected) as e:
+            validate_request(_submit(**change), info)
+        assert e.value.param == param
+    with pytest.raises(RequestRejected):
+        validate_request(_submit(logit_bias={1: -math.inf}), info)
+    wide = ModelInfo("m", 100, None, vocab_size=100, max_logit_bias=1e30, logit_bias_ban=True)
+    validate_request(_submit(logit_bias={1: -math.inf, 2: 1e30}), wide)
+    # no vocabulary (synthetic): ids are not checked
+    validate_request(_submit(stop_token_ids=(10**6,)), ModelInfo("m", 100, None))
+
+
+def test_budget_clamps_max_tokens_to_the_context_once() -> None:
+    info = ModelInfo("m", 100, None, context_settings="setting: y")
+    prepared = Prepared(_submit(max_tokens=1000), None, 30, "prompt")
+    assert budget(prepared, info).max_new_tokens == 70
+    assert budget(dataclasses.replace(prepared, submit=_submit(max_tokens=8)), info).max_new_tokens == 8
+    with pytest.raises(RequestRejected) as e:
+        budget(dataclasses.replace(prepared, prompt_tokens=100), info)
+    assert e.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and "setting: y" in e.value.message

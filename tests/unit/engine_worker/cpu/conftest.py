@@ -1,13 +1,9 @@
 """Fixtures for the CPU engine tests.
 
 Mechanics tests run on a tiny random-weight Llama over the embedded model's
-tokenizer (milliseconds per step). ``ScriptedLlama`` is that model with a
-"bigram script": at every position whose input token has a scripted successor,
-that successor gets +1000 on the logits, so the generated tokens are known in
-advance, identical however the sequence is chunked, cached, drafted or batched.
-The script lives on the model object; ``ScriptedRunner`` (the engine's forward
-pass with the script applied) reads it at every pass.
-Tests marked ``slow`` share one real SmolLM2-135M-Instruct per session.
+tokenizer (milliseconds per step), or on ``ScriptedLlama``, that model with a
+bigram script (``tests/fakes/cpu.py``). Tests marked ``slow`` share one real
+SmolLM2-135M-Instruct per session.
 """
 
 from __future__ import annotations
@@ -24,13 +20,8 @@ pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from engine_worker.cpu.engine import CpuBackend  # noqa: E402
-from engine_worker.cpu.llama import LlamaRunner, Quantization  # noqa: E402
-from engine_worker.cpu.model_store import (  # noqa: E402
-    LoadedModel,
-    load_embedded,
-    load_tokenizer_embedded,
-    tiny_random_llama,
-)
+from engine_worker.cpu.llama import LlamaRunner  # noqa: E402
+from engine_worker.cpu.model_store import LoadedModel, load_embedded, load_tokenizer_embedded  # noqa: E402
 from engine_worker.settings import WorkerSettings  # noqa: E402
 from protocol.messages import (  # noqa: E402
     Event,
@@ -42,74 +33,7 @@ from protocol.messages import (  # noqa: E402
     Submit,
     TokenDelta,
 )
-
-SCRIPT_BOOST = 1000.0
-
-
-class ScriptedLlama(LlamaForCausalLM):
-    """A random Llama carrying a bigram script for ``ScriptedRunner``.
-
-    ``passes`` records every pass as its segments' ``(length, logits kept)``;
-    ``calls`` records ``(segment length, logits kept)`` of every segment a pass
-    returned logits for, so tests can count the drafted positions the engine
-    verified; with ``record``, ``inputs`` gets each such segment's tokens and
-    ``outputs`` its logits (one row per position kept), so tests can recompute
-    what the engine derived from them.
-    """
-
-    def setup_script(
-        self,
-        script: dict[int, int] | None = None,
-        poison: int | None = None,
-        boost: float = SCRIPT_BOOST,
-        default: int = -1,
-    ) -> None:
-        """``script`` maps a token to the token that must follow it (``boost`` added
-        to its logit), ``default`` follows every other token (-1: none); a pass
-        holding ``poison`` in any segment raises."""
-        vocab = self.config.vocab_size
-        self.boost = boost
-        self.next_token = torch.full((vocab,), default, dtype=torch.long)
-        for src, dst in (script or {}).items():
-            self.next_token[src] = dst
-        self.poison = poison
-        self.calls: list[tuple[int, int]] = []
-        self.passes: list[list[tuple[int, int]]] = []
-        self.record = False
-        self.inputs: list[list[int]] = []
-        self.outputs: list[Any] = []
-
-    def drafted_positions(self) -> int:
-        """Drafted tokens fed in decode/verify passes (those ask logits for every input)."""
-        return sum(length - 1 for length, keep in self.calls if keep == length)
-
-
-class ScriptedRunner(LlamaRunner):
-    """The engine's forward pass, then the script of the model it was built from."""
-
-    def __init__(
-        self, model: ScriptedLlama, quantization: Quantization, max_positions: int, dense_prefill: bool = True
-    ) -> None:
-        super().__init__(model, quantization, max_positions, dense_prefill)
-        self.script = model
-
-    def forward(self, segments: Any) -> list[Any]:
-        script = self.script
-        if script.poison is not None and any(script.poison in seg.tokens for seg in segments):
-            raise RuntimeError("poisoned input")
-        out = super().forward(segments)
-        script.passes.append([(len(seg.tokens), seg.logits) for seg in segments])
-        for seg, logits in zip(segments, out, strict=True):
-            if logits is None:
-                continue
-            script.calls.append((len(seg.tokens), seg.logits))
-            targets = script.next_token[torch.tensor(list(seg.tokens[-seg.logits :]))]
-            for pos in torch.nonzero(targets >= 0).flatten().tolist():
-                logits[pos, targets[pos]] += script.boost
-            if script.record:
-                script.inputs.append(list(seg.tokens))
-                script.outputs.extend(logits.clone())
-        return out
+from tests.fakes.cpu import ScriptedLlama, ScriptedRunner, add, tiny_random_llama  # noqa: E402
 
 
 @dataclass
@@ -153,7 +77,7 @@ def run_all(backend: CpuBackend, submits: Iterable[Submit], max_steps: int = 10_
     """Admit ``submits`` and step until idle; events grouped by request id."""
     results: dict[str, RunResult] = {}
     for submit in submits:
-        backend.add(submit)
+        add(backend, submit)
         results[submit.request_id] = RunResult()
     for _ in range(max_steps):
         if not len(backend.active_ids()):

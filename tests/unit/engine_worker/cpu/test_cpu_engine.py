@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from engine_worker.admission import checked_prepare
 from engine_worker.backend import RequestRejected
 from protocol.messages import (
     ChatMessage,
@@ -24,6 +25,7 @@ from protocol.messages import (
     Submit,
     TokenDelta,
 )
+from tests.fakes.cpu import add
 
 EOS = 2  # <|im_end|> in SmolLM2's vocabulary
 
@@ -211,7 +213,7 @@ def test_abort_mid_prefill_frees_and_keeps_valid_prefix(tiny, tokenizer, make_ba
     backend = make_backend(tiny, chunk_size=16)
     prompt = words(12)
     n = len(ids(tokenizer, prompt))
-    backend.add(raw("a", prompt))
+    add(backend, raw("a", prompt))
     events = backend.step()  # admission: no forward pass yet
     assert [type(e) for e in events] == [Started, PrefillProgress]
     assert events[-1].processed == 0
@@ -232,7 +234,7 @@ def test_abort_mid_decode_then_next_turn_counts(scripted, tokenizer, make_backen
     answer = ids(tokenizer, " cat dog cow pig hen fox owl", special=False)
     scripted.model.setup_script(chain(p_ids[-1], answer))
     backend = make_backend(scripted, chunk_size=2)
-    backend.add(raw("a", prompt, max_tokens=50))
+    add(backend, raw("a", prompt, max_tokens=50))
     produced = 0
     assert not any(isinstance(e, TokenDelta) for e in backend.step())  # admission
     for _ in range(50):  # prefill chunks, the first token, then one token per step
@@ -357,14 +359,14 @@ def test_context_length_rejected(tiny, tokenizer, make_backend) -> None:
     n = len(ids(tokenizer, prompt))
     backend = make_backend(tiny, max_seq_len=n)
     with pytest.raises(RequestRejected) as exc:
-        backend.add(Submit("a", SamplingParams(max_tokens=1), prompt=prompt))
+        add(backend, Submit("a", SamplingParams(max_tokens=1), prompt=prompt))
     assert exc.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED
     assert str(n) in exc.value.message and "max_seq_len" in exc.value.message
     assert exc.value.param == "prompt"
     with pytest.raises(RequestRejected) as exc:
-        backend.add(Submit("b", SamplingParams(max_tokens=1), messages=(ChatMessage("user", prompt),)))
+        add(backend, Submit("b", SamplingParams(max_tokens=1), messages=(ChatMessage("user", prompt),)))
     assert exc.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and exc.value.param == "messages"
-    backend.add(Submit("c", SamplingParams(max_tokens=1), prompt=prompt[: len(prompt) // 2]))
+    add(backend, Submit("c", SamplingParams(max_tokens=1), prompt=prompt[: len(prompt) // 2]))
     assert len(backend.active_ids()) == 1
 
 
@@ -385,7 +387,7 @@ def test_context_length_rejected(tiny, tokenizer, make_backend) -> None:
 def test_invalid_requests(tiny, make_backend, submit, param) -> None:
     backend = make_backend(tiny)
     with pytest.raises(RequestRejected) as exc:
-        backend.add(submit)
+        add(backend, submit)
     assert exc.value.code is ErrorCode.INVALID_REQUEST and exc.value.param == param
     assert len(backend.active_ids()) == 0
 
@@ -393,10 +395,10 @@ def test_invalid_requests(tiny, make_backend, submit, param) -> None:
 def test_both_inputs_rejected(tiny, make_backend, raw) -> None:
     # Duplicate ids are the loop's to refuse (tests/.../test_loop.py), checked once there.
     backend = make_backend(tiny)
-    backend.add(raw("a", "hello"))
+    add(backend, raw("a", "hello"))
     both = Submit("b", SamplingParams(max_tokens=1), messages=(ChatMessage("user", "x"),), prompt="y")
     with pytest.raises(RequestRejected):
-        backend.add(both)
+        add(backend, both)
     assert len(backend.active_ids()) == 1
 
 
@@ -405,8 +407,8 @@ def test_both_inputs_rejected(tiny, make_backend, raw) -> None:
 
 def test_requests_progress_together(tiny, make_backend, raw) -> None:
     backend = make_backend(tiny, chunk_size=64)
-    backend.add(raw("a", words(4), max_tokens=6, ignore_eos=True))
-    backend.add(raw("b", words(5, 20), max_tokens=6, ignore_eos=True))
+    add(backend, raw("a", words(4), max_tokens=6, ignore_eos=True))
+    add(backend, raw("b", words(5, 20), max_tokens=6, ignore_eos=True))
     finished: set[str] = set()
     steps = 0
     while len(backend.active_ids()):
@@ -421,7 +423,7 @@ def test_requests_progress_together(tiny, make_backend, raw) -> None:
 def test_one_pass_per_step_carries_every_decoding_sequence(scripted, make_backend, raw) -> None:
     backend = make_backend(scripted, chunk_size=64)
     for rid in ("a", "b", "c"):
-        backend.add(raw(rid, words(3), max_tokens=5, ignore_eos=True))
+        add(backend, raw(rid, words(3), max_tokens=5, ignore_eos=True))
     backend.step()  # admission: no pass
     scripted.model.passes.clear()
     while backend.active_ids():
@@ -438,10 +440,10 @@ def test_long_prefill_shares_each_pass_with_decoding_sequences(
     """A long prompt is fed chunk_size tokens per pass while the decoding sequence
     gets a token in every one of those passes."""
     backend = make_backend(scripted, chunk_size=8)
-    backend.add(raw("short", words(1), max_tokens=30, ignore_eos=True))
+    add(backend, raw("short", words(1), max_tokens=30, ignore_eos=True))
     backend.step()
     backend.step()  # "short" prefilled; decoding from now on
-    backend.add(raw("long", words(12), max_tokens=2, ignore_eos=True))
+    add(backend, raw("long", words(12), max_tokens=2, ignore_eos=True))
     long_len = len(ids(tokenizer, words(12)))
     assert long_len > 40
     backend.step()  # admission of "long"
@@ -595,10 +597,10 @@ def test_kv_capacity_reservation_and_longest_token(tiny, make_backend, raw) -> N
     bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 4  # float32
     assert backend.info.kv_cache_tokens == 2**20 // bytes_per_token
     assert backend.info.longest_token_chars == max(len(t) for t in tiny.tokenizer.get_vocab())
-    prepared = backend.prepare(raw("a", "hello there", max_tokens=1000))
+    prepared = checked_prepare(backend, raw("a", "hello there", max_tokens=1000))
     n = prepared.prompt_tokens
     assert backend.reservation(prepared) == 100  # the prompt plus the rest of the context
-    small = backend.prepare(raw("b", "hello there", max_tokens=5))
+    small = checked_prepare(backend, raw("b", "hello there", max_tokens=5))
     assert backend.reservation(small) == n + 5
     backend.start("b-0", small, small.submit.params)
     backend.start("b-1", small, small.submit.params)
@@ -609,7 +611,7 @@ def test_kv_capacity_reservation_and_longest_token(tiny, make_backend, raw) -> N
 
 def test_choices_of_one_prepared_request_sample_independently(tiny, make_backend, raw) -> None:
     backend = make_backend(tiny)
-    prepared = backend.prepare(raw("r", "Once upon a time", max_tokens=12, temperature=1.0, seed=1))
+    prepared = checked_prepare(backend, raw("r", "Once upon a time", max_tokens=12, temperature=1.0, seed=1))
     params = prepared.submit.params
     for i, seed in enumerate((1, 2, 1)):
         backend.start(f"r-{i}", prepared, msgspec.structs.replace(params, seed=seed))
@@ -634,3 +636,75 @@ def test_a_salted_prompt_never_hits_another_salts_cache(tiny, tokenizer, make_ba
     assert run_one(backend, raw("u1", doc, max_tokens=1)).started.cached_tokens == 0
     again = run_one(backend, salted("a2", "tenant-a")).started.cached_tokens
     assert again == (total - 1) // 16 * 16 > 0  # the same tenant still shares its own cache
+
+
+def _choices(backend: Any, submit: Submit, n: int) -> dict[str, list[Any]]:
+    """Start ``n`` choices of one prepared request and step until idle; events per choice."""
+    prepared = checked_prepare(backend, submit)
+    events: dict[str, list[Any]] = {f"r-{i}": [] for i in range(n)}
+    for rid in events:
+        backend.start(rid, prepared, submit.params)
+    while backend.active_ids():
+        for ev in backend.step():
+            events[ev.request_id].append(ev)
+    return events
+
+
+def test_choices_of_one_request_share_one_prefill(scripted, tokenizer, make_backend, raw) -> None:
+    """n > 1: the prompt is fed once, by the first choice; the others start from its KV
+    and last logits, report the whole prompt as cached, and write what it writes."""
+    prompt = words(40)  # several 64-token chunks
+    answer = ids(tokenizer, " red green blue", special=False)
+    scripted.model.setup_script(chain(ids(tokenizer, prompt)[-1], answer))
+    alone = make_backend(scripted, chunk_size=64, prefix_cache_mb=0)
+    single = _choices(alone, raw("r", prompt, max_tokens=8), 1)["r-0"]
+    backend = make_backend(scripted, chunk_size=64, prefix_cache_mb=0)
+    scripted.model.passes.clear()  # after the warm-up pass
+    events = _choices(backend, raw("r", prompt, max_tokens=8), 3)
+    total = len(ids(tokenizer, prompt))
+    fed = sum(length for p in scripted.model.passes for length, keep in p if keep != length or length > 1)
+    assert fed == total  # prompt chunks of one choice only (decode passes feed 1 token, keep 1)
+    assert [e for e in events["r-0"] if isinstance(e, Started)] == [Started("r-0", total, 0)]
+    for rid in ("r-1", "r-2"):
+        mine = events[rid]
+        assert mine[:2] == [Started(rid, total, total), PrefillProgress(rid, total, total, total, 0)]
+        assert mine[-1].cached_tokens == total
+    text = {rid: "".join(e.text for e in ev if isinstance(e, TokenDelta)) for rid, ev in events.items()}
+    assert (
+        set(text.values())
+        == {"".join(e.text for e in single if isinstance(e, TokenDelta))}
+        == {" red green blue"}
+    )
+
+
+def test_greedy_choices_that_share_a_prefill_match_a_lone_run_bitwise(shaped, make_backend, raw) -> None:
+    """Random weights in SmolLM2's shapes, where one bit of difference shows in the
+    tokens: each later choice samples from the first one's logits and KV."""
+    prompt = words(30)
+    lone = _choices(
+        make_backend(shaped, chunk_size=64, prefix_cache_mb=0), raw("r", prompt, max_tokens=12), 1
+    )
+    shared = _choices(
+        make_backend(shaped, chunk_size=64, prefix_cache_mb=0), raw("r", prompt, max_tokens=12), 3
+    )
+    tokens = {rid: [e.text for e in ev if isinstance(e, TokenDelta)] for rid, ev in shared.items()}
+    assert all(t == [e.text for e in lone["r-0"] if isinstance(e, TokenDelta)] for t in tokens.values())
+
+
+def test_a_later_choice_prefills_itself_when_the_first_ends_before_its_prefill(
+    scripted, tokenizer, make_backend, raw
+) -> None:
+    backend = make_backend(scripted, chunk_size=16, prefix_cache_mb=0)
+    submit = raw("r", words(20), max_tokens=3, ignore_eos=True)
+    prepared = checked_prepare(backend, submit)
+    for rid in ("r-0", "r-1"):
+        backend.start(rid, prepared, submit.params)
+    first = backend.step()  # admission of r-0 only: r-1 waits for its prefill
+    assert {e.request_id for e in first} == {"r-0"}
+    backend.step()  # one chunk of r-0
+    backend.abort("r-0")
+    events: list[Any] = []
+    while backend.active_ids():
+        events += backend.step()
+    assert events[0] == Started("r-1", prepared.prompt_tokens, 0)
+    assert isinstance(events[-1], Finished) and events[-1].completion_tokens == 3

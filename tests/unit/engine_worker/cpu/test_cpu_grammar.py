@@ -15,9 +15,11 @@ import pytest
 from llguidance import LLMatcher
 
 import engine_worker.cpu.engine as cpu_engine
+from engine_worker.admission import budget, checked_prepare
 from engine_worker.backend import RequestRejected
 from engine_worker.constraints import TokenConstraint
 from protocol.messages import ErrorCode, FinishReason, RequestError, SamplingParams, TokenDelta
+from tests.fakes.cpu import add
 
 YES_NO = 'start: "The answer is " ("yes" | "no") "."'
 # Bounded and without free whitespace, so even a random model completes it in a few tokens.
@@ -158,12 +160,12 @@ def test_bad_grammar_is_rejected_naming_its_field(tiny, make_backend, raw, gramm
     backend = make_backend(tiny)
     for param in ("response_format", "tools"):
         with pytest.raises(RequestRejected) as exc:
-            backend.add(raw("x", "hi", grammar=grammar, grammar_param=param))
+            add(backend, raw("x", "hi", grammar=grammar, grammar_param=param))
         assert exc.value.code is ErrorCode.INVALID_REQUEST and exc.value.param == param
         assert "invalid grammar" in exc.value.message
     assert len(backend.active_ids()) == 0
     # The backend is unharmed: the next request runs.
-    backend.add(raw("ok", "hi", max_tokens=2))
+    add(backend, raw("ok", "hi", max_tokens=2))
     while backend.active_ids():
         backend.step()
 
@@ -182,7 +184,7 @@ def test_grammar_compiles_on_the_prepare_thread_once_per_request(
     monkeypatch.setattr(cpu_engine, "compile_grammar", spy)
     submit = raw("r", "Answer:", max_tokens=20, temperature=1.0, seed=1, grammar=YES_NO)
     with ThreadPoolExecutor(1, thread_name_prefix="prepare") as pool:
-        prepared = pool.submit(backend.prepare, submit).result()
+        prepared = budget(pool.submit(backend.prepare, submit).result(), backend.info)
     assert len(compiled_on) == 1 and compiled_on[0].startswith("prepare")
     for i in range(3):  # three choices, each with its own copy of the compiled grammar
         backend.start(f"r-{i}", prepared, msgspec.structs.replace(submit.params, seed=i))
@@ -197,7 +199,7 @@ def test_grammar_compiles_on_the_prepare_thread_once_per_request(
 
 def test_start_compiles_a_grammar_prepare_did_not_see(tiny, make_backend, raw) -> None:
     backend = make_backend(tiny)
-    prepared = backend.prepare(raw("r", "Answer:", max_tokens=20))
+    prepared = checked_prepare(backend, raw("r", "Answer:", max_tokens=20))
     params = SamplingParams(max_tokens=20, temperature=0.0, grammar=YES_NO)
     backend.start("r", prepared, params)
     with pytest.raises(RequestRejected) as exc:
@@ -232,7 +234,7 @@ def test_grammar_failing_while_decoding_is_a_request_error(
 
 def test_submit_without_grammar_has_no_constraint(tiny, make_backend, raw) -> None:
     backend = make_backend(tiny)
-    backend.add(raw("a", "Hello"))
+    add(backend, raw("a", "Hello"))
     req = backend._requests["a"]
     assert req.constraint is None and req.trail is None
     assert not backend._vocabulary.loaded  # nothing built for plain requests

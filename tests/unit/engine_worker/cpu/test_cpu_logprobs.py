@@ -16,6 +16,7 @@ from engine_worker.cpu.detokenize import StopStringMatcher
 from engine_worker.cpu.logprobs import LogprobTrail
 from engine_worker.cpu.sampling import Scored
 from protocol.messages import ErrorCode, FinishReason, TokenLogprob
+from tests.fakes.cpu import add
 
 EOS = 2
 
@@ -141,7 +142,7 @@ def test_logprobs_do_not_change_the_sampled_tokens(tiny, make_backend, run_one, 
 @pytest.mark.parametrize("k", [-1, 21])
 def test_logprobs_out_of_range_are_rejected(tiny, make_backend, raw, k) -> None:
     with pytest.raises(RequestRejected) as exc:
-        make_backend(tiny).add(raw("x", "hi", logprobs=k))
+        add(make_backend(tiny), raw("x", "hi", logprobs=k))
     assert exc.value.code is ErrorCode.INVALID_REQUEST and exc.value.param == "logprobs"
 
 

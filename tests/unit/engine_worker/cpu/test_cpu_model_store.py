@@ -3,31 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from engine_worker.cpu import model_store
 from engine_worker.settings import WorkerSettings, default_cache_dir
-
-
-class FakeModel:
-    def __init__(self, fail: bool) -> None:
-        self.fail = fail
-        self.hf_quantizer = object()
-        self.config = SimpleNamespace(quantization_config={"quant_method": "gguf"})
-
-    def save_pretrained(self, path: str) -> None:
-        assert self.hf_quantizer is None and not hasattr(self.config, "quantization_config")
-        (Path(path) / "model.safetensors").write_bytes(b"weights")
-        if self.fail:
-            raise OSError("disk full")
-
-
-class FakeTokenizer:
-    def save_pretrained(self, path: str) -> None:
-        (Path(path) / "tokenizer.json").write_text("{}")
+from tests.fakes.cpu import FakeModel, FakeTokenizer
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from engine_worker.admission import checked_prepare
 from engine_worker.backend import EngineFailed, RequestRejected
 from engine_worker.exllamav3.backend import ExLlamaV3Backend
 from engine_worker.exllamav3.config import PAGE_SIZE
@@ -167,7 +168,7 @@ def test_choices_of_one_request_report_the_prefix_they_reuse_from_the_start() ->
     n = 1001
     cfg = dataclasses.replace(CFG, max_rq_tokens=256)
     backend, rec = make_backend(cfg, script=fx.reply("same"), max_chunk_size=512)
-    prepared = backend.prepare(raw("r", _letters(n)))
+    prepared = checked_prepare(backend, raw("r", _letters(n)))
     for i in range(3):
         backend.start(f"r-{i}", prepared, prepared.submit.params)
     assert [j.identifier for j in rec.inner.pending_jobs] == ["r-0"]  # the others wait for its prefill
@@ -186,7 +187,7 @@ def test_choices_of_one_request_report_the_prefix_they_reuse_from_the_start() ->
 
 def test_held_choices_start_when_the_first_one_ends_early() -> None:
     backend, _ = make_backend(script=fx.reply("same"), max_chunk_size=256)
-    prepared = backend.prepare(raw("r", _letters(700)))
+    prepared = checked_prepare(backend, raw("r", _letters(700)))
     backend.start("r-0", prepared, prepared.submit.params)
     backend.start("r-1", prepared, prepared.submit.params)
     backend.step()
@@ -199,7 +200,7 @@ def test_held_choices_start_when_the_first_one_ends_early() -> None:
 
 def test_aborting_a_held_choice_leaves_no_job_behind() -> None:
     backend, rec = make_backend(script=fx.reply("same"))
-    prepared = backend.prepare(raw("r", _letters(700)))
+    prepared = checked_prepare(backend, raw("r", _letters(700)))
     backend.start("r-0", prepared, prepared.submit.params)
     backend.start("r-1", prepared, prepared.submit.params)
     backend.abort("r-1")
@@ -210,7 +211,7 @@ def test_aborting_a_held_choice_leaves_no_job_behind() -> None:
 
 def test_held_choices_survive_a_fault_of_the_first() -> None:
     backend, rec = make_backend(script=fx.reply("same"), max_chunk_size=256)
-    prepared = backend.prepare(raw("r", _letters(700)))
+    prepared = checked_prepare(backend, raw("r", _letters(700)))
     backend.start("r-0", prepared, prepared.submit.params)
     backend.start("r-1", prepared, prepared.submit.params)
     backend.step()
@@ -798,17 +799,17 @@ def _pages(tokens: int) -> int:
 
 def test_reservation_is_what_a_job_takes_in_whole_pages() -> None:
     backend, rec = make_backend(dataclasses.replace(CFG, max_rq_tokens=300), cache_tokens=8192)
-    prepared = backend.prepare(chat("r", "hello", max_tokens=5000))
+    prepared = checked_prepare(backend, chat("r", "hello", max_tokens=5000))
     n = prepared.prompt_tokens
     # Output chunking: the prompt plus completion up to the page boundary past
     # n - 1 + max_rq_tokens (job.py:1295-1306).
     assert backend.reservation(prepared) == _pages(n - 1 + 300)
     # A completion shorter than max_rq_tokens is reserved whole, plus one token (job.py:1318-1322):
     # passing max_rq_tokens would make 1.6.5 reserve the whole window anyway.
-    short = backend.prepare(chat("s", "hello", max_tokens=10))
+    short = checked_prepare(backend, chat("s", "hello", max_tokens=10))
     assert backend.reservation(short) == _pages(n + 10 + 1)
     unchunked, _ = make_backend(dataclasses.replace(CFG, output_chunking=False), cache_tokens=8192)
-    p2 = unchunked.prepare(chat("r", "hello", max_tokens=10))
+    p2 = checked_prepare(unchunked, chat("r", "hello", max_tokens=10))
     assert unchunked.reservation(p2) == _pages(n + 10 + 1)
     assert backend.info.kv_cache_tokens == 8192 and backend.info.max_batch_size == 8
     # what the engine allocates is what the worker reserved
@@ -854,7 +855,7 @@ def test_the_engine_allocates_what_the_worker_reserves(
 
 def test_choices_start_from_one_tokenization() -> None:
     backend, _ = make_backend()
-    prepared = backend.prepare(chat("r", "hello", max_tokens=3))
+    prepared = checked_prepare(backend, chat("r", "hello", max_tokens=3))
     for i in range(3):
         backend.start(f"r-{i}", prepared, prepared.submit.params)
     assert sorted(backend.active_ids()) == ["r-0", "r-1", "r-2"]

@@ -12,6 +12,7 @@ from typing import Any
 import llguidance
 import pytest
 
+from engine_worker.admission import checked_prepare
 from engine_worker.backend import RequestRejected
 from engine_worker.exllamav3.logprobs import LOGPROB_FLOOR, split_text
 from engine_worker.settings import WorkerSettings
@@ -127,7 +128,7 @@ def test_a_grammar_that_does_not_compile_is_refused_at_prepare_with_its_param() 
     backend, _ = make_backend()
     for grammar in ("start: (", '{"grammars": [{"json_schema": {"type": "nonsense"}}]}'):
         with pytest.raises(RequestRejected) as e:
-            backend.prepare(raw("bad", "x", grammar=grammar, grammar_param="tool_choice"))
+            checked_prepare(backend, raw("bad", "x", grammar=grammar, grammar_param="tool_choice"))
         assert e.value.code is ErrorCode.INVALID_REQUEST
         assert e.value.param == "tool_choice"
         assert e.value.message.startswith("invalid grammar: ") and "\n" not in e.value.message
@@ -136,8 +137,9 @@ def test_a_grammar_that_does_not_compile_is_refused_at_prepare_with_its_param() 
 
 def test_each_choice_gets_its_own_filter_compiled_at_prepare() -> None:
     backend, rec = make_backend(script=fx.reply("maybe"))
-    prepared = backend.prepare(
-        Submit("g", SamplingParams(max_tokens=8, grammar='start: "yes" | "no"'), prompt="Answer:", n=3)
+    prepared = checked_prepare(
+        backend,
+        Submit("g", SamplingParams(max_tokens=8, grammar='start: "yes" | "no"'), prompt="Answer:", n=3),
     )
     filters = list(prepared.prompt.filters)
     assert len(filters) == 3 and len({id(f) for f in filters}) == 3
@@ -292,7 +294,7 @@ def test_logprobs_survive_a_requeue() -> None:
 def test_logprobs_out_of_range_are_refused() -> None:
     backend, _ = make_backend()
     with pytest.raises(RequestRejected) as e:
-        backend.prepare(raw("a", "x", logprobs=21))
+        checked_prepare(backend, raw("a", "x", logprobs=21))
     assert e.value.param == "logprobs"
 
 
@@ -321,7 +323,7 @@ def test_tools_reach_the_template() -> None:
         ),
         tools_json=json.dumps(tools),
     )
-    prompt = fx.Tokenizer._decode(backend.prepare(submit).prompt.ids.tolist()[0], True)
+    prompt = fx.Tokenizer._decode(checked_prepare(backend, submit).prompt.ids.tolist()[0], True)
     assert json.dumps(tools[0]) in prompt
     assert '{"name": "lookup", "arguments": {"q": "x"}}' in prompt
     assert "<tool_response>\nfound\n</tool_response>" in prompt
@@ -330,20 +332,22 @@ def test_tools_reach_the_template() -> None:
 def test_bad_tool_json_is_refused() -> None:
     backend, _ = make_backend(chat_template=fx.QWEN_TOOLS_TEMPLATE)
     with pytest.raises(RequestRejected) as e:
-        backend.prepare(
-            Submit("t", SamplingParams(max_tokens=4), messages=(ChatMessage("user", "x"),), tools_json="{")
+        checked_prepare(
+            backend,
+            Submit("t", SamplingParams(max_tokens=4), messages=(ChatMessage("user", "x"),), tools_json="{"),
         )
     assert e.value.param == "tools"
     bad_call = (ChatMessage("user", "x"), ChatMessage("assistant", "", tool_calls_json="["))
     with pytest.raises(RequestRejected) as e:
-        backend.prepare(Submit("t", SamplingParams(max_tokens=4), messages=bad_call))
+        checked_prepare(backend, Submit("t", SamplingParams(max_tokens=4), messages=bad_call))
     assert e.value.param == "messages"
 
 
 def test_a_template_without_tools_refuses_a_tool_turn() -> None:
     backend, _ = make_backend()  # the ChatML stand-in refuses unknown roles, as strict templates do
     with pytest.raises(RequestRejected) as e:
-        backend.prepare(
-            Submit("t", SamplingParams(max_tokens=4), messages=(ChatMessage("tool", "r", tool_call_id="c"),))
+        checked_prepare(
+            backend,
+            Submit("t", SamplingParams(max_tokens=4), messages=(ChatMessage("tool", "r", tool_call_id="c"),)),
         )
     assert e.value.param == "messages"

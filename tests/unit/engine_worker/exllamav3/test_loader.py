@@ -14,8 +14,10 @@ from typing import Any
 import msgspec
 import pytest
 
+from engine_worker.admission import checked_prepare
 from engine_worker.backend import ModelInfo, RequestRejected
 from engine_worker.exllamav3 import loader
+from engine_worker.exllamav3.sampling import FLOAT32_MAX
 from engine_worker.settings import DraftMode, WorkerSettings
 from protocol.messages import ChatMessage, Finished, SamplingParams, Submit, TokenDelta
 from tests.fakes import exllamav3 as fx
@@ -105,6 +107,10 @@ def test_ngram_load(tmp_path: Path, fake_exl3: list[str], capsys: pytest.Capture
         chat_template=fx.CHATML_TEMPLATE,
         template_tools=True,
         kv_block_tokens=256,  # ExLlamaV3's page (constants.py:2)
+        vocab_size=fx.VOCAB_SIZE,
+        max_logit_bias=FLOAT32_MAX,
+        logit_bias_ban=True,
+        context_settings="settings: max_seq_len, cache_size",
     )
     err = capsys.readouterr().err
     assert "Loading tiny-exl3" in err and "5/5" in err
@@ -344,14 +350,16 @@ def test_tools_and_tool_turns_reach_a_template_that_renders_them(
         ),
         tools_json=json.dumps(tools),
     )
-    prepared = backend.prepare(submit)
+    prepared = checked_prepare(backend, submit)
     prompt = fx.Tokenizer._decode(prepared.prompt.ids.tolist()[0], True)
     assert json.dumps(tools[0]) in prompt  # the schema, as the template's tojson writes it
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
     assert "<tool_response>\n22 C, sunny\n</tool_response>" in prompt
     assert prompt.endswith("<|im_start|>assistant\n")
     # without tools the same template renders no tools block
-    plain = backend.prepare(msgspec.structs.replace(submit, tools_json=None, messages=submit.messages[:1]))
+    plain = checked_prepare(
+        backend, msgspec.structs.replace(submit, tools_json=None, messages=submit.messages[:1])
+    )
     assert "<tools>" not in fx.Tokenizer._decode(plain.prompt.ids.tolist()[0], True)
 
 
@@ -362,13 +370,13 @@ def test_a_grammar_compiles_against_the_models_tokenizer(tmp_path: Path, fake_ex
     submit = chat(
         "g", "yes or no?", grammar='start: "yes" | "no"', grammar_param="response_format", logprobs=2
     )
-    prepared = backend.prepare(submit)
+    prepared = checked_prepare(backend, submit)
     (flt,) = prepared.prompt.filters
     assert isinstance(flt, fx.LLGuidanceFilter)
     # config.json's EOS list, as create_ll_tokenizer reads it (generator/filter/llguidance.py:23-28)
     assert fx.create_ll_tokenizer(backend._h.generator.tokenizer).eos_tokens == [257, 259]
     with pytest.raises(RequestRejected) as e:
-        backend.prepare(chat("b", "x", grammar="start: (", grammar_param="response_format"))
+        checked_prepare(backend, chat("b", "x", grammar="start: (", grammar_param="response_format"))
     assert e.value.param == "response_format" and "invalid grammar" in e.value.message
 
 
