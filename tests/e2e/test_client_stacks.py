@@ -51,7 +51,9 @@ class Recorder:
 
     def client(self, server: Server) -> openai.OpenAI:
         http = openai.DefaultHttpxClient(event_hooks={"request": [self.record]})
-        return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, http_client=http)
+        return openai.OpenAI(
+            base_url=server.base_url + "/v1", api_key="unused", max_retries=0, http_client=http
+        )
 
     def async_client(self, server: Server) -> openai.AsyncOpenAI:
         http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [self._arecord]})
