@@ -42,8 +42,9 @@ Only ``127.0.0.1`` URLs are accepted for those four cases.
 - **stalled** (``--stalled-readers K``, default 2: start the server with ``--max-in-flight K``):
   K sockets with a 4 KiB receive buffer each ask for a stream with ``n`` 8,
   ``top_logprobs`` 20, ``max_tokens`` 1500 (``ignore_eos``), read 2 KiB and stop
-  reading; prints when the server ended each socket (its TCP state, read without
-  taking a byte), the worker's running sequences meanwhile, the proxy's RSS, what
+  reading; prints when the server closed each socket (the state of the server's
+  side in ``/proc/net/tcp``; the bytes its kernel still holds unsent, at most and
+  then), the worker's running sequences meanwhile, the proxy's RSS, what
   a small request from another client got (429 while the slots are held), and the
   log lines that name the cut. Bounded by ``--stalled-s`` seconds.
 - **starve**: ``--starve-long`` (16) streams with ``max_tokens`` 8000 and ``ignore_eos``
@@ -358,15 +359,28 @@ def _tcp_state(sock: socket.socket) -> str:
     return _TCP_STATES.get(state, f"state {state}")
 
 
-def _server_send_q(sock: socket.socket) -> int:
-    """Bytes the server's kernel holds unsent for the connection of ``sock`` (its
-    ``tx_queue`` in ``/proc/net/tcp``; the server's side of a loopback connection)."""
+_PROC_TCP_STATES = {
+    1: "ESTABLISHED",
+    4: "FIN_WAIT1",
+    5: "FIN_WAIT2",
+    6: "TIME_WAIT",
+    7: "CLOSE",
+    11: "CLOSING",
+}
+
+
+def _server_side(sock: socket.socket) -> tuple[str, int]:
+    """The server's side of the loopback connection of ``sock``, from
+    ``/proc/net/tcp``: its TCP state (``gone`` when it has none left) and the
+    bytes its kernel holds unsent (``tx_queue``). A server that closes while
+    bytes wait unsent leaves an orphan in ``FIN_WAIT1`` holding them."""
     client = f"0100007F:{sock.getsockname()[1]:04X}"  # 127.0.0.1 as a little-endian host writes it
     for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
         fields = line.split()
         if fields[2] == client:
-            return int(fields[4].split(":")[0], 16)
-    return 0
+            state = int(fields[3], 16)
+            return _PROC_TCP_STATES.get(state, f"state {state}"), int(fields[4].split(":")[0], 16)
+    return "gone", 0
 
 
 async def _ready(client: httpx.AsyncClient, url: str) -> dict[str, object]:
@@ -433,10 +447,15 @@ async def stalled_readers(
         while time.monotonic() - t0 < window:
             now = time.monotonic() - t0
             peak = max(peak, _status(proxy, "VmRSS"))
-            kernel = max(kernel, *(_server_send_q(sock) for sock in socks))
             for i, sock in enumerate(socks):
-                if ended[i] is None and (state := _tcp_state(sock)) != "open":
-                    ended[i] = (now, state)
+                server_state, queued = _server_side(sock)
+                kernel = max(kernel, queued)
+                if ended[i] is None and server_state != "ESTABLISHED":
+                    ended[i] = (
+                        now,
+                        f"server side {server_state} ({queued / 2**20:.2f} MiB unsent), "
+                        f"client side {_tcp_state(sock)},",
+                    )
             active = (await _ready(client, url)).get("worker_active_requests")
             running.append((now, active if isinstance(active, int) else -1))
             if now >= next_probe and not any(code == "200" for _, code in probes):

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from benchmarks.hostile_clients import _server_send_q, _tcp_state
+from benchmarks.hostile_clients import _server_side, _tcp_state
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="TCP_INFO and /proc/net/tcp are Linux's")
 
@@ -55,11 +55,11 @@ def test_an_aborted_connection_reads_as_reset(pair: tuple[socket.socket, socket.
     assert _settle(lambda: _tcp_state(client), "reset") == "reset"
 
 
-def test_the_send_queue_is_what_the_server_could_not_deliver(
+def test_the_server_side_holds_what_it_could_not_deliver_also_once_closed(
     pair: tuple[socket.socket, socket.socket],
 ) -> None:
     client, server = pair
-    assert _server_send_q(client) == 0
+    assert _server_side(client) == ("ESTABLISHED", 0)
     server.setblocking(False)
     sent = 0
     chunk = b"x" * 65536
@@ -71,7 +71,13 @@ def test_the_send_queue_is_what_the_server_could_not_deliver(
     # What sits in the client's receive buffer was delivered: not the server's to hold.
     unread = struct.unpack("i", fcntl.ioctl(client, termios.FIONREAD, b"\0" * 4))[0]
     assert unread > 0
-    queued = _server_send_q(client)
+    state, queued = _server_side(client)
     # Unacknowledged bytes: all those the client has not received, and perhaps
     # some it has but not yet acknowledged (a delayed ACK).
+    assert state == "ESTABLISHED"
     assert sent - unread <= queued <= sent
+    server.close()  # with bytes unsent: the kernel keeps them, and the FIN waits behind them
+    state, after = _server_side(client)
+    assert state == "FIN_WAIT1"
+    assert after >= sent - unread
+    assert _tcp_state(client) == "open"  # the client cannot tell
