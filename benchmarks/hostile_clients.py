@@ -39,6 +39,24 @@ Only ``127.0.0.1`` URLs are accepted for those four cases.
   stream's largest inter-token gap while the bomb was out and before it
   (``--no-bomb`` baseline), how long ``/health`` took meanwhile, and the proxy's
   RSS. ``--contains-bomb N``: the same with N unanchored patterns ``a.{i}b``.
+- **stalled** (``--stalled-readers K``, default 2: start the server with ``--max-in-flight K``):
+  K sockets with a 4 KiB receive buffer each ask for a stream with ``n`` 8,
+  ``top_logprobs`` 20, ``max_tokens`` 1500 (``ignore_eos``), read 2 KiB and stop
+  reading; prints when the server closed each socket (the state of the server's
+  side in ``/proc/net/tcp``; the bytes its kernel still holds unsent, at most and
+  then), the worker's running sequences meanwhile, the proxy's RSS, what
+  a small request from another client got (429 while the slots are held), and the
+  log lines that name the cut. Bounded by ``--stalled-s`` seconds.
+- **starve**: ``--starve-long`` (16) streams with ``max_tokens`` 8000 and ``ignore_eos``
+  fill the KV budget (some run, the rest wait); once they are queued, a 3-token
+  request is sent: prints the running / waiting counts and KV use, and its time to
+  first token and to the end (at most ``--starve-wait`` seconds).
+- **cache** (``--api-keys k1,k2``; start the server with ``--api-key k1,k2`` and, for
+  the isolation, ``--cache-isolation key``): the first key sends a document of
+  ``--cache-doc-chars`` characters; the second key probes a wrong guess and then
+  the right guess of its first 2,400 characters, and the first key the right guess;
+  prints each probe's ``cached_tokens`` and ``prompt_time`` (with a shared prefix
+  cache the right guess is found, and prefills faster than the wrong one).
 
 RSS figures read ``/proc`` (Linux); the worker is the child process of ``serve``.
 """
@@ -50,6 +68,8 @@ import asyncio
 import contextlib
 import gzip
 import itertools
+import random
+import socket
 import statistics
 import time
 from pathlib import Path
@@ -330,7 +350,263 @@ async def host_rebinding(url: str) -> None:
     print(f"host rebinding (no API key): {'; '.join(results)}")
 
 
-CASES = ("huge", "n", "gzip", "idle", "slowloris", "inject", "host")
+_TCP_STATES = {1: "open", 7: "reset", 8: "closed (FIN)"}
+
+
+def _tcp_state(sock: socket.socket) -> str:
+    """The socket's TCP state (Linux ``TCP_INFO``), read without taking a byte of what waits in it."""
+    state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
+    return _TCP_STATES.get(state, f"state {state}")
+
+
+_PROC_TCP_STATES = {
+    1: "ESTABLISHED",
+    4: "FIN_WAIT1",
+    5: "FIN_WAIT2",
+    6: "TIME_WAIT",
+    7: "CLOSE",
+    11: "CLOSING",
+}
+
+
+def _server_side(sock: socket.socket) -> tuple[str, int]:
+    """The server's side of the loopback connection of ``sock``, from
+    ``/proc/net/tcp``: its TCP state (``gone`` when it has none left) and the
+    bytes its kernel holds unsent (``tx_queue``). A server that closes while
+    bytes wait unsent leaves an orphan in ``FIN_WAIT1`` holding them."""
+    client = f"0100007F:{sock.getsockname()[1]:04X}"  # 127.0.0.1 as a little-endian host writes it
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[2] == client:
+            state = int(fields[3], 16)
+            return _PROC_TCP_STATES.get(state, f"state {state}"), int(fields[4].split(":")[0], 16)
+    return "gone", 0
+
+
+async def _ready(client: httpx.AsyncClient, url: str) -> dict[str, object]:
+    r = await client.get(url + "/ready")
+    return dict(r.json())
+
+
+def _auth(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+async def _stalled_socket(host: str, port: int, body: bytes, key: str | None) -> socket.socket:
+    """A connection with a 4 KiB receive buffer that sends ``body`` as a POST and
+    reads 2 KiB of the answer, then nothing more."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: it sets the window
+    sock.setblocking(False)
+    await loop.sock_connect(sock, (host, port))
+    auth = f"Authorization: Bearer {key}\r\n".encode() if key else b""
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        + auth
+        + b"Content-Length: %d\r\n\r\n" % len(body)
+    )
+    await loop.sock_sendall(sock, head + body)
+    got = 0
+    while got < 2048:
+        data = await loop.sock_recv(sock, 2048 - got)
+        if not data:
+            break
+        got += len(data)
+    return sock
+
+
+async def stalled_readers(
+    url: str, proxy: int, count: int, window: float, log: _Log, key: str | None
+) -> None:
+    host, port = _hostport(url)
+    body = orjson.dumps(
+        {
+            "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}],
+            "n": 8,
+            "logprobs": True,
+            "top_logprobs": 20,
+            "max_tokens": 1500,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    )
+    log.mark()
+    before = _status(proxy, "VmRSS")
+    peak = before
+    async with httpx.AsyncClient(timeout=60, headers=_auth(key)) as client:
+        t0 = time.monotonic()
+        socks = await asyncio.gather(*(_stalled_socket(host, port, body, key) for _ in range(count)))
+        stopped = time.monotonic() - t0  # every socket has its 2 KiB and reads no more
+        ended: list[tuple[float, str] | None] = [None] * count
+        running: list[tuple[float, int]] = []
+        probes: list[tuple[float, str]] = []
+        kernel = 0
+        next_probe = 0.0
+        small = {"messages": [{"role": "user", "content": "Say OK"}], "max_tokens": 1}
+        while time.monotonic() - t0 < window:
+            now = time.monotonic() - t0
+            peak = max(peak, _status(proxy, "VmRSS"))
+            for i, sock in enumerate(socks):
+                server_state, queued = _server_side(sock)
+                kernel = max(kernel, queued)
+                if ended[i] is None and server_state != "ESTABLISHED":
+                    ended[i] = (
+                        now,
+                        f"server side {server_state} ({queued / 2**20:.2f} MiB unsent), "
+                        f"client side {_tcp_state(sock)},",
+                    )
+            active = (await _ready(client, url)).get("worker_active_requests")
+            running.append((now, active if isinstance(active, int) else -1))
+            if now >= next_probe and not any(code == "200" for _, code in probes):
+                try:
+                    r = await client.post(url + "/v1/chat/completions", json=small, timeout=30)
+                    probes.append((now, str(r.status_code)))
+                except httpx.HTTPError as e:
+                    probes.append((now, type(e).__name__))
+                next_probe = now + 2.0
+            done = all(e is not None for e in ended) and running[-1][1] == 0
+            if done and any(code == "200" for _, code in probes):
+                break
+            await asyncio.sleep(0.5)
+        for sock in socks:
+            sock.close()
+    await asyncio.sleep(1.0)
+    after = _status(proxy, "VmRSS")
+    cuts = [
+        line for line in log.new().splitlines() if b"cut the stream" in line or b"cut the response" in line
+    ]
+    when = ", ".join(f"{e[1]} after {e[0] - stopped:.1f} s" if e else "still open" for e in ended)
+    most = max((n for _, n in running), default=-1)
+    zero = next((t for t, n in running if n == 0 and t > stopped + 1), None)
+    refused = sum(code == "429" for _, code in probes)
+    ok = next((t for t, code in probes if code == "200"), None)
+    print(
+        f"stalled readers ({count}, 4 KiB receive buffer, stopped reading {stopped:.1f} s after sending): "
+        f"the server ended them: {when} (counted from when they stopped); worker's running sequences: "
+        f"at most {most}, "
+        + (f"0 after {zero - stopped:.1f} s" if zero is not None else "never 0 within the window")
+        + f"; another client's small request: {refused} x 429, then "
+        + (f"200 after {ok - stopped:.1f} s" if ok is not None else f"no 200 within {window:g} s")
+        + f"; proxy RSS {before} MiB before, {peak} MiB peak (sampled), {after} MiB after; "
+        f"unsent in the server's kernel for one socket: at most {kernel / 2**20:.2f} MiB; "
+        f"{len(cuts)} log line(s) naming the cut"
+        + (f", e.g. {cuts[0].decode(errors='replace')[:200]!r}" if cuts else "")
+    )
+
+
+async def _first_token(
+    client: httpx.AsyncClient, url: str, body: dict[str, object]
+) -> tuple[float | None, float, int]:
+    """Seconds to the first content token (``None``: none came) and to the end, and the tokens seen."""
+    t0 = time.monotonic()
+    first = None
+    tokens = 0
+    async with aconnect_sse(client, "POST", url + "/v1/chat/completions", json=body) as source:
+        async for ev in source.aiter_sse():
+            if ev.data == "[DONE]":
+                break
+            chunk = orjson.loads(ev.data)
+            if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                tokens += 1
+                if first is None:
+                    first = time.monotonic() - t0
+    return first, time.monotonic() - t0, tokens
+
+
+async def starvation(url: str, long: int, wait_s: float, key: str | None) -> None:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10), headers=_auth(key)) as client:
+        counts: list[int] = [0] * long
+
+        async def long_stream(i: int) -> None:
+            body = {
+                "messages": [{"role": "user", "content": f"Write a very long story, number {i}."}],
+                "max_tokens": 8000,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            async with aconnect_sse(client, "POST", url + "/v1/chat/completions", json=body) as source:
+                async for _ in source.aiter_sse():
+                    counts[i] += 1
+
+        t0 = time.monotonic()
+        tasks = [asyncio.create_task(long_stream(i)) for i in range(long)]
+        try:
+            ready: dict[str, object] = {}
+            while time.monotonic() - t0 < 120:  # until every long one runs or waits
+                ready = await _ready(client, url)
+                running, waiting = ready.get("worker_active_requests"), ready.get("worker_waiting_requests")
+                if (
+                    isinstance(running, int)
+                    and isinstance(waiting, int)
+                    and waiting > 0
+                    and running + waiting >= long
+                ):
+                    break
+                await asyncio.sleep(0.2)
+            sent = time.monotonic() - t0
+            short = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 3, "stream": True}
+            try:
+                async with asyncio.timeout(wait_s):
+                    first, total, tokens = await _first_token(client, url, short)
+                answer = (
+                    f"first token after {first:.2f} s, all {tokens} after {total:.2f} s"
+                    if first is not None
+                    else f"no token, ended after {total:.2f} s"
+                )
+            except TimeoutError:
+                answer = f"no token in {wait_s:g} s"
+            kv = ready.get("worker_kv_cache_usage")
+            print(
+                f"starvation ({long} streams, max_tokens 8000, ignore_eos): "
+                f"{ready.get('worker_active_requests')} running, {ready.get('worker_waiting_requests')} "
+                "waiting, KV use "
+                + (f"{kv * 100:.1f}%" if isinstance(kv, float) else str(kv))
+                + f"; a 3-token request sent {sent:.1f} s after them: {answer}"
+            )
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _words(rng: random.Random, chars: int) -> str:
+    vocab = ("harbor", "ledger", "quarterly", "invoice", "merger", "tender", "clause", "audit", "cargo")
+    text = ""
+    while len(text) < chars:
+        text += rng.choice(vocab) + " " + str(rng.randrange(10_000)) + " "
+    return text[:chars]
+
+
+async def cache_probe(url: str, keys: list[str], doc_chars: int, guess_chars: int) -> None:
+    victim: str | None = keys[0] if keys else None
+    attacker = keys[1] if len(keys) > 1 else victim
+    rng = random.Random()  # a document no earlier run left in the cache
+    document = _words(rng, doc_chars)
+    wrong = _words(rng, guess_chars)
+
+    async def ask(key: str | None, text: str) -> tuple[int, float]:
+        body = {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+        r = await client.post(url + "/v1/chat/completions", json=body, headers=_auth(key))
+        r.raise_for_status()
+        usage = r.json()["usage"]
+        return usage["prompt_tokens_details"]["cached_tokens"], usage["prompt_time"]
+
+    async with httpx.AsyncClient(timeout=300) as client:
+        await ask(victim, document)
+        probes = {
+            "another key, wrong guess": await ask(attacker, wrong),
+            "another key, right guess": await ask(attacker, document[:guess_chars]),
+            "the same key, right guess": await ask(victim, document[:guess_chars]),
+        }
+    who = "two keys" if victim != attacker else "no key" if victim is None else "one key"
+    print(
+        f"prefix-cache probe ({who}; a {doc_chars}-character document, {guess_chars}-character guesses): "
+        + "; ".join(f"{name}: cached_tokens {c}, prompt_time {t:.2f} s" for name, (c, t) in probes.items())
+    )
+
+
+CASES = ("huge", "n", "gzip", "idle", "slowloris", "inject", "host", "stalled", "starve", "cache")
 
 
 def bomb_schema(n: int, contains: bool = False) -> dict[str, object]:
@@ -388,6 +664,15 @@ def main() -> None:
     parser.add_argument("--grammar-bomb", type=int, nargs="*", default=[], metavar="N")
     parser.add_argument("--contains-bomb", type=int, nargs="*", default=[], metavar="N")
     parser.add_argument("--only-grammar-bombs", action="store_true", help="skip the other cases")
+    parser.add_argument(
+        "--api-keys", default="", help="comma-separated; cases stalled, starve (the first), cache"
+    )
+    parser.add_argument("--stalled-readers", type=int, default=2, help="the server's --max-in-flight")
+    parser.add_argument("--stalled-s", type=float, default=90.0)
+    parser.add_argument("--starve-long", type=int, default=16)
+    parser.add_argument("--starve-wait", type=float, default=40.0)
+    parser.add_argument("--cache-doc-chars", type=int, default=3000)
+    parser.add_argument("--cache-guess-chars", type=int, default=2400)
     args = parser.parse_args()
     for n in args.grammar_bomb:
         asyncio.run(grammar_bomb(args.url, args.serve_pid, n))
@@ -398,8 +683,10 @@ def main() -> None:
     cases = set(args.cases.split(","))
     if cases - set(CASES):
         parser.error(f"unknown case(s): {', '.join(sorted(cases - set(CASES)))}")
-    if cases & {"huge", "n", "gzip"} and args.serve_pid is None:
-        parser.error("--serve-pid is required for the cases huge, n and gzip")
+    if cases & {"huge", "n", "gzip", "stalled"} and args.serve_pid is None:
+        parser.error("--serve-pid is required for the cases huge, n, gzip and stalled")
+    keys = [k for k in args.api_keys.split(",") if k]
+    key = keys[0] if keys else None
     log = _Log(args.log_file)
     if "huge" in cases:
         asyncio.run(huge_prompt(args.url, args.huge_mb))
@@ -415,6 +702,12 @@ def main() -> None:
         asyncio.run(slowloris(args.url, args.slowloris, args.slowloris_s))
     if "idle" in cases:
         asyncio.run(idle_sockets(args.url, args.idle_sockets, log))
+    if "stalled" in cases:
+        asyncio.run(stalled_readers(args.url, args.serve_pid, args.stalled_readers, args.stalled_s, log, key))
+    if "starve" in cases:
+        asyncio.run(starvation(args.url, args.starve_long, args.starve_wait, key))
+    if "cache" in cases:
+        asyncio.run(cache_probe(args.url, keys, args.cache_doc_chars, args.cache_guess_chars))
 
 
 if __name__ == "__main__":

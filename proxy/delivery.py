@@ -304,17 +304,24 @@ async def _drain_or_cut(out: sse.TransportWriter, stream: RequestStream, stalled
     seconds (0: no limit) or its stream's unread backlog failed the stream."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + (stalled_s or math.inf)
-    while True:
-        if stream.failed:
-            stream.take()  # raises the stream's failure once nothing is pending
-        slice_s = min(_STALL_CHECK_S, deadline - loop.time())
-        if slice_s <= 0:
-            raise StalledClient(f"The client took nothing for {stalled_s:g} s (stalled_client_timeout)")
-        try:
-            await asyncio.wait_for(out.drain(), slice_s)
-            return
-        except TimeoutError:
-            continue
+    # One drain, waited on in slices: cancelling a drain (wait_for's timeout)
+    # cancels aiohttp's shared drain waiter (base_protocol, 3.14: ``await
+    # waiter``, unshielded), and every later drain of the connection would then
+    # raise CancelledError at once, ending the handler as if cancelled.
+    drained = asyncio.ensure_future(out.drain())
+    try:
+        while True:
+            if stream.failed:
+                stream.take()  # raises the stream's failure once nothing is pending
+            slice_s = min(_STALL_CHECK_S, deadline - loop.time())
+            if slice_s <= 0:
+                raise StalledClient(f"The client took nothing for {stalled_s:g} s (stalled_client_timeout)")
+            done, _ = await asyncio.wait((drained,), timeout=slice_s)
+            if done:
+                drained.result()
+                return
+    finally:
+        drained.cancel()  # only while still waiting: then the connection is cut
 
 
 _STALL_CHECK_S = 1.0

@@ -37,9 +37,17 @@ async def _stalled_socket(port: int, payload: dict[str, Any]) -> socket.socket:
     return sock
 
 
-@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize(
+    ("stream", "stalled_s"),
+    # 2.5 s: longer than one backlog check (1 s), so the drain is waited on more than once
+    [(True, 1.0), (True, 2.5), (False, 1.0)],
+)
 async def test_a_client_that_reads_nothing_is_cut_and_its_slot_freed(
-    make_client: MakeClient, fake: FakeEngineClient, caplog: pytest.LogCaptureFixture, stream: bool
+    make_client: MakeClient,
+    fake: FakeEngineClient,
+    caplog: pytest.LogCaptureFixture,
+    stream: bool,
+    stalled_s: float,
 ) -> None:
     gate = Gate(asyncio.Event())
     texts = ["y" * 4000] * 3000  # 12 MB: far above the socket buffers
@@ -50,7 +58,7 @@ async def test_a_client_that_reads_nothing_is_cut_and_its_slot_freed(
         return [*events[:-1], gate, events[-1]]
 
     fake.script = script
-    client = await make_client(max_in_flight=1, stalled_client_timeout=1.0)
+    client = await make_client(max_in_flight=1, stalled_client_timeout=stalled_s)
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": stream}
     if not stream:
         gate.event.set()
