@@ -341,7 +341,7 @@ async def send_body(
         log.warning("cut the response of %s: the client took nothing for %g s", record.request_id, stalled_s)
         record.client_gone = True
         if request.transport is not None:
-            request.transport.abort()
+            sse.abort(request.transport)
     return resp
 
 

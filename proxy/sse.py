@@ -21,6 +21,9 @@ connection synchronously (see its docstring for why and what it relies on).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import struct
 from typing import Any
 
 import msgspec
@@ -79,6 +82,17 @@ def named_event(name: bytes, obj: Any) -> bytes:
     return b"event: " + name + b"\ndata: " + escape_line_separators(_encode(obj)) + b"\n\n"
 
 
+def abort(transport: asyncio.Transport) -> None:
+    """Close ``transport`` at once with a reset: ``SO_LINGER`` 0 makes the kernel
+    drop what it still holds for a client that reads nothing (a plain close
+    would keep those bytes in an orphaned socket until the client goes)."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
 class TransportWriter:
     """Writes the events of a prepared SSE response straight to its transport,
     without an ``await``.
@@ -135,8 +149,8 @@ class TransportWriter:
         return True
 
     def abort(self) -> None:
-        """Close the connection at once, dropping what it still holds."""
-        self._transport.abort()
+        """Close the connection at once, dropping what it still holds (``abort``)."""
+        abort(self._transport)
 
     async def drain(self) -> None:
         """Wait until the transport is below its low-water mark again. Raises

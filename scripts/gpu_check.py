@@ -855,7 +855,8 @@ def phase_backend(work: Path, res: Result) -> None:
     res.metrics["stop_strings"] = list(handle.stop_strings)
 
     def add(b: ExLlamaV3Backend, s: Submit) -> None:
-        b.start(s.request_id, b.prepare(s), s.params)
+        # As the worker loop admits a request: validated, prepared, given its budget.
+        b.start(s.request_id, checked_prepare(b, s), s.params)
 
     def chat(rid: str, text: str, **p: Any) -> Submit:
         p.setdefault("max_tokens", 32)
