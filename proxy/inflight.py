@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -201,14 +200,16 @@ class InFlight:
         self.requests[request_id] = t
         return t
 
-    def close(self, t: Tracked) -> None:
-        """The request ended (any way): count it and tell the listeners. Call it
-        from the request's ``finally``: an exception on its way out (a
-        ``ProxyError``, the cancellation of a client that left) is its ``error``."""
+    def close(self, t: Tracked, exc: BaseException | None = None) -> None:
+        """The request ended (any way): count it and tell the listeners. ``exc``
+        is the exception on its way out of the request, if any (a ``ProxyError``,
+        the cancellation of a client that left): its ``error``. (Passed, not read
+        from ``sys.exception()``, which under ``serve`` still named an exception
+        handled further up the stack, and counted every request as failed.)"""
         if self.requests.pop(t.request_id, None) is None:
             return
         t.closed_at = time.monotonic()
-        t.error = _error_of(t, sys.exception())
+        t.error = _error_of(t, exc)
         self.totals.add(t.view(), t.error is not None)
         for listener in self.listeners:
             try:

@@ -143,6 +143,7 @@ async def serve(request: web.Request, dialect: Dialect) -> web.StreamResponse:
         tracked = request.app[INFLIGHT].open(
             request, request_id, context.model, dialect.name, job.stream, gen, record
         )
+        failure: BaseException | None = None
         try:
             if job.stream:
                 frames = job.frames(gen, header)
@@ -150,8 +151,11 @@ async def serve(request: web.Request, dialect: Dialect) -> web.StreamResponse:
             reply = await complete_response(
                 stream, gen, lambda: job.body(gen, header), settings.request_idle_timeout
             )
+        except BaseException as e:
+            failure = e
+            raise
         finally:
-            request.app[INFLIGHT].close(tracked)
+            request.app[INFLIGHT].close(tracked, failure)
             state.active.discard(stream)
             if gen.done:
                 record.complete(gen.final_counts(), gen.finished(), gen.first_token_at)

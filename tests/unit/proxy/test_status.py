@@ -305,3 +305,28 @@ async def test_draining_ends_a_stream(make_client: MakeClient) -> None:
         rest = await asyncio.wait_for(resp.content.read(), 10)  # ends: EOF
     last = rest.strip().split(b"\n\n")[-1]
     assert msgspec.json.decode(last[len(b"data: ") :])["proxy"]["draining"] is True
+
+
+def test_a_request_that_succeeds_is_not_failed_whatever_is_handled_up_the_stack() -> None:
+    """Under ``serve`` the event loop ran while an exception was still being
+    handled further up the stack, and ``sys.exception()`` in a request's
+    ``finally`` named it: every request counted as failed. The request's own
+    outcome decides, nothing else."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from proxy.app import create_app
+    from tests.fakes.engine_client import make_config
+
+    async def scenario() -> dict[str, Any]:
+        app = create_app(make_config(), FakeEngineClient())
+        async with TestClient(TestServer(app)) as client:
+            body = {"messages": [{"role": "user", "content": "x"}]}
+            assert (await client.post("/v1/chat/completions", json=body)).status == 200
+            status: dict[str, Any] = await (await client.get("/v1/status")).json()
+            return status
+
+    try:
+        raise KeyError("handled up the stack")
+    except KeyError:
+        status = asyncio.run(scenario())
+    assert (status["totals"]["requests"], status["totals"]["failed"]) == (1, 0)
