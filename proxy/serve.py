@@ -97,11 +97,17 @@ def add_dialect_routes(app: web.Application, routes: Sequence[tuple[str, Dialect
 def error_shape(request: web.Request) -> ErrorShape:
     """The error shape of the dialect that owns ``request``'s route (OpenAI's
     envelope for every other route)."""
-    resource = request.match_info.route.resource
     shapes = request.app.get(ERROR_SHAPES)
-    if resource is None or shapes is None:
+    if shapes is None:
         return OPENAI_ERRORS
-    return shapes.get(resource.canonical, OPENAI_ERRORS)
+    resource = request.match_info.route.resource
+    if resource is not None and resource.canonical in shapes:
+        return shapes[resource.canonical]
+    # An unknown route or method under a dialect's path (GET /v1/messages,
+    # /v1/messages/batches) answers in that dialect's shape too.
+    path = request.path
+    under = [p for p in shapes if path == p or path.startswith(p.rstrip("/") + "/")]
+    return shapes[max(under, key=len)] if under else OPENAI_ERRORS
 
 
 def endpoint(dialect: Dialect) -> Handler:
@@ -130,9 +136,7 @@ async def serve(request: web.Request, dialect: Dialect) -> web.StreamResponse:
     if settings.cache_isolation == "key" and KEY_DIGEST in request:
         submits = [salted(s, request[KEY_DIGEST]) for s in submits]
     check_limits(submits, settings.max_n, worker)
-    for grammar, param in dict.fromkeys((s.params.grammar, s.params.grammar_param or "") for s in submits):
-        if grammar is not None:  # checked off the event loop, bounded (proxy.constraints)
-            await validate(grammar, param)
+    await check_grammars(submits)
     header = Header(request_id, int(time.time()), context.model)
     ids = [rid for s in submits for rid in choice_ids(s.request_id, s.n)]
     gen = Generation(ids, options)
@@ -165,6 +169,14 @@ async def serve(request: web.Request, dialect: Dialect) -> web.StreamResponse:
     finally:
         state.release()
     return await send_body(request, reply, settings.stalled_client_timeout, record)
+
+
+async def check_grammars(submits: Sequence[Submit]) -> None:
+    """Each distinct grammar of ``submits`` checked off the event loop, bounded
+    (``proxy.constraints.validate``). Raises ``InvalidRequest`` naming its field."""
+    for grammar, param in dict.fromkeys((s.params.grammar, s.params.grammar_param or "") for s in submits):
+        if grammar is not None:
+            await validate(grammar, param)
 
 
 def salted(submit: Submit, key_digest: bytes) -> Submit:

@@ -29,7 +29,7 @@ from proxy.dialects.messages.request import (
 from proxy.generation import Frames, Generation, Options
 from proxy.lookups import tokenize
 from proxy.responses import encode
-from proxy.serve import context_of, read_request, ready_worker
+from proxy.serve import check_grammars, context_of, read_request, ready_worker
 from proxy.state import STATE
 from proxy.task import chat_submit, tool_plan
 
@@ -71,6 +71,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     context = context_of(state, ready_worker(state))
     task = chat_task(req)
     submit = chat_submit(task, "count", context.max_context_tokens, tool_plan(task, context.tool_format))
+    await check_grammars([submit])  # as the same Messages request would be refused
     ids = await tokenize(request, submit)
     return web.Response(body=encode(TokenCount(len(ids))), content_type="application/json")
 

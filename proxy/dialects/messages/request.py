@@ -146,10 +146,19 @@ NAMES = ParamNames(
 
 
 def parse_messages_request(body: bytes) -> MessagesRequest:
-    """Decode and validate a Messages body. Raises ``InvalidRequest``."""
+    """Decode and validate a Messages body. Raises ``InvalidRequest``; also for a
+    last message of the assistant (Anthropic's prefill: the reply would continue
+    that text, which the worker's chat template cannot do: it closes every turn)."""
     req = decode(body, MessagesRequest, REFUSED, "/v1/messages")
     if not req.messages:
         raise InvalidRequest("'messages' must contain at least one message", param="messages")
+    if req.messages[-1].role == "assistant":
+        last = f"messages[{len(req.messages) - 1}]"
+        raise InvalidRequest(
+            f"'{last}' is the assistant's: continuing a prefilled assistant turn is not supported by "
+            "this server; end the conversation with a user message",
+            param=last,
+        )
     return req
 
 

@@ -30,6 +30,7 @@ import msgspec
 
 from proxy.constraints import ANY_JSON_OBJECT
 from proxy.dialects.openai_common import (
+    Bias,
     Count,
     MinTokens,
     Penalty,
@@ -43,6 +44,7 @@ from proxy.dialects.openai_common import (
     TopK,
     TopP,
     decode,
+    logit_bias,
     never,
     stop_strings,
 )
@@ -129,6 +131,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     seed: Seed | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[TokenId] | None = None
+    logit_bias: dict[str, Bias] | None = None
     min_tokens: MinTokens = 0
     return_progress: bool = False
     cache_salt: Salt | None = None
@@ -327,6 +330,7 @@ def responses_task(req: ResponsesRequest) -> ChatTask:
         stop=stop_strings(req.stop),
         stop_token_ids=tuple(req.stop_token_ids or ()),
         min_tokens=req.min_tokens,
+        logit_bias=logit_bias(req.logit_bias),
         logprobs=req.logprobs_k,
     )
     return ChatTask(

@@ -350,3 +350,35 @@ async def test_deferred_tools_are_not_shown_to_the_model(
     async with sdk(client) as api:
         counted = await api.messages.count_tokens(model="m", messages=MSGS, tools=[WEATHER, deferred])  # type: ignore[arg-type,list-item]
     assert counted.input_tokens == len(fake_token_ids(fake.submits[-1]))
+
+
+async def test_an_assistant_prefill_is_refused_not_ignored(make_client: MakeClient) -> None:
+    client = await make_client()
+    msgs = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "The capital is"}]
+    r = await client.post(URL, json={"model": "m", "max_tokens": 8, "messages": msgs})
+    assert r.status == 400
+    err = await r.json()
+    assert err["type"] == "error" and "messages[1]" in err["error"]["message"]
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [("GET", URL, 405), ("POST", URL + "/batches", 404)])
+async def test_routing_errors_under_messages_have_anthropic_shape(
+    make_client: MakeClient, method: str, path: str, status: int
+) -> None:
+    client = await make_client()
+    r = await client.request(method, path, json={})
+    assert r.status == status
+    err = await r.json()
+    assert err["type"] == "error" and err["error"]["type"] in ("not_found_error", "invalid_request_error")
+
+
+async def test_count_tokens_refuses_what_the_request_would(make_client: MakeClient) -> None:
+    client = await make_client()
+    body = {
+        "model": "m",
+        "messages": MSGS,
+        "output_format": {"type": "json_schema", "schema": {"type": "nonsense"}},
+    }
+    counted = await client.post(URL + "/count_tokens", json=body)
+    sent = await client.post(URL, json={**body, "max_tokens": 4})
+    assert counted.status == sent.status == 400

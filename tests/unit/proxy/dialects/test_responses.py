@@ -274,3 +274,12 @@ async def test_get_stored_response_is_404(make_client: MakeClient) -> None:
     async with sdk(client) as api:
         with pytest.raises(openai.NotFoundError):
             await api.responses.retrieve("resp_123")
+
+
+async def test_logit_bias_reaches_the_worker(make_client: MakeClient, fake: FakeEngineClient) -> None:
+    client = await make_client()
+    r = await client.post(URL, json={"model": "m", "input": "hi", "logit_bias": {"21285": 100}})
+    assert r.status == 200
+    assert fake.submits[-1].params.logit_bias == {21285: 100.0}
+    bad = await client.post(URL, json={"model": "m", "input": "hi", "logit_bias": "x"})
+    assert bad.status == 400 and (await bad.json())["error"]["param"] == "logit_bias"
