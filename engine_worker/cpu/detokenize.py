@@ -71,12 +71,10 @@ class IncrementalDetokenizer:
         return new
 
     def flush(self) -> str:
-        """Text still held at the end of generation. A character the end cut in
-        half (the token limit stopped the output inside its UTF-8 bytes) is
-        dropped: its bytes can never complete, and a U+FFFD in its place is not
-        text the model wrote (``docs/http-contract.md``)."""
+        """Text still held at the end of generation (may contain U+FFFD if the
+        output really ended inside a character)."""
         text = self._decode(self._tokens[self._prefix :])
-        new = text[len(self._prefix_text) :].rstrip(_REPLACEMENT)
+        new = text[len(self._prefix_text) :]
         self._tokens.clear()
         self._prefix = self._read = 0
         self._prefix_text = ""
