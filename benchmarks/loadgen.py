@@ -31,6 +31,7 @@ step). Results are one JSON object on stdout.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import asyncio
 import bisect
@@ -107,7 +108,7 @@ def messages_body(content: str, max_tokens: int, *, model: str = "synthetic") ->
 
 
 @dataclass(frozen=True)
-class Api:
+class Api(abc.ABC):
     """One dialect: its path, extra headers, request body, and how its events carry
     the text, the usage (prompt tokens, completion tokens) and the end of the stream."""
 
@@ -115,17 +116,21 @@ class Api:
     headers: tuple[str, ...]
     body: Callable[..., bytes]  # (content, max_tokens, *, model) -> the request's body
 
+    @abc.abstractmethod
     def text(self, ev: dict[str, Any]) -> str | None:
-        raise NotImplementedError
+        """From one event of the stream."""
 
+    @abc.abstractmethod
     def usage(self, ev: dict[str, Any]) -> tuple[int, int] | None:
-        raise NotImplementedError
+        """From one event of the stream."""
 
+    @abc.abstractmethod
     def end(self, ev: dict[str, Any]) -> bool:
-        raise NotImplementedError
+        """From one event of the stream."""
 
+    @abc.abstractmethod
     def error(self, ev: dict[str, Any]) -> object:
-        raise NotImplementedError
+        """From one event of the stream."""
 
 
 class ChatApi(Api):

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Sequence
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, ClassVar, Literal, TypeVar
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -590,6 +590,8 @@ class ChunkFrames:
     __slots__ = ("_continuous", "_include_usage", "_object", "_timings", "gen", "header")
 
     ping = sse.PING
+    progress_choice: ClassVar[StreamChoice]
+    """Choice 0 of a progress or queue chunk (no text yet): the subclass's."""
 
     def __init__(
         self,
@@ -634,18 +636,15 @@ class ChunkFrames:
             chunk.timings = self.timings_now()
         return chunk
 
-    def progress_choice(self) -> StreamChoice:
-        raise NotImplementedError
-
     def queue(self, ev: QueueProgress, out: list[bytes]) -> None:
         self.gen.choices[0].first_sent = True
-        chunk = self.chunk(self.progress_choice())
+        chunk = self.chunk(self.progress_choice)
         chunk.queue_progress = QueuePosition.of(ev)
         out.append(sse.event(chunk))
 
     def progress(self, ev: PrefillProgress, out: list[bytes]) -> None:
         self.gen.choices[0].first_sent = True
-        chunk = self.chunk(self.progress_choice())
+        chunk = self.chunk(self.progress_choice)
         chunk.prompt_progress = PromptProgress.of(ev)
         out.append(sse.event(chunk))
 

@@ -75,8 +75,7 @@ class ChatFrames(ChunkFrames):
 
     __slots__ = ()
 
-    def progress_choice(self) -> ChatDeltaChoice:
-        return _PROGRESS
+    progress_choice = _PROGRESS
 
     def text(self, choice: Choice, text: str, logprobs: Logprobs, offset: int, out: list[bytes]) -> None:
         delta = Delta(role="assistant", content=text) if _first(choice) else Delta(content=text)

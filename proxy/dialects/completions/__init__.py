@@ -92,8 +92,7 @@ class TextFrames(ChunkFrames):
 
     __slots__ = ()
 
-    def progress_choice(self) -> TextChoice:
-        return _PROGRESS
+    progress_choice = _PROGRESS
 
     def text(self, choice: Choice, text: str, logprobs: Logprobs, offset: int, out: list[bytes]) -> None:
         out.append(sse.event(self.chunk(TextChoice(choice.index, text, _logprobs(logprobs, offset)))))
