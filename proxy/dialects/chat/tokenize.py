@@ -30,9 +30,15 @@ from proxy.task import Sampling, TextTask, chat_submit, text_submits, tool_plan
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's fields; ``add_special_tokens`` and ``return_token_strs`` are
+    honoured only at what this server does (special tokens as the generation
+    endpoint adds them, no token strings): anything else is a 400 naming them."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, object]] | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = None
 
 
 class TokenizeResponse(msgspec.Struct, gc=False):
@@ -55,6 +61,16 @@ async def tokenize_handler(request: web.Request) -> web.Response:
     """``POST /tokenize`` (module docstring)."""
     body = await read_request(request)
     head = decode(body, TokenizeRequest, REFUSE_NOTHING, "/tokenize")
+    if head.return_token_strs:
+        raise InvalidRequest("'return_token_strs' is not supported by this server", param="return_token_strs")
+    # What the generation endpoint does: a raw prompt gets the tokenizer's special
+    # tokens (BOS), a conversation only what its template writes.
+    if head.add_special_tokens is not None and head.add_special_tokens != (head.messages is None):
+        raise InvalidRequest(
+            "'add_special_tokens' can only be what the generation endpoint does here (true for "
+            "'prompt', false for 'messages')",
+            param="add_special_tokens",
+        )
     state = request.app[STATE]
     worker = ready_worker(state)
     context = context_of(state, worker)

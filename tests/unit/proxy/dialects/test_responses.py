@@ -283,3 +283,21 @@ async def test_logit_bias_reaches_the_worker(make_client: MakeClient, fake: Fake
     assert fake.submits[-1].params.logit_bias == {21285: 100.0}
     bad = await client.post(URL, json={"model": "m", "input": "hi", "logit_bias": "x"})
     assert bad.status == 400 and (await bad.json())["error"]["param"] == "logit_bias"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": "hi", "add_special_tokens": False}, "add_special_tokens"),
+        ({"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True}, "add_special_tokens"),
+        ({"prompt": "hi", "return_token_strs": True}, "return_token_strs"),
+    ],
+)
+async def test_tokenize_refuses_what_it_cannot_honour(
+    make_client: MakeClient, body: dict[str, Any], param: str
+) -> None:
+    client = await make_client()
+    r = await client.post("/tokenize", json=body)
+    assert r.status == 400 and (await r.json())["error"]["param"] == param
+    ok = await client.post("/tokenize", json={**body, param: None})
+    assert ok.status == 200
