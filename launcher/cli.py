@@ -91,7 +91,7 @@ def serve(worker_args: tuple[str, ...], **values: Any) -> None:
             str(heartbeat_file),
             *worker_args,
         ]
-        from proxy.runner import run
+        from proxy.server.runner import run
 
         # A worker whose heartbeats stop for as long as the proxy waits before it
         # declares it dead is killed and restarted: nothing else would revive it.
@@ -106,7 +106,7 @@ def serve(worker_args: tuple[str, ...], **values: Any) -> None:
 
 async def _serve(settings: ProxySettings, supervisor: WorkerSupervisor) -> None:
     from proxy.app import run_proxy
-    from proxy.engine_client import ZmqEngineClient
+    from proxy.engine.client import ZmqEngineClient
 
     supervision = asyncio.create_task(supervisor.run())
     try:
