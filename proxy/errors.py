@@ -16,6 +16,7 @@
      |    +-- EngineUnavailable         the worker's input queue refused the request
      |    +-- EngineDead                the worker died or restarted with the request in flight
      |    +-- EngineOverloaded          the worker refused the request as overloaded
+     |    +-- RequestAborted            the worker aborted the request (an Abort for it arrived)
      |    +-- ShuttingDown              the proxy is draining after SIGINT/SIGTERM
      +-- GatewayTimeout                 504, code "timeout": no worker event for ``request_idle_timeout``
      +-- StalledClient                  408: the client read nothing for ``stalled_client_timeout`` (cut)
@@ -195,6 +196,14 @@ class EngineOverloaded(ServiceUnavailable):
     default_code = "overloaded"
 
 
+class RequestAborted(ServiceUnavailable):
+    """The worker ended the request on an ``Abort``: this proxy sends one only
+    for a request whose client is gone, so a live request seeing it was aborted
+    by another client of the worker socket, and a retry can succeed."""
+
+    default_code = "aborted"
+
+
 class TooManyRequests(QueueFull):
     """``ProxySettings.max_in_flight`` requests are already being served: full now,
     so 429 like a full worker queue, and a retry later can succeed."""
@@ -334,7 +343,7 @@ SAME_NAMES = FieldNames()
 def from_request_error(ev: RequestError) -> ProxyError:
     """Map a worker ``RequestError`` to the exception that carries its status:
     invalid_request and context_length_exceeded -> 400, queue_full -> 429,
-    overloaded -> 503, internal_error -> 500."""
+    overloaded and aborted -> 503, internal_error -> 500."""
     if ev.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED:
         return ContextLengthExceeded(ev.message, param=ev.param)
     if ev.code is ErrorCode.INVALID_REQUEST:
@@ -343,6 +352,8 @@ def from_request_error(ev: RequestError) -> ProxyError:
         return QueueFull(ev.message, param=ev.param)
     if ev.code is ErrorCode.OVERLOADED:
         return EngineOverloaded(ev.message, param=ev.param)
+    if ev.code is ErrorCode.ABORTED:
+        return RequestAborted(ev.message, param=ev.param)
     return EngineInternalError(ev.message, param=ev.param)
 
 

@@ -152,8 +152,13 @@ class Totals:
     draft_rejected: int = 0
 
     def add(self, v: View, failed: bool) -> None:
+        """Count a closed request."""
         self.requests += 1
         self.failed += failed
+        self.add_tokens(v)
+
+    def add_tokens(self, v: View) -> None:
+        """Add what ``v`` did so far (a request in flight, or closed by ``add``)."""
         self.prompt_tokens += v.prompt_tokens
         self.cached_tokens += v.cached_tokens
         self.prefilled_tokens += v.prefilled

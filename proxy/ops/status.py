@@ -22,6 +22,7 @@ Behind the API key when keys are configured (not one of
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -167,27 +168,12 @@ def snapshot(state: ProxyState, inflight: InFlight, streams: int = 0) -> Status:
     """The server's state now (module docstring); requests by stage (decode,
     prefill, queued by position, submitted), oldest first within one."""
     now = time.monotonic()
-    tot = inflight.totals
-    totals = TotalsStatus(
-        requests=tot.requests,
-        failed=tot.failed,
-        prompt_tokens=tot.prompt_tokens,
-        cached_tokens=tot.cached_tokens,
-        prefilled_tokens=tot.prefilled_tokens,
-        completion_tokens=tot.completion_tokens,
-        draft_accepted=tot.draft_accepted,
-        draft_rejected=tot.draft_rejected,
-    )
+    totals = dataclasses.replace(inflight.totals)  # closed requests, plus those in flight so far
     requests: list[RequestStatus] = []
     for t in inflight.requests.values():
         v = t.view()
         requests.append(request_status(t, v, now))
-        totals.prompt_tokens += v.prompt_tokens
-        totals.cached_tokens += v.cached_tokens
-        totals.prefilled_tokens += v.prefilled
-        totals.completion_tokens += v.completion_tokens
-        totals.draft_accepted += v.draft_accepted or 0
-        totals.draft_rejected += v.draft_rejected or 0
+        totals.add_tokens(v)
     requests.sort(
         key=lambda r: (
             _ORDER[Stage(r.stage)],
@@ -205,7 +191,7 @@ def snapshot(state: ProxyState, inflight: InFlight, streams: int = 0) -> Status:
             status_streams=streams,
         ),
         worker=worker_status(state, now),
-        totals=totals,
+        totals=TotalsStatus(**dataclasses.asdict(totals)),
         requests=requests,
     )
 
