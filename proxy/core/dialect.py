@@ -28,11 +28,12 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from aiohttp import web
 
 from protocol.messages import Submit
+from proxy.core.fields import SamplerFields
 from proxy.core.generation import Frames, Generation, Options
 from proxy.core.task import ChatTask, chat_submit, tool_plan
 from proxy.errors import SAME_NAMES, ErrorShape, FieldNames
@@ -58,6 +59,28 @@ class Header:
     id: str
     created: int
     model: str
+
+
+_R = TypeVar("_R", bound=SamplerFields)
+
+
+class RequestJob(Generic[_R]):
+    """What every dialect's ``Job`` starts from: its parsed request ``req``
+    (a ``proxy.core.fields.SamplerFields``), whose ``stream`` and
+    ``return_progress`` the core reads."""
+
+    __slots__ = ("req",)
+
+    def __init__(self, req: _R) -> None:
+        self.req = req
+
+    @property
+    def stream(self) -> bool:
+        return self.req.stream
+
+    @property
+    def return_progress(self) -> bool:
+        return self.req.return_progress
 
 
 class Job(Protocol):

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from protocol.messages import Submit
-from proxy.core.dialect import Context, Dialect, Header, chat_submits
+from proxy.core.dialect import Context, Dialect, Header, RequestJob, chat_submits
 from proxy.core.generation import Frames, Generation, Options
 from proxy.dialects.chat.frames import ChatFrames, chat_body
 from proxy.dialects.chat.request import ChatCompletionRequest, chat_task, parse_chat_request
@@ -18,21 +18,10 @@ from proxy.dialects.chat.tokenize import ROUTES as TOKENIZE_ROUTES
 from proxy.errors import OPENAI_ERRORS
 
 
-class ChatJob:
+class ChatJob(RequestJob[ChatCompletionRequest]):
     """One chat completions request."""
 
-    __slots__ = ("req",)
-
-    def __init__(self, req: ChatCompletionRequest) -> None:
-        self.req = req
-
-    @property
-    def stream(self) -> bool:
-        return self.req.stream
-
-    @property
-    def return_progress(self) -> bool:
-        return self.req.return_progress
+    __slots__ = ()
 
     def submits(self, request_id: str, context: Context) -> tuple[list[Submit], Options]:
         return chat_submits(chat_task(self.req), request_id, context)

@@ -21,7 +21,7 @@ from typing import Annotated
 import msgspec
 
 from protocol.messages import Submit
-from proxy.core.dialect import Context, Dialect, Header
+from proxy.core.dialect import Context, Dialect, Header, RequestJob
 from proxy.core.fields import Refusals, decode
 from proxy.core.generation import Choice, Frames, Generation, Logprobs, Options
 from proxy.core.task import TextTask, text_submits
@@ -100,21 +100,10 @@ class TextFrames(ChunkFrames):
         out.append(sse.event(self.chunk(c)))
 
 
-class CompletionJob:
+class CompletionJob(RequestJob[CompletionRequest]):
     """One text completions request."""
 
-    __slots__ = ("req",)
-
-    def __init__(self, req: CompletionRequest) -> None:
-        self.req = req
-
-    @property
-    def stream(self) -> bool:
-        return self.req.stream
-
-    @property
-    def return_progress(self) -> bool:
-        return self.req.return_progress
+    __slots__ = ()
 
     def submits(self, request_id: str, context: Context) -> tuple[list[Submit], Options]:
         req = self.req

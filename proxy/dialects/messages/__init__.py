@@ -18,7 +18,7 @@ import msgspec
 from aiohttp import web
 
 from protocol.messages import Submit
-from proxy.core.dialect import Context, Dialect, Header, chat_submits
+from proxy.core.dialect import Context, Dialect, Header, RequestJob, chat_submits
 from proxy.core.generation import Frames, Generation, Options
 from proxy.core.task import chat_submit, tool_plan
 from proxy.dialects.messages.frames import MessagesErrors, MessagesFrames, messages_body
@@ -35,21 +35,10 @@ from proxy.serving.serve import check_grammars
 from proxy.serving.side import side_request
 
 
-class MessagesJob:
+class MessagesJob(RequestJob[MessagesRequest]):
     """One Messages request."""
 
-    __slots__ = ("req",)
-
-    def __init__(self, req: MessagesRequest) -> None:
-        self.req = req
-
-    @property
-    def stream(self) -> bool:
-        return self.req.stream
-
-    @property
-    def return_progress(self) -> bool:
-        return self.req.return_progress
+    __slots__ = ()
 
     def submits(self, request_id: str, context: Context) -> tuple[list[Submit], Options]:
         return chat_submits(chat_task(self.req), request_id, context)

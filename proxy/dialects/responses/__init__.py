@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from protocol.messages import Submit
-from proxy.core.dialect import Context, Dialect, Header, chat_submits
+from proxy.core.dialect import Context, Dialect, Header, RequestJob, chat_submits
 from proxy.core.generation import Frames, Generation, Options
 from proxy.dialects.responses.frames import ResponsesFrames, responses_body
 from proxy.dialects.responses.request import FIELDS, ResponsesRequest, parse_responses_request, responses_task
@@ -28,21 +28,10 @@ from proxy.dialects.responses.shapes import Reasoning, Response
 from proxy.errors import OPENAI_ERRORS, NotFound
 
 
-class ResponsesJob:
+class ResponsesJob(RequestJob[ResponsesRequest]):
     """One Responses request."""
 
-    __slots__ = ("req",)
-
-    def __init__(self, req: ResponsesRequest) -> None:
-        self.req = req
-
-    @property
-    def stream(self) -> bool:
-        return self.req.stream
-
-    @property
-    def return_progress(self) -> bool:
-        return self.req.return_progress
+    __slots__ = ()
 
     def submits(self, request_id: str, context: Context) -> tuple[list[Submit], Options]:
         return chat_submits(responses_task(self.req), request_id, context)
