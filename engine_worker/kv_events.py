@@ -33,7 +33,7 @@ are always published before their children; a parent hash of 0 means none, and
 every block it had published and then ``AllBlocksCleared``.
 
 Threads: ``KvEvents`` is called from the engine thread only (the backends' store and
-evict hooks, ``flush`` after each step); it hands one batch per step to
+evict hooks, ``flush`` once per turn of the loop); it hands one batch per step to
 ``KvEventPublisher``, whose bounded queue a sender thread drains. The engine thread
 never waits: a full queue drops the batch (counted, ``dropped``) and marks the index
 for a resync (the next batch re-sends every block); a slow or absent subscriber costs
@@ -50,11 +50,13 @@ someone sent that prefix, the cross-tenant signal ``cache_salt`` exists to remov
 
 from __future__ import annotations
 
+import array
 import hashlib
 import logging
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 from collections import deque
@@ -141,10 +143,13 @@ def chained_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     little-endian int64, the scheme of ExLlamaV3's page table
     (``generator/pagetable.py:23-28``: ``tensor.numpy().tobytes()`` of a ``torch.long``
     tensor on a little-endian host)."""
+    ids = array.array("q", token_ids)
+    if sys.byteorder != "little":
+        ids.byteswap()
     h = hashlib.blake2b(digest_size=16)
     if parent is not None:
         h.update(parent)
-    h.update(b"".join(t.to_bytes(8, "little", signed=True) for t in token_ids))
+    h.update(ids.tobytes())
     return h.digest()
 
 
@@ -482,6 +487,6 @@ class KvEvents:
 class KvEventSource(Protocol):
     """A backend whose cache can be published: ``attach_kv_events`` hooks a ``KvEvents``
     of the backend's block size and medium into its cache and returns it (the loop
-    flushes it after every step)."""
+    flushes it once per turn, after the step)."""
 
     def attach_kv_events(self, sink: BatchSink) -> KvEvents: ...

@@ -137,7 +137,7 @@ class EngineLoop:
     ``serve`` passes its own pid). ``heartbeat_file``:
     where each heartbeat is also written (``protocol.liveness``), for probes
     that need no ZeroMQ peer. ``kv_events``: the backend's KV-cache events
-    (``engine_worker.kv_events``), flushed at the start and after every step;
+    (``engine_worker.kv_events``), flushed at the start and once per turn of the loop;
     ``kv_events_sink``: where they go, whose drops the heartbeats report.
     """
 
@@ -230,14 +230,16 @@ class EngineLoop:
                     except EngineFailed as e:
                         self._give_up(e, pending)
                     self._step_started = 0.0
-                    if self._kv_events is not None:
-                        self._kv_events.flush()
                     # Prepared during the step: queued (and reported) now, not after the next one.
                     self._collect_prepared(pending)
                     self._admit(pending)
                     self._update_stats()
                 if self._queue:
                     self._report_queue(pending)
+                if self._kv_events is not None:
+                    # What this turn's step and aborts changed in the cache: one batch
+                    # (nothing when nothing changed, a set lookup).
+                    self._kv_events.flush()
                 if pending:
                     self._sockets.send(EventBatch(pending))
             dropped = self._drop_all("the engine worker is shutting down")

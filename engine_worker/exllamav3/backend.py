@@ -531,6 +531,7 @@ class ExLlamaV3Backend:
         self._finish(req)
         if req.serial >= 0:
             self._gen.cancel(req.job)
+            self._sync_pages()  # released reservations may give pages their old content back
 
     # ------------------------------------------------------------------ stepping
 
