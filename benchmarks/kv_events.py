@@ -242,7 +242,7 @@ def main() -> None:
         print(
             f"cpu: {r['steps']:.0f} steps of {r['step_ms']:.1f} ms on average, "
             f"{r['stored_blocks']:.0f} blocks of {r['block_size']:.0f} tokens stored: publishing "
-            f"{r['publish_us_per_block']:.1f} µs per stored block, {r['publish_share'] * 100:.3f}% of the "
+            f"{r['publish_us_per_block']:.1f} µs per stored block, {r['publish_share'] * 100:.5f}% of the "
             "engine thread's step time"
         )
     if "pages" in sections:
