@@ -564,8 +564,11 @@ class CpuBackend:
             raise RequestRejected(
                 ErrorCode.INVALID_REQUEST, f"the chat template rejected the messages: {exc}", param="messages"
             ) from exc
-        # Control tokens only where the template wrote them; the rest, client text
-        # included, with special-token parsing off (engine_worker.client_text).
+        # The call's opening the proxy wrote for a named tool (Submit.forced_prefix).
+        pieces += self._control_tokens.prefix_pieces(submit.forced_prefix)
+        # Control tokens only where the template (or the proxy's prefix) wrote them;
+        # the rest, client text included, with special-token parsing off
+        # (engine_worker.client_text).
         texts = [p.text for p in pieces if not p.control]
         encoded = iter(
             self._prompt_tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]

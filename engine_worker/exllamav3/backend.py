@@ -335,7 +335,8 @@ class ExLlamaV3Backend:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, "messages must not be empty", "messages")
         messages = _template_messages(submit)
         tools = _template_tools(submit)
-        return self._h.encode_chat(messages, submit.add_generation_prompt, tools), "messages"
+        ids = self._h.encode_chat(messages, submit.add_generation_prompt, tools, submit.forced_prefix)
+        return ids, "messages"
 
     def prepare(self, submit: Submit) -> Prepared:
         """Tokenize (chat template for ``messages``, with ``tools_json`` and the turns'
