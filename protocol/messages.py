@@ -109,6 +109,26 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     logprobs: int | None = None
     grammar: str | None = None
     grammar_param: str | None = None
+    temperature_last: bool = False
+    """Temperature after top-k/top-p/min-p (on the surviving probabilities) instead of before."""
+    penalty_range: int = -1
+    """Most recent context tokens the penalties apply to in full; -1: the whole context.
+    With ``repetition_decay`` ``d``, a token ``t`` positions beyond the range is penalised
+    with weight ``1 - t / d`` (ExLlamaV3's sustain and decay ranges); 0 and 0: none."""
+    repetition_decay: int = 0
+    xtc_probability: float = 0.0
+    """Exclude Top Choices: with this probability every token of probability at least
+    ``xtc_threshold`` but the least likely of them is excluded (newline and special tokens
+    never are); the engines average over the roll (ExLlamaV3's ``SS_XTC``). No effect greedy."""
+    xtc_threshold: float = 0.1
+    banned_tokens: tuple[int, ...] = ()
+    """Token ids never sampled (masked before every other step)."""
+    ban_eos_token: bool = False
+    """The model's end-of-sequence ids are banned (and so never end the sequence)."""
+    skip_special_tokens: bool | None = None
+    """Special tokens' text is left out of the output (``True``) or kept (``False``);
+    ``None``: the engine's default (the CPU engine leaves them out, ExLlamaV3 keeps them
+    as TabbyAPI does). Stop tokens never show."""
 
 
 class Hello(_Msg, frozen=True, tag="hello"):
@@ -143,6 +163,10 @@ class Submit(_Msg, frozen=True, tag="submit"):
     requests of the same salt (``None`` is a salt too: the shared one), so a
     tenant cannot learn from cache hits what another one sent. A worker whose
     engine cannot keep salts apart refuses a salted request."""
+    add_bos: bool | None = None
+    """Whether ``prompt`` starts with the model's BOS token (TabbyAPI's ``add_bos_token``);
+    ``None``: the engine's own choice. With ``messages`` the chat template places BOS and
+    the worker refuses any other value (``param`` ``add_bos_token``)."""
 
 
 def choice_ids(request_id: str, n: int) -> list[str]:

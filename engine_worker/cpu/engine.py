@@ -212,6 +212,7 @@ class CpuBackend:
         # Grammars and logprobs' token bytes; built on the first request that needs them.
         self._vocabulary = Vocabulary(self._vocab_size, self._end_ids)
         self._token_info_cache: dict[int, tuple[str, bytes]] = {}
+        self._protected: torch.Tensor | None = None  # XTC's held-out tokens, built on first use
         self._prefix_cache = PrefixCache(config.prefix_cache_mb * 2**20)
         self._requests: dict[str, _Request] = {}
         self._prefill_turn = 0  # which sequence in prefill goes first in the next pass
@@ -330,8 +331,19 @@ class CpuBackend:
             prompt_ids=prompt_ids,
             max_new=prepared.max_new_tokens,
             t_added=time.perf_counter(),
-            sampler=TokenSampler(params, prompt_ids, self._vocab_size, stop_ids),
-            detokenizer=IncrementalDetokenizer(self._tokenizer, prompt_ids[-_DETOKENIZER_CONTEXT:]),
+            sampler=TokenSampler(
+                params,
+                prompt_ids,
+                self._vocab_size,
+                stop_ids,
+                eos_ids=self._end_ids,
+                protected=self._xtc_protected() if params.xtc_probability > 0.0 else None,
+            ),
+            detokenizer=IncrementalDetokenizer(
+                self._tokenizer,
+                prompt_ids[-_DETOKENIZER_CONTEXT:],
+                skip_special_tokens=params.skip_special_tokens is not False,
+            ),
             stopper=StopStringMatcher(params.stop),
             drafter=drafter,
             stop_ids=stop_ids,
@@ -508,6 +520,21 @@ class CpuBackend:
             info = self._token_info_cache[token_id] = (raw.decode("utf-8", errors="replace"), raw)
         return info
 
+    def _xtc_protected(self) -> torch.Tensor:
+        """The ``[vocab]`` bool mask of tokens XTC never excludes: every token whose
+        text has a newline, and every special or added token, as ExLlamaV3's
+        ``xtc_default_protected_token_ids`` (``generator/sampler/custom.py``)."""
+        if self._protected is None:
+            texts = self._tokenizer.batch_decode(
+                [[i] for i in range(self._vocab_size)], skip_special_tokens=False
+            )
+            mask = torch.tensor(["\n" in t for t in texts], dtype=torch.bool)
+            added = [i for i in self._tokenizer.added_tokens_decoder if 0 <= i < self._vocab_size]
+            if added:
+                mask[torch.tensor(added, dtype=torch.long)] = True
+            self._protected = mask
+        return self._protected
+
     def _find_end_ids(self) -> frozenset[int]:
         ids: set[int] = set()
         generation_config = self._generation_config
@@ -534,8 +561,10 @@ class CpuBackend:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, "send either messages or prompt, not both")
         if submit.prompt is not None:
             # The caller's own template: its control tokens' text is parsed as such.
-            raw = self._prompt_tokenizer(submit.prompt, add_special_tokens=True)["input_ids"]
-            return [int(i) for i in raw], "prompt"
+            raw = [
+                int(i) for i in self._prompt_tokenizer(submit.prompt, add_special_tokens=True)["input_ids"]
+            ]
+            return self._bos(raw, submit.add_bos), "prompt"
         if not submit.messages:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, "messages is empty", param="messages")
         if self._prompt_tokenizer.chat_template is None:
@@ -568,6 +597,21 @@ class CpuBackend:
             else:
                 ids += (int(i) for i in next(encoded))
         return ids, "messages"
+
+    def _bos(self, ids: list[int], add_bos: bool | None) -> list[int]:
+        """A raw prompt's ids with (``True``) or without (``False``) a leading BOS;
+        ``None``: as the tokenizer made them. Raises ``RequestRejected`` for
+        ``True`` when the model has no BOS token."""
+        bos = self._prompt_tokenizer.bos_token_id
+        if add_bos is None:
+            return ids
+        if add_bos:
+            if not isinstance(bos, int):
+                raise RequestRejected(
+                    ErrorCode.INVALID_REQUEST, "this model has no BOS token", param="add_bos_token"
+                )
+            return ids if ids[:1] == [bos] else [bos, *ids]
+        return ids[1:] if isinstance(bos, int) and ids[:1] == [bos] else ids
 
     # ------------------------------------------------------------------ stepping
 

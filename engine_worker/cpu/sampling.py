@@ -9,18 +9,33 @@ OpenAI-compatible servers (vLLM, llama.cpp):
    negative ones multiplied.
 3. ``presence_penalty``/``frequency_penalty`` (OpenAI's definition): subtract
    ``frequency * count + presence * (count > 0)`` over the output tokens.
-4. A grammar's forbidden tokens (``engine_worker.constraints``) are masked.
+   With a ``penalty_range`` (not -1) both penalties weigh each occurrence by its
+   distance from the end, as ExLlamaV3's ``apply_rep_pens``/``apply_pres_freq_pens``
+   kernels do (``exllamav3_ext/generator/rep_pen.cu``): weight 1 within the last
+   ``penalty_range`` tokens of the context, fading linearly to 0 over the
+   ``repetition_decay`` tokens before them, 0 beyond; a token takes its largest
+   weight (repetition, presence) or the sum of them (frequency), and the
+   repetition penalty blends ``v * (1 - w) + penalised * w``.
+4. ``banned_tokens`` (and with ``ban_eos_token`` the model's end-of-sequence ids)
+   and a grammar's forbidden tokens (``engine_worker.constraints``) are masked.
 5. Before ``min_tokens`` output tokens, end-of-sequence and stop token ids are
    masked, unless the grammar allows nothing else (a complete grammar ends the
    sequence whatever ``min_tokens`` asks).
 6. ``temperature == 0`` takes the argmax. Otherwise divide by the temperature,
    keep the ``top_k`` largest, the smallest set whose probability reaches
-   ``top_p``, and tokens with probability at least ``min_p`` times the largest,
-   then draw from the renormalised distribution with the sequence's own
-   ``torch.Generator`` (seeded from ``seed``, so a seed reproduces the output).
+   ``top_p``, and tokens with probability at least ``min_p`` times the largest
+   (with ``temperature_last`` the filters see temperature 1 and the temperature
+   then raises the surviving probabilities to ``1 / temperature``), then XTC
+   (``xtc_probability``, ExLlamaV3's ``SS_XTC`` rule: of the tokens at or above
+   ``xtc_threshold`` that are not protected, all but the least likely are
+   scaled by ``(1 - p) / (1 + p * m / (1 - m))`` for their mass ``m``, which
+   is the average over the roll of excluding them or not), then draw from the
+   renormalised distribution with the sequence's own ``torch.Generator``
+   (seeded from ``seed``, so a seed reproduces the output).
 
 Every operation is ``O(vocab)`` per position and independent of the sequence
-length; the penalty state is updated incrementally by ``observe``.
+length (a windowed penalty: ``O(penalty_range + repetition_decay)``); the
+penalty state is updated incrementally by ``observe``.
 
 ``sample_scored`` draws the same token as ``sample`` (same generator, same
 probabilities) and also returns log-probabilities of the distribution it drew
@@ -54,7 +69,10 @@ class TokenSampler:
     """Selects tokens for one sequence and tracks what it has generated.
 
     ``vocab_size`` is the width of the model's logits; ``end_ids`` are the token
-    ids that end generation (masked until ``min_tokens`` tokens were generated).
+    ids that end generation (masked until ``min_tokens`` tokens were generated);
+    ``eos_ids`` the model's end-of-sequence ids (banned with ``ban_eos_token``);
+    ``protected`` a ``[vocab]`` bool mask of the tokens XTC never excludes
+    (newline and special tokens, as ExLlamaV3's ``xtc_default_protected_token_ids``).
     """
 
     def __init__(
@@ -63,10 +81,27 @@ class TokenSampler:
         prompt_ids: Iterable[int],
         vocab_size: int,
         end_ids: Iterable[int],
+        *,
+        eos_ids: Iterable[int] = (),
+        protected: torch.Tensor | None = None,
     ) -> None:
         self.params = params
         self.greedy = params.temperature == 0.0
         self.num_generated = 0
+        prompt_ids = list(prompt_ids)
+        banned = set(params.banned_tokens) | (set(eos_ids) if params.ban_eos_token else set())
+        self._banned = torch.tensor(sorted(banned), dtype=torch.long) if banned else None
+        self._protected = protected
+        # An XTC above threshold 0.5 can never find two tokens to choose between (SS_XTC.alt).
+        self._xtc = params.xtc_probability > 0.0 and params.xtc_threshold <= 0.5
+        # Windowed penalties (penalty_range != -1) weigh occurrences by distance: keep the history.
+        penalising = params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+        penalising = penalising or params.frequency_penalty != 0.0
+        self._window = params.penalty_range + params.repetition_decay if params.penalty_range >= 0 else -1
+        self._history: list[int] | None = None
+        self._prompt_len = len(prompt_ids)
+        if penalising and self._window >= 0:
+            self._history = prompt_ids
         self._generator: torch.Generator | None = None
         if not self.greedy:
             seed = params.seed if params.seed is not None else secrets.randbits(63)
@@ -79,14 +114,14 @@ class TokenSampler:
             self._bias_values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
 
         self._seen: torch.Tensor | None = None
-        if params.repetition_penalty != 1.0:
+        if params.repetition_penalty != 1.0 and self._history is None:
             self._seen = torch.zeros(vocab_size, dtype=torch.bool)
             ids = torch.tensor(list(prompt_ids), dtype=torch.long)
             if ids.numel():
                 self._seen[ids] = True
 
         self._counts: torch.Tensor | None = None
-        if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+        if (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0) and self._history is None:
             self._counts = torch.zeros(vocab_size, dtype=torch.float32)
 
         self._suppressed: torch.Tensor | None = None
@@ -96,6 +131,8 @@ class TokenSampler:
     def observe(self, token: int) -> None:
         """Record a generated token (it affects the penalties of later positions)."""
         self.num_generated += 1
+        if self._history is not None:
+            self._history.append(token)
         if self._seen is not None:
             self._seen[token] = True
         if self._counts is not None:
@@ -108,7 +145,7 @@ class TokenSampler:
         p = self.params
         suppress = self._suppressed is not None and self.num_generated < p.min_tokens
         # Copy only when a step below writes in place: `logits` may be a view of the model output.
-        in_place = self._bias_ids is not None or suppress or forbidden is not None
+        in_place = self._bias_ids is not None or suppress or forbidden is not None or self._banned is not None
         x = logits.to(dtype=torch.float32, copy=in_place)
         if self._bias_ids is not None and self._bias_values is not None:
             x.index_add_(0, self._bias_ids, self._bias_values)
@@ -117,6 +154,10 @@ class TokenSampler:
             x = torch.where(self._seen, penalised, x)
         if self._counts is not None:
             x -= p.frequency_penalty * self._counts + p.presence_penalty * (self._counts > 0)
+        if self._history is not None:
+            x = self._windowed_penalties(x)
+        if self._banned is not None:
+            x[self._banned] = float("-inf")
         if forbidden is not None:
             x.masked_fill_(forbidden, float("-inf"))
         if suppress and self._suppressed is not None and self._suppressed.numel():
@@ -126,16 +167,53 @@ class TokenSampler:
                 x[self._suppressed] = kept  # the grammar allows only an end token: it wins
         return x
 
+    def _windowed_penalties(self, x: torch.Tensor) -> torch.Tensor:
+        """Step 3 with a ``penalty_range``: weights by distance from the end of the
+        context (``rep_pen.cu``'s rule, module docstring). ``x`` float32 ``[vocab]``."""
+        p, history = self.params, self._history
+        assert history is not None
+        if self._window <= 0:
+            return x  # nothing in range: SS_RepP/SS_PresFreqP are no-ops (custom.py's alt())
+        start = max(0, len(history) - self._window)
+        ids = torch.tensor(history[start:], dtype=torch.long)
+        if not ids.numel():
+            return x
+        dist = torch.arange(ids.numel(), 0, -1, dtype=torch.float32)  # the last token: distance 1
+        if p.repetition_decay > 0:
+            weight = (1.0 - (dist - p.penalty_range) / p.repetition_decay).clamp(0.0, 1.0)
+        else:
+            weight = torch.ones_like(dist)
+        if p.repetition_penalty != 1.0:
+            w = torch.zeros_like(x).scatter_reduce_(0, ids, weight, reduce="amax")
+            penalised = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+            x = x * (1.0 - w) + penalised * w
+        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            # Output tokens only, as without a range (OpenAI's definition; module docstring).
+            first_output = max(0, self._prompt_len - start)
+            out_ids, out_w = ids[first_output:], weight[first_output:]
+            if out_ids.numel():
+                freq = torch.zeros_like(x).index_add_(0, out_ids, out_w)
+                presence = torch.zeros_like(x).scatter_reduce_(0, out_ids, out_w, reduce="amax")
+                x = x - p.frequency_penalty * freq - p.presence_penalty * presence
+        return x
+
+    def probs(self, x: torch.Tensor) -> torch.Tensor:
+        """Step 6's distribution (before the draw) for processed logits ``x``."""
+        p = self.params
+        probs = filtered_probs(
+            x, p.temperature, p.top_k, p.top_p, p.min_p, temperature_last=p.temperature_last
+        )
+        if self._xtc:
+            probs = xtc(probs, p.xtc_probability, p.xtc_threshold, self._protected)
+        return probs
+
     def sample(self, logits: torch.Tensor, forbidden: torch.Tensor | None = None) -> int:
         """The next token for one position's raw ``logits`` (``[vocab]``), never one
         ``forbidden`` marks."""
         x = self.process(logits, forbidden)
         if self.greedy:
             return int(torch.argmax(x))
-        probs = filtered_probs(
-            x, self.params.temperature, self.params.top_k, self.params.top_p, self.params.min_p
-        )
-        return int(torch.multinomial(probs, 1, generator=self._generator))
+        return int(torch.multinomial(self.probs(x), 1, generator=self._generator))
 
     def sample_scored(self, logits: torch.Tensor, top: int, forbidden: torch.Tensor | None = None) -> Scored:
         """``sample``, and the log-probabilities of the distribution sampled from:
@@ -150,13 +228,18 @@ class TokenSampler:
             if filtering:  # the argmax always survives the filters
                 probs = filtered_probs(x, 1.0, p.top_k, p.top_p, p.min_p)
         else:
-            probs = filtered_probs(x, p.temperature, p.top_k, p.top_p, p.min_p)
+            probs = self.probs(x)
             token = int(torch.multinomial(probs, 1, generator=self._generator))
             scaled = x / p.temperature
-        if filtering and probs is not None:
-            scaled = scaled.masked_fill(probs == 0.0, float("-inf"))
-        # Log-space normalisation rather than log(probs): exact for unlikely tokens too.
-        logprobs = scaled - torch.logsumexp(scaled, dim=-1)
+        if not self.greedy and (self._xtc or p.temperature_last):
+            # The distribution is no longer a softmax of scaled logits: take it as it is.
+            assert probs is not None
+            logprobs = torch.log(probs)
+        else:
+            if filtering and probs is not None:
+                scaled = scaled.masked_fill(probs == 0.0, float("-inf"))
+            # Log-space normalisation rather than log(probs): exact for unlikely tokens too.
+            logprobs = scaled - torch.logsumexp(scaled, dim=-1)
         alternatives: list[tuple[int, float]] = []
         if top > 0:
             values, ids = torch.topk(logprobs, min(top, logprobs.shape[-1]))
@@ -167,11 +250,26 @@ class TokenSampler:
 
 
 def filtered_probs(
-    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+    *,
+    temperature_last: bool = False,
 ) -> torch.Tensor:
     """Probabilities (``[vocab]``, summing to 1) after temperature, top-k, top-p and
     min-p; filtered-out tokens get probability 0. The most likely token always
-    survives. ``temperature`` must be > 0."""
+    survives. ``temperature`` must be > 0. With ``temperature_last`` the filters
+    run at temperature 1 and the temperature then raises the surviving
+    probabilities to ``1 / temperature`` (ExLlamaV3's ``SS_Temperature`` on
+    probabilities, ``probs.pow_(1.0 / self.temperature)``)."""
+    if temperature_last:
+        probs = filtered_probs(logits, 1.0, top_k, top_p, min_p)
+        if temperature != 1.0:
+            probs = probs.pow(1.0 / temperature)
+            probs = probs / probs.sum()
+        return probs
     x = logits / temperature
     vocab = x.shape[-1]
     if 0 < top_k < vocab:
@@ -191,3 +289,32 @@ def filtered_probs(
         probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
         probs = probs / probs.sum()
     return probs
+
+
+def xtc(
+    probs: torch.Tensor, probability: float, threshold: float, protected: torch.Tensor | None
+) -> torch.Tensor:
+    """ExLlamaV3's ``SS_XTC`` on normalised ``probs`` (``[vocab]``): of the tokens
+    with probability at least ``threshold`` that ``protected`` (a ``[vocab]``
+    bool mask, or ``None``) does not hold out, all but the least likely are
+    excluded with ``probability``. As there, the roll is averaged: the excluded
+    tokens are scaled by ``(1 - p) / (1 + p * m / (1 - m))`` for their mass
+    ``m``, which is the mixture of "excluded" and "kept" once renormalised.
+    Returns renormalised probabilities."""
+    order = torch.argsort(probs, descending=True)
+    sorted_probs = probs[order]
+    k = probs.shape[-1] if threshold <= 0.0 else min(probs.shape[-1], int(1.0 / threshold) + 1)
+    head = sorted_probs[:k]
+    qualifies = head >= threshold
+    if protected is not None:
+        qualifies &= ~protected[order[:k]]
+    count = int(qualifies.sum())
+    if count < 2:
+        return probs
+    excluded = qualifies & (torch.cumsum(qualifies.to(torch.int64), dim=-1) < count)
+    mass = float((head * excluded).sum())
+    scale = (1.0 - probability) / (1.0 + probability * mass / (1.0 - mass)) if mass < 1.0 else 0.0
+    out = probs.clone()
+    ids = order[:k][excluded]
+    out[ids] = out[ids] * scale
+    return out / out.sum()

@@ -315,7 +315,8 @@ class ExLlamaV3Backend:
 
     def _tokenize(self, submit: Submit) -> tuple[Any, str]:
         if submit.prompt is not None:
-            return self._h.encode(submit.prompt, self._config.add_bos), "prompt"
+            add_bos = self._config.add_bos if submit.add_bos is None else submit.add_bos
+            return self._h.encode(submit.prompt, add_bos), "prompt"
         if not submit.messages:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, "messages must not be empty", "messages")
         messages = _template_messages(submit)
@@ -328,12 +329,16 @@ class ExLlamaV3Backend:
         context are the loop's to check (``engine_worker.admission``).
 
         Raises ``RequestRejected`` (``INVALID_REQUEST``) for a chat template that
-        refuses the messages or a grammar that does not compile (``param =
-        params.grammar_param``).
+        refuses the messages, a grammar that does not compile (``param =
+        params.grammar_param``) or XTC on a handle without ``new_xtc_sampler``.
         """
         # No _check_thread(): this runs on the loop's prepare thread, and only the
         # tokenizer, chat template and grammar compiler are used, never the generator.
         params = submit.params
+        if params.xtc_probability > 0.0 and self._h.new_xtc_sampler is None:
+            raise RequestRejected(
+                ErrorCode.INVALID_REQUEST, "XTC is not available on this engine", "xtc_probability"
+            )
         param = "prompt" if submit.prompt is not None else "messages"
         try:
             input_ids, param = self._tokenize(submit)
@@ -451,9 +456,14 @@ class ExLlamaV3Backend:
             kwargs = dict(settings.job_kwargs)
             if grammar is not None:
                 kwargs["filters"] = [grammar]
+            if settings.xtc is None:
+                sampler = h.new_sampler(**settings.sampler_kwargs)
+            else:
+                assert h.new_xtc_sampler is not None  # validate refused XTC otherwise
+                sampler = h.new_xtc_sampler(*settings.xtc, **settings.sampler_kwargs)
             return h.new_job(
                 input_ids=input_ids,
-                sampler=h.new_sampler(**settings.sampler_kwargs),
+                sampler=sampler,
                 identifier=rid,
                 max_rq_tokens=segment.rq,
                 **kwargs,

@@ -102,6 +102,8 @@ choosing tokens instead of a network:
 
 Deliberately stricter than 1.6.5: ``Job``, ``Generator``, ``Cache`` and
 ``ComboSampler`` take exactly the 1.6.5 parameter names and no ``**kwargs``, so a
+(``CustomSampler`` and the ``SS_*`` steps the backend's XTC stack uses record their
+arguments; a logit bias of ``-inf`` bans its token, as ``LogitBias`` does)
 misspelt keyword fails here instead of being ignored; features the worker does
 not use (token healing, banned strings, embeddings, ``return_logits``, loop
 detection, recurrent models) raise ``NotImplementedError``. N-gram drafting follows 1.6.5's
@@ -111,15 +113,19 @@ rates are the fake model's, not a real one's.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 import math
 import os
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+from engine_worker.exllamav3.sampling import xtc_sampler
 
 PAGE_SIZE = 256
 __version__ = "1.6.5+fake"
@@ -765,7 +771,74 @@ class ComboSampler:
             "top_k": top_k,
             "top_p": top_p,
             "logit_bias": logit_bias,
+            "rep_sustain_range": rep_sustain_range,
+            "rep_decay_range": rep_decay_range,
+            "temp_last": temp_last,
         }
+
+
+class _Step:
+    """One recorded sampler step of a ``CustomSampler`` stack: its class name and arguments."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args, self.kwargs = args, kwargs
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}{self.args}"
+
+
+class SS_LogitBias(_Step):
+    pass
+
+
+class SS_RepP(_Step):
+    pass
+
+
+class SS_PresFreqP(_Step):
+    pass
+
+
+class SS_Temperature(_Step):
+    pass
+
+
+class SS_MinP(_Step):
+    pass
+
+
+class SS_TopK(_Step):
+    pass
+
+
+class SS_TopP(_Step):
+    pass
+
+
+class SS_Sample(_Step):
+    pass
+
+
+class SS_XTC(_Step):
+    """``SS_XTC(probability, threshold, protected_token_ids=None, tokenizer=None)``; asserts
+    both in [0, 1] as 1.6.5 does (``generator/sampler/custom.py:698-699``)."""
+
+    def __init__(
+        self, probability: float, threshold: float, protected_token_ids: Any = None, tokenizer: Any = None
+    ):
+        assert 0.0 <= probability <= 1.0
+        assert 0.0 <= threshold <= 1.0
+        super().__init__(probability, threshold, protected_token_ids=protected_token_ids, tokenizer=tokenizer)
+
+
+class CustomSampler:
+    """Records a ``CustomSampler(steps)`` stack (``generator/sampler/custom.py:1140-1144``).
+    ``settings`` holds what the fake generator reads: the ``SS_LogitBias`` step's biases."""
+
+    def __init__(self, steps: list[_Step]) -> None:
+        self.steps = steps
+        bias = next((s.args[0] for s in steps if isinstance(s, SS_LogitBias)), None)
+        self.settings: dict[str, Any] = {"logit_bias": bias or None}
 
 
 # ---------------------------------------------------------------- paging
@@ -2081,6 +2154,9 @@ class Generator:
         allowed = job.logit_mask
         candidates = []
         bias = job.sampler.settings.get("logit_bias") or {}
+        # A bias of -inf is a ban: LogitBias keeps it (sampler/custom.py:600-609) and the
+        # token's probability is 0 whatever the model prefers.
+        banned = {t for t, b in bias.items() if b == -math.inf}
         if bias:
             top = max(bias, key=lambda t: bias[t])
             if bias[top] >= DOMINANT_BIAS:
@@ -2089,10 +2165,10 @@ class Generator:
         if job.new_tokens < job.min_new_tokens and choice in job.stop_tokens:
             candidates.append(0x20)
         for token in candidates:
-            if allowed is None or token in allowed:
+            if (allowed is None or token in allowed) and token not in banned:
                 return token, choice
-        assert allowed is not None
-        in_vocab = sorted(t for t in allowed if t < VOCAB_SIZE)
+        pool = allowed if allowed is not None else range(VOCAB_SIZE)
+        in_vocab = sorted(t for t in pool if t < VOCAB_SIZE and t not in banned)
         # Everything masked: the sampler's argmax over -inf picks id 0.
         return (in_vocab[0] if in_vocab else 0), choice
 
@@ -2254,6 +2330,7 @@ def make_handle(
         generator=gen,
         new_job=Job,
         new_sampler=ComboSampler,
+        new_xtc_sampler=functools.partial(xtc_sampler, sys.modules[__name__], tok),
         encode=encode,
         encode_chat=encode_chat,
         decode=decode,
