@@ -1,0 +1,139 @@
+"""The local-LLM sampler steps of the CPU engine (``engine_worker.cpu.sampling``),
+each against a value computed by hand from ExLlamaV3 1.6.5's definition
+(``SS_XTC``, ``SS_Temperature`` on probabilities, ``apply_rep_pens``'s sustain and
+decay ranges), and through the engine on the tiny model: banned tokens never
+appear, ``ban_eos_token`` runs to the limit, ``add_bos_token`` places BOS."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from engine_worker.cpu.sampling import TokenSampler, filtered_probs, xtc  # noqa: E402
+from protocol.messages import FinishReason, SamplingParams, Submit  # noqa: E402
+
+
+EOS = 2  # <|im_end|> in SmolLM2's vocabulary
+
+
+def _probs(values: list[float]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def test_xtc_at_probability_one_removes_every_top_choice_but_the_least_likely() -> None:
+    # 0.5, 0.3 and 0.15 reach 0.1: the first two go, 0.15 stays with 0.05.
+    out = xtc(_probs([0.5, 0.3, 0.15, 0.05]), 1.0, 0.1, None)
+    assert out.tolist() == pytest.approx([0.0, 0.0, 0.75, 0.25])
+
+
+def test_xtc_averages_the_roll() -> None:
+    # p = 0.5: half the time [0, 0, .75, .25], half [.5, .3, .15, .05]; the mean.
+    out = xtc(_probs([0.5, 0.3, 0.15, 0.05]), 0.5, 0.1, None)
+    assert out.tolist() == pytest.approx([0.25, 0.15, 0.45, 0.15])
+
+
+def test_xtc_leaves_protected_tokens_and_a_single_candidate_alone() -> None:
+    protected = torch.tensor([True, False, False, False])
+    out = xtc(_probs([0.5, 0.3, 0.15, 0.05]), 1.0, 0.1, protected)
+    # Token 0 is held out: of 1 and 2, only 1 goes; its mass goes to the rest.
+    assert out.tolist() == pytest.approx([0.5 / 0.7, 0.0, 0.15 / 0.7, 0.05 / 0.7])
+    assert xtc(_probs([0.9, 0.05, 0.05]), 1.0, 0.1, None).tolist() == pytest.approx([0.9, 0.05, 0.05])
+
+
+def test_xtc_sampling_never_draws_an_excluded_token() -> None:
+    logits = torch.log(_probs([0.5, 0.3, 0.15, 0.05]))
+    params = SamplingParams(max_tokens=1, temperature=1.0, seed=3, xtc_probability=1.0, xtc_threshold=0.1)
+    sampler = TokenSampler(params, [], 4, [])
+    drawn = {sampler.sample(logits) for _ in range(200)}
+    assert drawn <= {2, 3} and drawn == {2, 3}
+
+
+def test_xtc_does_nothing_greedy() -> None:
+    logits = torch.log(_probs([0.5, 0.3, 0.15, 0.05]))
+    params = SamplingParams(max_tokens=1, temperature=0.0, xtc_probability=1.0, xtc_threshold=0.1)
+    assert TokenSampler(params, [], 4, []).sample(logits) == 0
+
+
+def test_temperature_last_filters_at_temperature_one() -> None:
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    # min_p 0.3 at temperature 1 keeps tokens 0 and 1 (ratios e^-1 = 0.37, e^-2 = 0.14).
+    first = filtered_probs(logits, 2.0, 0, 1.0, 0.3)
+    last = filtered_probs(logits, 2.0, 0, 1.0, 0.3, temperature_last=True)
+    # Temperature first: at T=2 the ratios are e^-0.5, e^-1, e^-1.5: tokens 0..2 survive.
+    assert (first > 0).tolist() == [True, True, True, False]
+    # Temperature last: tokens 0 and 1 survive at T=1, then p ** (1 / 2), renormalised.
+    kept = torch.softmax(logits[:2], dim=-1).pow(0.5)
+    assert last.tolist() == pytest.approx([*(kept / kept.sum()).tolist(), 0.0, 0.0])
+
+
+def _penalised(params: SamplingParams, prompt: list[int], logits: list[float]) -> list[float]:
+    return TokenSampler(params, prompt, len(logits), []).process(torch.tensor(logits)).tolist()
+
+
+def test_penalty_range_and_decay_weigh_by_distance() -> None:
+    # History 0, 1, 2 (2 is the last); range 1, decay 2: token 2 weight 1, token 1
+    # weight 1 - (2 - 1) / 2 = 0.5, token 0 weight 1 - (3 - 1) / 2 = 0.
+    params = SamplingParams(max_tokens=1, repetition_penalty=2.0, penalty_range=1, repetition_decay=2)
+    out = _penalised(params, [0, 1, 2], [4.0, 4.0, 4.0, 4.0])
+    assert out == pytest.approx([4.0, 4.0 * 0.5 + 2.0 * 0.5, 2.0, 4.0])
+
+
+def test_penalty_range_without_decay_is_a_window() -> None:
+    params = SamplingParams(max_tokens=1, repetition_penalty=2.0, penalty_range=2)
+    assert _penalised(params, [0, 1, 2], [4.0, -4.0, 4.0, 4.0]) == pytest.approx([4.0, -8.0, 2.0, 4.0])
+    # Range 0 without decay penalises nothing (ExLlamaV3's SS_RepP is then a no-op).
+    params = SamplingParams(max_tokens=1, repetition_penalty=2.0, penalty_range=0)
+    assert _penalised(params, [0, 1, 2], [4.0, -4.0, 4.0, 4.0]) == pytest.approx([4.0, -4.0, 4.0, 4.0])
+
+
+def test_windowed_frequency_counts_output_tokens_in_range() -> None:
+    params = SamplingParams(max_tokens=4, frequency_penalty=1.0, presence_penalty=0.5, penalty_range=2)
+    sampler = TokenSampler(params, [3, 3], 4, [])
+    for token in (1, 1, 2):
+        sampler.observe(token)
+    # Window: the last 2 of [3, 3, 1, 1, 2] -> 1, 2; the prompt's 3s are not output.
+    out = sampler.process(torch.zeros(4)).tolist()
+    assert out == pytest.approx([0.0, -1.5, -1.5, 0.0])
+
+
+def test_banned_tokens_and_ban_eos_are_masked_greedy_too() -> None:
+    params = SamplingParams(max_tokens=1, temperature=0.0, banned_tokens=(0,), ban_eos_token=True)
+    sampler = TokenSampler(params, [], 4, [3], eos_ids=[1])
+    assert sampler.sample(torch.tensor([9.0, 8.0, 7.0, 1.0])) == 2
+    x = sampler.process(torch.tensor([9.0, 8.0, 7.0, 1.0]))
+    assert math.isinf(x[0]) and math.isinf(x[1]) and x[2] == 7.0
+
+
+# ---------------------------------------------------------------- through the engine
+
+
+def test_banned_tokens_never_appear(tiny: Any, tokenizer: Any, make_backend: Any, run_one: Any, raw: Any) -> None:
+    backend = make_backend(tiny)
+    plain = run_one(backend, raw("a", "Hello", max_tokens=6))
+    out = tokenizer(plain.text, add_special_tokens=False)["input_ids"]
+    banned = tuple(sorted(set(out)))
+    r = run_one(backend, raw("b", "Hello", max_tokens=6, banned_tokens=banned))
+    again = tokenizer(r.text, add_special_tokens=False)["input_ids"]
+    assert r.text != plain.text and not set(again) & set(banned)
+
+
+def test_ban_eos_token_runs_to_the_limit(tiny: Any, make_backend: Any, run_one: Any, raw: Any) -> None:
+    backend = make_backend(tiny)
+    bias = {EOS: 100.0}
+    assert run_one(backend, raw("a", "Hello", logit_bias=bias)).finished.completion_tokens == 1
+    r = run_one(backend, raw("b", "Hello", logit_bias=bias, ban_eos_token=True, max_tokens=5))
+    assert (r.finished.completion_tokens, r.finished.finish_reason) == (5, FinishReason.LENGTH)
+
+
+def test_add_bos_token_places_or_removes_bos(tokenizer: Any, tiny: Any, make_backend: Any) -> None:
+    backend = make_backend(tiny)
+    bos = tokenizer.bos_token_id
+    with_bos = backend.prepare(Submit("a", SamplingParams(max_tokens=2), prompt="Hi", add_bos=True))
+    without = backend.prepare(Submit("b", SamplingParams(max_tokens=2), prompt="Hi", add_bos=False))
+    assert backend.prompt_ids(with_bos)[0] == bos
+    assert backend.prompt_ids(without)[:1] != [bos]
+    assert backend.prompt_ids(with_bos)[1:] == backend.prompt_ids(without)
