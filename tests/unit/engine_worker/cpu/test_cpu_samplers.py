@@ -111,7 +111,9 @@ def test_banned_tokens_and_ban_eos_are_masked_greedy_too() -> None:
 # ---------------------------------------------------------------- through the engine
 
 
-def test_banned_tokens_never_appear(tiny: Any, tokenizer: Any, make_backend: Any, run_one: Any, raw: Any) -> None:
+def test_banned_tokens_never_appear(
+    tiny: Any, tokenizer: Any, make_backend: Any, run_one: Any, raw: Any
+) -> None:
     backend = make_backend(tiny)
     plain = run_one(backend, raw("a", "Hello", max_tokens=6))
     out = tokenizer(plain.text, add_special_tokens=False)["input_ids"]
