@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from proxy.core.samplers import ALIASES, TABLE, Support, markdown_table
+from proxy.core.samplers import TABLE, Support, markdown_table
 from tests.fakes.engine_client import FakeEngineClient, static_script
 from tests.unit.proxy.conftest import MakeClient
 

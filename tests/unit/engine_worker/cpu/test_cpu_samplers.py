@@ -16,7 +16,6 @@ torch = pytest.importorskip("torch")
 from engine_worker.cpu.sampling import TokenSampler, filtered_probs, xtc  # noqa: E402
 from protocol.messages import FinishReason, SamplingParams, Submit  # noqa: E402
 
-
 EOS = 2  # <|im_end|> in SmolLM2's vocabulary
 
 
