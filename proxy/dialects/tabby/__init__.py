@@ -175,7 +175,7 @@ def _parse_encode(body: bytes) -> EncodeRequest:
     _only_true(req.encode_special_tokens, "encode_special_tokens")
     if isinstance(req.text, list) and req.add_bos_token is not None:
         raise InvalidRequest(
-            "'add_bos_token' applies to a text prompt; a chat template places BOS", "add_bos_token"
+            "'add_bos_token' applies to a text prompt; a chat template places BOS", param="add_bos_token"
         )
     return req
 
