@@ -36,10 +36,13 @@ def validate_request(submit: Submit, info: ModelInfo) -> None:
     """Raises ``RequestRejected`` (``INVALID_REQUEST``, ``param`` = the field) for
     sampling ``info``'s backend cannot honour: ``validate_sampling``, a
     ``logit_bias`` value beyond ``±info.max_logit_bias`` (``-inf`` only where
-    ``info.logit_bias_ban``), ``logprobs`` outside ``[0, MAX_LOGPROBS]``, ``add_bos``
+    ``info.logit_bias_ban``), ``logprobs`` outside ``[0, MAX_LOGPROBS]``, ``banned_strings`` where
+    ``info.banned_strings`` is false, ``add_bos``
     with ``messages`` (named ``add_bos_token``, the request field)."""
     p = submit.params
     validate_sampling(p, info.vocab_size)
+    if p.banned_strings and not info.banned_strings:
+        raise _reject("banned_strings", "banned_strings are not supported by this engine yet")
     if submit.add_bos is not None and submit.prompt is None:
         raise _reject(
             "add_bos_token",

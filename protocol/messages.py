@@ -129,6 +129,10 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     """Special tokens' text is left out of the output (``True``) or kept (``False``);
     ``None``: the engine's default (the CPU engine leaves them out, ExLlamaV3 keeps them
     as TabbyAPI does). Stop tokens never show."""
+    banned_strings: tuple[str, ...] = ()
+    """Strings the output never contains (case-insensitive): text that may start one is
+    held back, and a complete one rewinds the sequence to where it began and bans the
+    token sampled there (ExLlamaV3's ``Job(banned_strings=...)``)."""
 
 
 class Hello(_Msg, frozen=True, tag="hello"):

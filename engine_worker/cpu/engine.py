@@ -65,6 +65,7 @@ from engine_worker.admission import full_reservation
 from engine_worker.backend import Backend, ModelInfo, Prepared, RequestRejected, check_token_ids
 from engine_worker.client_text import ControlTokens, control_tokens
 from engine_worker.constraints import GrammarUnsupported, TokenConstraint, Vocabulary, compile_grammar
+from engine_worker.cpu.banned import BannedStrings
 from engine_worker.cpu.detokenize import IncrementalDetokenizer, StopStringMatcher
 from engine_worker.cpu.kv_cache import SequenceKV
 from engine_worker.cpu.llama import LlamaRunner, Quantization, Segment
@@ -129,6 +130,8 @@ class _Request:
     constraint: TokenConstraint | None = None  # the grammar, when the request has one
     cache_salt: str | None = None  # prefix-cache entries are shared within one salt only
     trail: LogprobTrail | None = None  # when the request asked for logprobs
+    banned: BannedStrings | None = None  # when the request has banned strings
+    rewound: bool = False  # a banned string rewound it during this step's token
     tokens: list[int] = field(default_factory=list)  # prompt + output; tokens[:kv.length] have KV
     kv: SequenceKV | None = None
     processed: int = 0
@@ -228,6 +231,7 @@ class CpuBackend:
             longest_token_chars=max((len(t) for t in vocab), default=0),
             grammar=True,
             logprobs=True,
+            banned_strings=True,
             vocab_size=self._vocab_size,
             # The proxy reads the model's tool-call format from it; this engine
             # passes no tools to its template, so tools come as a system prompt.
@@ -278,6 +282,13 @@ class CpuBackend:
         ``params.grammar_param``).
         """
         params = submit.params
+        if params.banned_strings and (params.grammar is not None or params.logprobs is not None):
+            # Both would need rewinding with the text (a grammar's matcher, the logprob trail).
+            raise RequestRejected(
+                ErrorCode.INVALID_REQUEST,
+                "banned_strings cannot be combined with structured output or logprobs on this engine",
+                param="banned_strings",
+            )
         prompt_ids, param = self._tokenize(submit)
         matcher = None
         if params.grammar is not None:
@@ -322,7 +333,7 @@ class CpuBackend:
             trail = LogprobTrail(self._token_info)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._end_ids)
         drafter = None
-        if self._ngram:
+        if self._ngram and not params.banned_strings:  # a rewind would leave the drafter's index behind
             drafter = NgramDrafter(prompt_ids, self._config.ngram_match_min, self._ngram_match_max)
         self._requests[request_id] = _Request(
             request_id=request_id,
@@ -351,6 +362,7 @@ class CpuBackend:
             constraint=constraint,
             cache_salt=prepared.submit.cache_salt,
             trail=trail,
+            banned=BannedStrings(params.banned_strings) if params.banned_strings else None,
             tokens=list(prompt_ids),
         )
 
@@ -654,6 +666,7 @@ class CpuBackend:
                 self._guarded(later, events, self._follow, later, req, logits[-1], events)
             token, scored = self._choose(req, logits[-1])
             text, reason = self._append_token(req, token, scored)
+            self._settle_rewind(req)
             self._report(req, text, reason, events)
 
     def _follow(self, req: _Request, first: _Request, logits: torch.Tensor, events: list[Event]) -> None:
@@ -670,6 +683,7 @@ class CpuBackend:
         events.append(PrefillProgress(req.request_id, req.prompt_len, req.cached, req.processed, 0))
         token, scored = self._choose(req, logits.clone())  # the sampler may work in place
         text, reason = self._append_token(req, token, scored)
+        self._settle_rewind(req)
         self._report(req, text, reason, events)
 
     def _propose(self, req: _Request) -> list[int]:
@@ -704,13 +718,18 @@ class CpuBackend:
         req.draft_accepted += accepted
         req.draft_rejected += len(drafts) - accepted
         # Positions fed: tokens[-1] and the drafts; keep the last token and the accepted drafts.
-        req.kv.truncate(history_len + accepted)
+        # After a banned string's rewind, all but the last kept token (it is fed next).
+        req.kv.truncate(len(req.tokens) - 1 if req.rewound else history_len + accepted)
+        req.rewound = False
         self._report(req, "".join(pieces), reason, events)
 
     def _choose(self, req: _Request, logits: torch.Tensor) -> tuple[int, Scored | None]:
         """The token for one position's logits, within the grammar, and its score
         when the request asked for logprobs."""
         forbidden = req.constraint.forbidden() if req.constraint is not None else None
+        if req.banned is not None and req.banned.blocked():
+            forbidden = torch.zeros(self._vocab_size, dtype=torch.bool)
+            forbidden[torch.tensor(req.banned.blocked(), dtype=torch.long)] = True
         if req.trail is None:
             return req.sampler.sample(logits, forbidden), None
         assert req.params.logprobs is not None
@@ -734,7 +753,17 @@ class CpuBackend:
         if req.constraint is not None:
             req.constraint.consume(token)
             complete = req.constraint.stopped
-        text = req.detokenizer.add(token)
+        if req.banned is not None:
+            state = req.detokenizer.state()
+            verdict = req.banned.feed(req.detokenizer.add(token), token, req.num_output - 1, state)
+            text = verdict.emit
+            if verdict.rewind is not None:
+                self._rewind(req, verdict.rewind.position, verdict.rewind.state)
+                if req.banned.exhausted:
+                    emit, _ = req.stopper.feed(text) if text else ("", False)
+                    return emit, FinishReason.STOP
+        else:
+            text = req.detokenizer.add(token)
         if req.trail is not None:
             assert scored is not None
             req.trail.add(scored, text)
@@ -749,11 +778,30 @@ class CpuBackend:
             return emit, FinishReason.LENGTH
         return emit, None
 
+    def _rewind(self, req: _Request, position: int, state: Any) -> None:
+        """Back to ``position`` output tokens (a banned string began after them):
+        the tokens since dropped, the sampler and detokenizer as they were then;
+        the KV follows in ``_verify`` (``_Request.rewound``)."""
+        dropped = req.num_output - position
+        del req.tokens[req.prompt_len + position :]
+        req.unreported = max(0, req.unreported - dropped)
+        req.sampler.rewind(req.prompt_ids, req.tokens[req.prompt_len :])
+        req.detokenizer.restore(state)
+        req.rewound = True
+
+    def _settle_rewind(self, req: _Request) -> None:
+        """The KV after a first token's rewind: the prompt but its last token, which
+        the next pass feeds again."""
+        if req.rewound:
+            assert req.kv is not None
+            req.kv.truncate(len(req.tokens) - 1)
+            req.rewound = False
+
     def _report(self, req: _Request, text: str, reason: FinishReason | None, events: list[Event]) -> None:
         """Emit a delta for ``text`` and, when ``reason`` is set, finish the request."""
         if reason is not None and not req.stopper.stopped:
             # Generation ended without a stop string: release held-back text.
-            tail = req.detokenizer.flush()
+            tail = (req.banned.flush() if req.banned is not None else "") + req.detokenizer.flush()
             emit, stopped = req.stopper.feed(tail) if tail else ("", False)
             released = emit if stopped else emit + req.stopper.flush()
             text += released

@@ -138,6 +138,26 @@ class TokenSampler:
         if self._counts is not None:
             self._counts[token] += 1.0
 
+    def rewind(self, prompt_ids: list[int], output: list[int]) -> None:
+        """Forget the generated tokens after ``output`` (the ones kept): the
+        penalty state is rebuilt from ``prompt_ids`` and ``output`` (banned
+        strings rewind the sequence). The generator is not rewound: the
+        resampled position draws fresh numbers, as ExLlamaV3's does."""
+        self.num_generated = len(output)
+        if self._history is not None:
+            self._history = [*prompt_ids, *output]
+        if self._seen is not None:
+            self._seen.zero_()
+            ids = torch.tensor([*prompt_ids, *output], dtype=torch.long)
+            if ids.numel():
+                self._seen[ids] = True
+        if self._counts is not None:
+            self._counts.zero_()
+            if output:
+                self._counts.index_add_(
+                    0, torch.tensor(output, dtype=torch.long), torch.ones(len(output), dtype=torch.float32)
+                )
+
     def process(self, logits: torch.Tensor, forbidden: torch.Tensor | None = None) -> torch.Tensor:
         """Steps 1-5 above on ``logits`` (``[vocab]``, left unchanged); ``forbidden``
         is a grammar's ``[vocab]`` bool mask. Returns float32 logits (``logits``

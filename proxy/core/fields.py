@@ -67,6 +67,9 @@ PenaltyRange = Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX)]
 Decay = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
 MAX_BANNED_TOKENS = 4096
 """Most ``banned_tokens`` of one request (a bounded mask the worker builds per sequence)."""
+MAX_BANNED_STRINGS = 64
+"""Most ``banned_strings`` of one request (each one is searched in the held text per token)."""
+BannedString = Annotated[str, msgspec.Meta(max_length=256)]
 Salt = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 """vLLM's ``cache_salt``: prefix-cache entries are shared only within one salt."""
 
@@ -234,6 +237,7 @@ class SamplerFields(msgspec.Struct, kw_only=True):
     ban_eos_token: bool = False
     skip_special_tokens: bool | None = None
     add_bos_token: bool | None = None
+    banned_strings: Annotated[list[BannedString], msgspec.Meta(max_length=MAX_BANNED_STRINGS)] | None = None
 
     def sampling(
         self, *, max_tokens: int | None, stop: str | list[str] | None, logprobs: int | None
@@ -267,6 +271,7 @@ class SamplerFields(msgspec.Struct, kw_only=True):
             ban_eos_token=self.ban_eos_token,
             skip_special_tokens=self.skip_special_tokens,
             add_bos_token=self.add_bos_token,
+            banned_strings=tuple(self.banned_strings or ()),
         )
 
 

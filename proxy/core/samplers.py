@@ -7,7 +7,7 @@ The table (``TABLE``) is the single source of three things:
   body decoded into a ``proxy.core.fields.SamplerFields`` struct, so chat, text
   completions, Responses and Messages alike): an alias becomes the field's own
   name (two spellings with different values are a 400 naming both), a field
-  some engine cannot honour is accepted at its neutral value and refused with a
+  no engine can honour is accepted at its neutral value and refused with a
   400 naming it at any other, and TabbyAPI's/SillyTavern's loose shapes become
   this server's (a comma-separated ``banned_tokens`` string, one
   ``banned_strings`` string, ``seed: -1`` for "random");
@@ -65,8 +65,10 @@ class SamplerField:
     is_neutral: Callable[[object, Raw], bool]
 
     @property
-    def honoured_everywhere(self) -> bool:
-        return self.cpu is not Support.NEUTRAL and self.exllamav3 is not Support.NEUTRAL
+    def honoured_somewhere(self) -> bool:
+        """Some engine takes any value: the proxy passes it on, and a worker whose
+        engine has not the step refuses it (``engine_worker.admission``)."""
+        return self.cpu is not Support.NEUTRAL or self.exllamav3 is not Support.NEUTRAL
 
 
 def _number(v: object) -> bool:
@@ -281,10 +283,11 @@ TABLE: tuple[SamplerField, ...] = (
         "banned_strings",
         (),
         '[] (or "")',
-        _N,
+        _H,
         _N,
         _TABBY,
-        "Strings never written. ExLlamaV3's Job has them (held back and rewound); not wired here yet.",
+        "Strings never written (case-insensitive): held back, and the sequence rewound where one began, "
+        "as ExLlamaV3's Job does. Not with response_format or logprobs.",
         _empty,
     ),
     SamplerField(
@@ -465,7 +468,8 @@ ALIASES: dict[str, str] = {alias: row.name for row in TABLE for alias in row.ali
 def resolve(raw: dict[str, object], where: str) -> dict[str, object]:
     """``raw`` (a body's top-level fields, ``null`` ones dropped) in the
     table's terms: aliases renamed, loose shapes made strict, and a field that
-    some engine cannot honour refused unless neutral. Raises ``InvalidRequest``
+    no engine can honour refused unless neutral (one that one engine lacks is
+    the worker's to refuse: ``ModelInfo.banned_strings``). Raises ``InvalidRequest``
     naming the field (the alias the client wrote, when it wrote one); ``where``
     is the endpoint, for the message."""
     out = dict(raw)
@@ -482,7 +486,7 @@ def resolve(raw: dict[str, object], where: str) -> dict[str, object]:
     written = {name: alias for alias, name in ALIASES.items() if alias in raw and name not in raw}
     for name, value in list(out.items()):
         row = BY_NAME.get(name)
-        if row is None or row.honoured_everywhere or row.is_neutral(value, out):
+        if row is None or row.honoured_somewhere or row.is_neutral(value, out):
             continue
         param = written.get(name, name)
         raise InvalidRequest(

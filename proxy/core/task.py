@@ -69,6 +69,7 @@ class Sampling:
     banned_tokens: tuple[int, ...] = ()
     ban_eos_token: bool = False
     skip_special_tokens: bool | None = None
+    banned_strings: tuple[str, ...] = ()
     add_bos_token: bool | None = None
     """``None``: the model's own choice; with messages the worker refuses any other."""
 
@@ -237,6 +238,7 @@ def sampling_params(
         banned_tokens=s.banned_tokens,
         ban_eos_token=s.ban_eos_token,
         skip_special_tokens=s.skip_special_tokens,
+        banned_strings=tuple(x for x in s.banned_strings if x),
     )
 
 

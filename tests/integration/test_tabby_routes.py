@@ -48,7 +48,11 @@ async def test_tabby_routes(tmp_path: Path) -> None:
             assert props["total_slots"] == params["max_batch_size"]
             assert isinstance(props["chat_template"], str)
 
-            for method, path in (("POST", "/v1/model/load"), ("POST", "/v1/download"), ("GET", "/v1/lora/list")):
+            for method, path in (
+                ("POST", "/v1/model/load"),
+                ("POST", "/v1/download"),
+                ("GET", "/v1/lora/list"),
+            ):
                 r = await c.request(method, path, json={})
                 assert r.status_code == 404
                 assert "one model per worker" in r.json()["error"]["message"]

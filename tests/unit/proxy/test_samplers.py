@@ -27,7 +27,6 @@ BODIES: dict[str, dict[str, Any]] = {
 
 # A value that asks for something, per neutral-only field (its step switched on where it has a switch).
 ACTIVE: dict[str, tuple[object, dict[str, object]]] = {
-    "banned_strings": (["Paris"], {}),
     "dry_multiplier": (0.8, {}),
     "dry_base": (2.0, {"dry_multiplier": 0.8}),
     "dry_allowed_length": (3, {"dry_multiplier": 0.8}),
@@ -61,7 +60,6 @@ ACTIVE: dict[str, tuple[object, dict[str, object]]] = {
 
 # SillyTavern's neutral values for these (textgen-settings.js, its default `settings`).
 NEUTRAL: dict[str, object] = {
-    "banned_strings": [],
     "dry_multiplier": 0.0,
     "dry_base": 1.75,
     "dry_allowed_length": 2,
@@ -93,7 +91,8 @@ NEUTRAL: dict[str, object] = {
     "max_tokens_second": 0,
 }
 
-NEUTRAL_ONLY = [row.name for row in TABLE if row.cpu is Support.NEUTRAL or row.exllamav3 is Support.NEUTRAL]
+NEUTRAL_ONLY = [row.name for row in TABLE if row.cpu is Support.NEUTRAL and row.exllamav3 is Support.NEUTRAL]
+"""The fields the proxy refuses unless neutral; one that a single engine lacks is the worker's to refuse."""
 
 
 def test_every_neutral_only_field_has_a_case() -> None:
@@ -149,6 +148,7 @@ async def test_honoured_fields_reach_the_worker(
         "rep_pen": 1.1,
         "min_length": 2,
         "seed": -1,
+        "banned_strings": "Paris",
     }
     status, body = await _post(make_client, path, extra)
     assert status == 200, body
@@ -162,6 +162,7 @@ async def test_honoured_fields_reach_the_worker(
         2,
     )
     assert p.seed is None  # -1: a random seed
+    assert p.banned_strings == ("Paris",)  # one string: a list of it
 
 
 async def test_aliases_with_different_values_are_refused(
@@ -224,7 +225,6 @@ def sillytavern_tabby_body(prompt: str) -> dict[str, object]:
         "mirostat_tau": 5,
         "mirostat_eta": 0.1,
         "custom_token_bans": "",
-        "banned_strings": [],
         "api_type": "tabby",
         "api_server": "http://127.0.0.1:8000",
         "legacy_api": False,

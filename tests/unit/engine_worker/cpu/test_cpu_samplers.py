@@ -138,3 +138,65 @@ def test_add_bos_token_places_or_removes_bos(tokenizer: Any, tiny: Any, make_bac
     assert backend.prompt_ids(with_bos)[0] == bos
     assert backend.prompt_ids(without)[:1] != [bos]
     assert backend.prompt_ids(with_bos)[1:] == backend.prompt_ids(without)
+
+
+# ---------------------------------------------------------------- banned strings
+
+
+def test_match_is_partial_strings_match() -> None:
+    from engine_worker.cpu.banned import match
+
+    assert match("the capital is par", ("paris",)) == -2  # runs off the end: hold
+    assert match("the capital is paris.", ("paris",)) == 15
+    assert match("the capital is rome", ("paris",)) == -1
+    # An earlier partial start wins over a later complete one: hold.
+    assert match("abcab", ("abcabx", "cab")) == -2
+
+
+def test_banned_strings_guard_rewinds_to_where_the_match_began() -> None:
+    from engine_worker.cpu.banned import BannedStrings
+
+    guard = BannedStrings(("Paris",))
+    assert guard.feed(" The", 1, 0, "s0").emit == " The"
+    held = guard.feed(" Pa", 2, 1, "s1")
+    assert held.emit == "" and held.rewind is None
+    verdict = guard.feed("ris", 3, 2, "s2")
+    assert verdict.rewind is not None and (verdict.rewind.position, verdict.rewind.state) == (1, "s1")
+    assert verdict.emit == "" and guard.blocked() == [2]
+    # The token sampled at the checkpoint instead leads into the banned string again: both are banned.
+    assert guard.feed(" PARIS", 4, 1, "s1").rewind is not None
+    assert guard.blocked() == [2, 4]
+    assert guard.feed(" Rome", 5, 1, "s1").emit == " Rome" and guard.blocked() == []
+
+
+def test_banned_strings_never_appear(
+    scripted: Any, tokenizer: Any, make_backend: Any, run_one: Any, raw: Any
+) -> None:
+    """The script writes " Paris" after the prompt; banned (in any case), the
+    engine rewinds and the answer goes on without it."""
+    from tests.unit.engine_worker.cpu.test_cpu_engine import chain, ids
+
+    prompt = "The capital of France is"
+    answer = ids(tokenizer, " Paris! Nice town", special=False)
+    scripted.model.setup_script(chain(ids(tokenizer, prompt)[-1], answer))
+    backend = make_backend(scripted)
+    plain = run_one(backend, raw("a", prompt, max_tokens=6))
+    assert plain.text.startswith(" Paris")
+    r = run_one(backend, raw("b", prompt, max_tokens=6, banned_strings=("paris",)))
+    assert "paris" not in r.text.lower() and r.text, r.text
+    # A two-token string later in the answer: the text before it goes out, the rest is resampled.
+    r = run_one(backend, raw("c", prompt, max_tokens=6, banned_strings=("NICE TOWN",)))
+    assert r.text.startswith(" Paris!") and "nice town" not in r.text.lower()
+    assert sum(d.num_tokens for d in r.deltas) == r.finished.completion_tokens
+    assert sum(d.num_tokens for d in r.deltas) == r.finished.completion_tokens
+
+
+def test_banned_strings_refused_with_logprobs(tiny: Any, make_backend: Any) -> None:
+    from engine_worker.backend import RequestRejected
+
+    backend = make_backend(tiny)
+    with pytest.raises(RequestRejected) as e:
+        backend.prepare(
+            Submit("a", SamplingParams(max_tokens=2, banned_strings=("x",), logprobs=1), prompt="Hi")
+        )
+    assert e.value.param == "banned_strings"

@@ -579,6 +579,13 @@ def test_xtc_builds_combo_stack_with_xtc_before_sample() -> None:
     assert isinstance(rec.inner.pending_jobs[1].sampler, fx.ComboSampler)
 
 
+def test_banned_strings_are_refused_by_this_engine_for_now() -> None:
+    backend, _ = make_backend()
+    with pytest.raises(RequestRejected) as e:
+        add(backend, raw("a", "x", banned_strings=("paris",)))
+    assert e.value.param == "banned_strings"
+
+
 def test_add_bos_per_request_overrides_the_setting() -> None:
     backend, rec = make_backend()
     add(backend, Submit("a", SamplingParams(max_tokens=4), prompt="hello", add_bos=False))
