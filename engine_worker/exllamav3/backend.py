@@ -278,6 +278,7 @@ class ExLlamaV3Backend:
             longest_token_chars=max((len(p) for p in handle.pieces), default=0),
             grammar=handle.new_filter is not None,
             logprobs=True,
+            banned_strings=True,
             chat_template=handle.chat_template,
             template_tools=True,
             kv_block_tokens=PAGE_SIZE,

@@ -20,7 +20,10 @@ simply do nothing):
   ``temp_last`` (``presets.py:102``, the stack of ``122-128``); ``banned_tokens``
   and ``ban_eos_token`` are logit biases of ``-inf``, which ``LogitBias`` keeps as
   a hard ban (``custom.py:595-624``); ``skip_special_tokens`` is
-  ``decode_special_tokens=False``.
+  ``decode_special_tokens=False``; ``banned_strings`` is ``Job``'s own (``generator/job.py:70``,
+  lowercased by ``_init_banned_strings``, ``615-623``): text that may start one is held, a
+  complete one rewinds the job to the token where it began and bans that token there
+  (``set_checkpoint``/``rewind_checkpoint``, ``1023-1128``).
 - XTC (``xtc_probability``) has no ``ComboSampler`` argument: ``xtc_sampler`` builds
   ``ComboSampler``'s own stack as a ``CustomSampler`` with ``SS_XTC`` before the final
   ``SS_Sample`` (where TabbyAPI puts it), its protected tokens the tokenizer's default
@@ -128,6 +131,8 @@ def job_settings(
         "stop_conditions": stop_conditions,
         "decode_special_tokens": p.skip_special_tokens is not True,
     }
+    if p.banned_strings:
+        job_kwargs["banned_strings"] = list(p.banned_strings)
     if p.logprobs is not None:
         job_kwargs["return_probs"] = True
         job_kwargs["return_top_tokens"] = p.logprobs

@@ -284,10 +284,10 @@ TABLE: tuple[SamplerField, ...] = (
         (),
         '[] (or "")',
         _H,
-        _N,
+        _H,
         _TABBY,
         "Strings never written (case-insensitive): held back, and the sequence rewound where one began, "
-        "as ExLlamaV3's Job does. Not with response_format or logprobs.",
+        "as ExLlamaV3's Job does. On CPU not with response_format or logprobs.",
         _empty,
     ),
     SamplerField(

@@ -1371,7 +1371,7 @@ class Job:
         stop_on_loop: tuple[int, int] | None = None,
         rq_state: dict[str, Any] | None = None,
     ) -> None:
-        if token_healing or banned_strings or embeddings or stop_on_loop or return_logits:
+        if token_healing or embeddings or stop_on_loop or return_logits:
             raise NotImplementedError("feature not modelled by the fake")
         ids = _ids_of(input_ids)
         assert len(ids) > 0, "Input IDs cannot be empty."
@@ -1426,6 +1426,9 @@ class Job:
                 else:
                     raise ValueError("Unsupported type in stop_conditions")
         self.stop_string_max_length = max([0] + [len(s) for s in self.stop_strings])
+        # job.py:615-623: lowercased; matched against the lowercased held text.
+        self.banned_strings: list[str] = [s.lower() for s in banned_strings or []]
+        self.checkpoint: dict[str, Any] | None = None
         self.held_text: str = rq.get("held_text", "")
         self.held_tokens: list[int] = list(rq.get("held_tokens", []))
         self.held_probs: list[float] = list(rq.get("held_probs", []))
@@ -1555,6 +1558,11 @@ class Job:
             allowed = bits if allowed is None else allowed & bits
         self.filter_futures.clear()
         self.logit_masks.clear()
+        if self.checkpoint is not None and self.checkpoint["offset"] == 0:
+            # job.py:457-460: the tokens already tried where a banned string began.
+            if allowed is None:
+                allowed = set(range(gen.padded_vocab_size))
+            allowed -= set(self.checkpoint["explored_tokens"])
         if self.new_tokens < self.min_new_tokens and self.stop_tokens:
             if allowed is None:
                 allowed = set(range(gen.padded_vocab_size))
@@ -1707,7 +1715,7 @@ class Job:
         k_tokens: list[int] | None = None,
         k_probs: list[float] | None = None,
     ) -> tuple[bool, bool]:
-        """``job.py:781-1191`` without banned strings, healing or loop detection; ``prob`` and
+        """``job.py:781-1191`` without healing or loop detection; ``prob`` and
         ``k_tokens``/``k_probs`` are what ``receive_logits`` returned (``job.py:764-778``).
         Returns ``(eos, requeue)``."""
         gen = self.generator
@@ -1757,6 +1765,8 @@ class Job:
                     r["eos_triggering_string"] = stop_string
             if requeue_now:
                 r["requeue"] = True
+                if self.checkpoint is not None:
+                    emit_held = True  # job.py:882-884: no rewinding past a requeue
             if emit_held:
                 if emit_eos and "\ufffd" in self.held_text and self.held_tokens:
                     self.held_text = gen.tokenizer.decode(
@@ -1822,6 +1832,7 @@ class Job:
             results.append(r)
             return emit_eos, requeue_now
 
+        held_text_before = self.held_text
         self.held_text += gen.tokenizer.get_id_to_piece_list(self.decode_special_tokens)[token]
         self.held_tokens.append(token)
         # job.py:981-985
@@ -1847,6 +1858,19 @@ class Job:
             if test.endswith("\ufffd") and len(test) <= self.stop_string_max_length + 20:
                 return emit()
             self.held_text = test
+        if requeue_now:
+            self.checkpoint = None  # job.py:1133-1134
+        elif self.banned_strings and self.new_tokens > 0:
+            # job.py:1136-1159
+            found = _partial_strings_match(self.held_text.lower(), self.banned_strings)
+            if found == -1:
+                self.checkpoint = None
+            else:
+                self._set_checkpoint(held_text_before, token)
+                if found >= 0:
+                    self._rewind_checkpoint()
+                    return emit(emit_held=True)
+                return emit()
         if self.stop_strings:
             match = _partial_strings_match(self.held_text, sorted(self.stop_strings))
             if match >= 0:
@@ -1865,6 +1889,55 @@ class Job:
             if match == -2:
                 return emit()
         return emit(emit_held=True)
+
+    def _set_checkpoint(self, held_text_before: str, token: int) -> None:
+        """``set_checkpoint`` (``job.py:1023-1042``): where a possible banned string began."""
+        cp = self.checkpoint
+        if cp is None:
+            self.checkpoint = {
+                "offset": 1,
+                "held_text": held_text_before,
+                "held_tokens": self.held_tokens[:-1],
+                "held_probs": self.held_probs[:-1],
+                "held_k_tokens": self.held_k_tokens[:-1],
+                "held_k_probs": self.held_k_probs[:-1],
+                "explored_tokens": [token],
+            }
+        else:
+            cp["offset"] += 1
+            if cp["offset"] == 1:
+                cp["explored_tokens"].append(token)
+
+    def _rewind_checkpoint(self) -> None:
+        """``rewind_checkpoint`` (``job.py:1044-1128``) for an attention cache: the
+        ``offset`` tokens since the checkpoint leave the sequence, its pages and the
+        filters; the held buffers go back to the checkpoint's, which stays (offset 0,
+        buffers empty) so that a second failure bans one more token there. A rewind
+        into a page that was already hashed is not modelled (1.6.5 defers hashing
+        while a checkpoint holds tokens, ``job.py:828-833``)."""
+        cp = self.checkpoint
+        assert cp is not None
+        offset = cp["offset"]
+        self.new_tokens -= offset
+        if self.filters:
+            raise NotImplementedError("a banned-string rewind through filters is not modelled")
+        for _ in range(offset):
+            self.kv_position -= 1
+            page = self.allocated_pages[self.kv_position // PAGE_SIZE]
+            if page.content_hashed or not page.tokens:
+                raise NotImplementedError("a banned-string rewind across a hashed page is not modelled")
+            page.tokens.pop()
+            page.kv_position -= 1
+            self.sequence_ids.pop()
+        self.held_text = cp["held_text"]
+        self.held_tokens = list(cp["held_tokens"])
+        self.held_probs = list(cp["held_probs"])
+        self.held_k_tokens = list(cp["held_k_tokens"])
+        self.held_k_probs = list(cp["held_k_probs"])
+        cp["offset"] = 0
+        cp["held_text"] = ""
+        for k in ("held_tokens", "held_probs", "held_k_tokens", "held_k_probs"):
+            cp[k] = []
 
     def prepare_for_requeue(self) -> Job:
         """``job.py:1194-1261``: the same object, re-initialised with its sequence as the prompt."""
@@ -1902,6 +1975,7 @@ class Job:
             return_probs=self.return_probs,
             filters=self.filters,
             identifier=self.identifier,
+            banned_strings=self.banned_strings,  # job.py:1253
             max_rq_tokens=self.orig_max_rq_tokens,
             rq_state=rq_state,
         )

@@ -579,11 +579,20 @@ def test_xtc_builds_combo_stack_with_xtc_before_sample() -> None:
     assert isinstance(rec.inner.pending_jobs[1].sampler, fx.ComboSampler)
 
 
-def test_banned_strings_are_refused_by_this_engine_for_now() -> None:
-    backend, _ = make_backend()
-    with pytest.raises(RequestRejected) as e:
-        add(backend, raw("a", "x", banned_strings=("paris",)))
-    assert e.value.param == "banned_strings"
+def test_banned_strings_reach_the_job_and_never_appear() -> None:
+    """Job's banned strings (job.py:1136-1159) as the fake models them: "Paris" is held
+    while it may be forming, rewound when complete, and its first token banned there."""
+    backend, rec = make_backend(script=fx.reply("Paris is big"))
+    add(backend, raw("a", "x", max_tokens=12))
+    add(backend, raw("b", "x", max_tokens=12, banned_strings=("PARIS",)))
+    jobs = rec.inner.pending_jobs
+    assert jobs[1].banned_strings == ["paris"]
+    events = run(backend)
+    assert text_of(events, "a") == "Paris is big"
+    text = text_of(events, "b")
+    assert "paris" not in text.lower() and text, text
+    fin = finished(events, "b")
+    assert sum(e.num_tokens for e in of(events, "b") if isinstance(e, TokenDelta)) == fin.completion_tokens
 
 
 def test_add_bos_per_request_overrides_the_setting() -> None:
