@@ -112,6 +112,16 @@ def validate_sampling(p: SamplingParams, vocab_size: int) -> None:
     for name, value in (("xtc_probability", p.xtc_probability), ("xtc_threshold", p.xtc_threshold)):
         if not 0.0 <= value <= 1.0:  # ExLlamaV3's SS_XTC asserts both
             raise _reject(name, f"{name} must be in [0, 1], got {value}")
+    if not (p.dry_multiplier >= 0.0 and math.isfinite(p.dry_multiplier)):  # SS_DRY asserts >= 0
+        raise _reject(
+            "dry_multiplier", f"dry_multiplier must be a finite number >= 0, got {p.dry_multiplier}"
+        )
+    if not math.isfinite(p.dry_base):
+        raise _reject("dry_base", f"dry_base must be finite, got {p.dry_base}")
+    if p.dry_allowed_length < 0:
+        raise _reject("dry_allowed_length", f"dry_allowed_length must be >= 0, got {p.dry_allowed_length}")
+    if p.dry_sequence_breakers is not None and len(p.dry_sequence_breakers) > MAX_BANNED_TOKENS:
+        raise _reject("dry_sequence_breakers", "too many dry_sequence_breakers")
     if len(p.banned_tokens) > MAX_BANNED_TOKENS:
         raise _reject("banned_tokens", f"banned_tokens takes at most {MAX_BANNED_TOKENS} ids")
     for param, ids in (

@@ -133,6 +133,17 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     """Strings the output never contains (case-insensitive): text that may start one is
     held back, and a complete one rewinds the sequence to where it began and bans the
     token sampled there (ExLlamaV3's ``Job(banned_strings=...)``)."""
+    dry_multiplier: float = 0.0
+    """DRY ("don't repeat yourself", llama.cpp's and ExLlamaV3's ``SS_DRY``): a token that
+    would extend a repeat of length ``n >= dry_allowed_length`` of the last ``dry_range``
+    tokens (0: the whole context) loses ``dry_multiplier * dry_base ** (n -
+    dry_allowed_length)`` from its logit; repeats cannot span a sequence breaker (a token
+    whose text contains one of ``dry_sequence_breakers``; ``None``: ExLlamaV3's default set).
+    0 (or a base below 1) is off."""
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_range: int = 0
+    dry_sequence_breakers: tuple[str, ...] | None = None
 
 
 class Hello(_Msg, frozen=True, tag="hello"):

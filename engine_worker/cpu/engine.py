@@ -216,6 +216,8 @@ class CpuBackend:
         self._vocabulary = Vocabulary(self._vocab_size, self._end_ids)
         self._token_info_cache: dict[int, tuple[str, bytes]] = {}
         self._protected: torch.Tensor | None = None  # XTC's held-out tokens, built on first use
+        self._texts: list[str] | None = None  # every token's text, built on first use (XTC, DRY)
+        self._breaker_masks: dict[tuple[str, ...] | None, torch.Tensor] = {}
         self._prefix_cache = PrefixCache(config.prefix_cache_mb * 2**20)
         self._requests: dict[str, _Request] = {}
         self._prefill_turn = 0  # which sequence in prefill goes first in the next pass
@@ -349,6 +351,9 @@ class CpuBackend:
                 stop_ids,
                 eos_ids=self._end_ids,
                 protected=self._xtc_protected() if params.xtc_probability > 0.0 else None,
+                breakers=self._dry_breakers(params.dry_sequence_breakers)
+                if params.dry_multiplier > 0
+                else None,
             ),
             detokenizer=IncrementalDetokenizer(
                 self._tokenizer,
@@ -537,15 +542,40 @@ class CpuBackend:
         text has a newline, and every special or added token, as ExLlamaV3's
         ``xtc_default_protected_token_ids`` (``generator/sampler/custom.py``)."""
         if self._protected is None:
-            texts = self._tokenizer.batch_decode(
-                [[i] for i in range(self._vocab_size)], skip_special_tokens=False
-            )
-            mask = torch.tensor(["\n" in t for t in texts], dtype=torch.bool)
-            added = [i for i in self._tokenizer.added_tokens_decoder if 0 <= i < self._vocab_size]
-            if added:
-                mask[torch.tensor(added, dtype=torch.long)] = True
-            self._protected = mask
+            self._protected = self._pieces_with(("\n",)) | self._added_mask()
         return self._protected
+
+    def _dry_breakers(self, strings: tuple[str, ...] | None) -> torch.Tensor | None:
+        """DRY's sequence breakers as a ``[vocab]`` bool mask: every token whose text
+        contains one of ``strings`` (ExLlamaV3's ``dry_sequence_breaker_tokens``), or
+        for ``None`` its default set (``dry_default_sequence_breaker_tokens``: the
+        characters ``.,!?<>[](){}``, newline, tab and ``"``, plus every added token);
+        ``None`` for no breakers. The last few masks are kept."""
+        mask = self._breaker_masks.get(strings)
+        if mask is None:
+            if strings is None:
+                mask = self._pieces_with(tuple('.,!?<>[](){}\n\t"')) | self._added_mask()
+            else:
+                mask = self._pieces_with(tuple(s for s in strings if s))
+            if len(self._breaker_masks) >= 8:
+                self._breaker_masks.pop(next(iter(self._breaker_masks)))
+            self._breaker_masks[strings] = mask
+        return mask if bool(mask.any()) else None
+
+    def _pieces_with(self, strings: tuple[str, ...]) -> torch.Tensor:
+        """``[vocab]`` bool: the tokens whose text (special tokens written out) has one of ``strings``."""
+        if self._texts is None:
+            ids = [[i] for i in range(self._vocab_size)]
+            self._texts = [str(t) for t in self._tokenizer.batch_decode(ids, skip_special_tokens=False)]
+        return torch.tensor([any(s in t for s in strings) for t in self._texts], dtype=torch.bool)
+
+    def _added_mask(self) -> torch.Tensor:
+        """``[vocab]`` bool: the tokenizer's added (special) tokens, ExLlamaV3's ``extended_id_to_piece``."""
+        mask = torch.zeros(self._vocab_size, dtype=torch.bool)
+        added = [i for i in self._tokenizer.added_tokens_decoder if 0 <= i < self._vocab_size]
+        if added:
+            mask[torch.tensor(added, dtype=torch.long)] = True
+        return mask
 
     def _find_end_ids(self) -> frozenset[int]:
         ids: set[int] = set()

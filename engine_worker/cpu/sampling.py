@@ -15,7 +15,8 @@ OpenAI-compatible servers (vLLM, llama.cpp):
    ``penalty_range`` tokens of the context, fading linearly to 0 over the
    ``repetition_decay`` tokens before them, 0 beyond; a token takes its largest
    weight (repetition, presence) or the sum of them (frequency), and the
-   repetition penalty blends ``v * (1 - w) + penalised * w``.
+   repetition penalty blends ``v * (1 - w) + penalised * w``. Then DRY
+   (``dry_multiplier``), as ExLlamaV3's ``SS_DRY`` (``TokenSampler._dry_penalty``).
 4. ``banned_tokens`` (and with ``ban_eos_token`` the model's end-of-sequence ids)
    and a grammar's forbidden tokens (``engine_worker.constraints``) are masked.
 5. Before ``min_tokens`` output tokens, end-of-sequence and stop token ids are
@@ -84,6 +85,7 @@ class TokenSampler:
         *,
         eos_ids: Iterable[int] = (),
         protected: torch.Tensor | None = None,
+        breakers: torch.Tensor | None = None,
     ) -> None:
         self.params = params
         self.greedy = params.temperature == 0.0
@@ -100,7 +102,14 @@ class TokenSampler:
         self._window = params.penalty_range + params.repetition_decay if params.penalty_range >= 0 else -1
         self._history: list[int] | None = None
         self._prompt_len = len(prompt_ids)
-        if penalising and self._window >= 0:
+        self._windowed = penalising and self._window >= 0
+        # DRY (SS_DRY.alt: off at multiplier 0 or a base below 1); its values rounded to float32 as there.
+        self._dry = params.dry_multiplier > 0.0 and params.dry_base >= 1.0
+        self._breakers = breakers
+        self._dry_multiplier = float(torch.tensor(params.dry_multiplier, dtype=torch.float32))
+        self._dry_base = float(torch.tensor(params.dry_base, dtype=torch.float32))
+        self._dry_max_exponent = dry_max_exponent(params.dry_base)
+        if self._windowed or self._dry:
             self._history = prompt_ids
         self._generator: torch.Generator | None = None
         if not self.greedy:
@@ -114,14 +123,14 @@ class TokenSampler:
             self._bias_values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
 
         self._seen: torch.Tensor | None = None
-        if params.repetition_penalty != 1.0 and self._history is None:
+        if params.repetition_penalty != 1.0 and not self._windowed:
             self._seen = torch.zeros(vocab_size, dtype=torch.bool)
             ids = torch.tensor(list(prompt_ids), dtype=torch.long)
             if ids.numel():
                 self._seen[ids] = True
 
         self._counts: torch.Tensor | None = None
-        if (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0) and self._history is None:
+        if (params.presence_penalty != 0.0 or params.frequency_penalty != 0.0) and not self._windowed:
             self._counts = torch.zeros(vocab_size, dtype=torch.float32)
 
         self._suppressed: torch.Tensor | None = None
@@ -174,8 +183,10 @@ class TokenSampler:
             x = torch.where(self._seen, penalised, x)
         if self._counts is not None:
             x -= p.frequency_penalty * self._counts + p.presence_penalty * (self._counts > 0)
-        if self._history is not None:
+        if self._windowed:
             x = self._windowed_penalties(x)
+        if self._dry:
+            x = self._dry_penalty(x)
         if self._banned is not None:
             x[self._banned] = float("-inf")
         if forbidden is not None:
@@ -216,6 +227,56 @@ class TokenSampler:
                 presence = torch.zeros_like(x).scatter_reduce_(0, out_ids, out_w, reduce="amax")
                 x = x - p.frequency_penalty * freq - p.presence_penalty * presence
         return x
+
+    def _dry_penalty(self, x: torch.Tensor) -> torch.Tensor:
+        """DRY as ExLlamaV3's ``dry_penalty`` kernel computes it
+        (``exllamav3_ext/generator/dry.cu``, llama.cpp's rule with single-token
+        breakers): in the last ``dry_range`` tokens (0: all), read backwards, a
+        repeat may not reach past the nearest breaker; for every earlier position
+        ``k`` the run the context's suffix shares with the sequence ending ``k``
+        tokens back (at most the exponent clamp past ``dry_allowed_length``, or
+        2048) charges the token that followed that sequence; a charged token that
+        is no breaker loses ``multiplier * base ** min(run - allowed, max_exponent)``."""
+        p, history = self.params, self._history
+        assert history is not None
+        allowed = p.dry_allowed_length
+        m = len(history) if p.dry_range <= 0 else min(len(history), p.dry_range)
+        if m <= allowed:
+            return x
+        rev = torch.tensor(history[len(history) - m :][::-1], dtype=torch.long)
+        rep_limit = m
+        if self._breakers is not None:
+            hits = torch.nonzero(self._breakers[rev]).flatten()
+            if hits.numel():
+                rep_limit = int(hits[0])
+        if rep_limit < allowed:
+            return x
+        cap = allowed + self._dry_max_exponent if self._dry_max_exponent > 0 else DRY_MATCH_CAP
+        cap = min(cap, rep_limit)
+        k = torch.arange(1, m)
+        run = torch.zeros(m - 1, dtype=torch.long)
+        alive = torch.ones(m - 1, dtype=torch.bool)
+        for j in range(cap):
+            alive &= (j + k < m) & (rev[j] == rev[(j + k).clamp(max=m - 1)])
+            if not bool(alive.any()):
+                break
+            run += alive
+        charged = run >= allowed
+        if not bool(charged.any()):
+            return x
+        longest = torch.full(x.shape, -1, dtype=torch.long)
+        longest.scatter_reduce_(0, rev[k - 1][charged], run[charged], reduce="amax")
+        hit = longest >= allowed
+        if self._breakers is not None:
+            hit &= ~self._breakers
+        exponent = (longest - allowed).clamp(min=0)
+        if self._dry_max_exponent > 0:
+            exponent = exponent.clamp(max=self._dry_max_exponent)
+        # The kernel computes the penalty in double and rounds it once to float.
+        penalty = self._dry_multiplier * torch.pow(
+            torch.tensor(self._dry_base, dtype=torch.float64), exponent
+        )
+        return x - torch.where(hit, penalty.to(torch.float32), torch.zeros_like(x))
 
     def probs(self, x: torch.Tensor) -> torch.Tensor:
         """Step 6's distribution (before the draw) for processed logits ``x``."""
@@ -309,6 +370,22 @@ def filtered_probs(
         probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
         probs = probs / probs.sum()
     return probs
+
+
+DRY_MATCH_CAP = 2048
+"""ExLlamaV3's ``_DRY_MATCH_CAP``: the longest run DRY scans when the exponent is not clamped."""
+
+_DRY_FLOAT_MAX_LOG = 88.7228391  # ln of the largest float32 (llama.cpp's FLOAT_MAX_LOG)
+
+
+def dry_max_exponent(base: float) -> int:
+    """ExLlamaV3's ``_dry_max_exponent``: llama.cpp's exponent clamp,
+    ``FLOAT_MAX_LOG / log(base)`` in float32, truncated; 0 (none) for a base of
+    at most 1.000001."""
+    base_f = torch.tensor(base, dtype=torch.float32)
+    if not bool(base_f > torch.tensor(1.000001, dtype=torch.float32)):
+        return 0
+    return int(torch.tensor(_DRY_FLOAT_MAX_LOG, dtype=torch.float32) / base_f.log())
 
 
 def xtc(

@@ -132,7 +132,7 @@ from engine_worker.exllamav3 import logprobs as lp
 from engine_worker.exllamav3.config import PAGE_SIZE
 from engine_worker.exllamav3.engine import EngineHandle, GeneratorLike, id_list
 from engine_worker.exllamav3.grammar import compile_filter, failure_of
-from engine_worker.exllamav3.sampling import FLOAT32_MAX, job_settings
+from engine_worker.exllamav3.sampling import FLOAT32_MAX, breaker_ids, job_settings
 from engine_worker.settings import WorkerSettings
 from protocol.messages import (
     ErrorCode,
@@ -269,6 +269,7 @@ class ExLlamaV3Backend:
         self._h = handle
         self._config = config
         self._max_context = resolve_max_context(config, handle)
+        self._breaker_ids: dict[tuple[str, ...], frozenset[int]] = {}
         self._info = ModelInfo(
             handle.model_id,
             self._max_context,
@@ -366,6 +367,20 @@ class ExLlamaV3Backend:
             )
         return compile_filter(self._h.new_filter, params.grammar, params.grammar_param)
 
+    def _dry_breakers(self, params: SamplingParams) -> frozenset[int] | None:
+        """The token ids of the request's DRY breakers (``None``: ExLlamaV3's default);
+        the last few sets are kept, as resolving one reads every piece."""
+        strings = params.dry_sequence_breakers
+        if params.dry_multiplier == 0.0 or strings is None:
+            return None
+        ids = self._breaker_ids.get(strings)
+        if ids is None:
+            ids = breaker_ids(self._h.pieces, strings)
+            if len(self._breaker_ids) >= 8:
+                self._breaker_ids.pop(next(iter(self._breaker_ids)))
+            self._breaker_ids[strings] = ids
+        return ids
+
     def _segment(self, prompt_tokens: int, max_new: int) -> _Segment:
         """The first segment of a job: ``max_rq_tokens`` (output chunking) only where it
         makes the engine reserve less than the whole completion does."""
@@ -444,6 +459,7 @@ class ExLlamaV3Backend:
             max_new_tokens=max_new,
             eos_token_ids=self._h.eos_token_ids,
             stop_strings=self._h.stop_strings,
+            dry_breakers=self._dry_breakers(params),
         )
         segment = self._segment(n, max_new)
         grammar = None

@@ -24,6 +24,10 @@ simply do nothing):
   lowercased by ``_init_banned_strings``, ``615-623``): text that may start one is held, a
   complete one rewinds the job to the token where it began and bans that token there
   (``set_checkpoint``/``rewind_checkpoint``, ``1023-1128``).
+- DRY is ``ComboSampler``'s ``dry_*`` arguments (``presets.py:93-97``, ``SS_DRY`` at
+  ``114``); ``dry_sequence_breakers`` are strings on the wire and token ids there
+  (``breaker_ids``); ``None`` leaves ExLlamaV3 its default set, derived from the
+  tokenizer when sampling.
 - XTC (``xtc_probability``) has no ``ComboSampler`` argument: ``xtc_sampler`` builds
   ``ComboSampler``'s own stack as a ``CustomSampler`` with ``SS_XTC`` before the final
   ``SS_Sample`` (where TabbyAPI puts it), its protected tokens the tokenizer's default
@@ -58,6 +62,7 @@ Parameters are validated before they get here, by the worker loop
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,9 +95,12 @@ def job_settings(
     max_new_tokens: int,
     eos_token_ids: tuple[int, ...],
     stop_strings: tuple[str, ...] = (),
+    dry_breakers: frozenset[int] | None = None,
 ) -> JobSettings:
     """Translate ``params`` (already validated).
 
+    ``dry_breakers``: the token ids of ``params.dry_sequence_breakers``
+    (``breaker_ids``), ``None`` for ExLlamaV3's default set.
     ``max_new_tokens`` is the completion budget after clamping to the context
     (``Prepared.max_new_tokens``, >= 1). Stop conditions are the stop strings,
     ``stop_token_ids`` and, unless ``ignore_eos``, the model's EOS ids and
@@ -123,6 +131,11 @@ def job_settings(
         "rep_sustain_range": FULL_RANGE if p.penalty_range < 0 else p.penalty_range,
         "rep_decay_range": p.repetition_decay,
         "temp_last": p.temperature_last,
+        "dry_multiplier": p.dry_multiplier,
+        "dry_base": p.dry_base,
+        "dry_allowed_length": p.dry_allowed_length,
+        "dry_range": max(p.dry_range, 0),
+        "dry_sequence_breakers": dry_breakers,
     }
     job_kwargs: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
@@ -146,6 +159,14 @@ def job_settings(
     return JobSettings(sampler_kwargs, job_kwargs, xtc)
 
 
+def breaker_ids(pieces: Sequence[str], strings: tuple[str, ...]) -> frozenset[int]:
+    """Every token whose piece contains one of ``strings``: ExLlamaV3's
+    ``dry_sequence_breaker_tokens`` (``generator/sampler/custom.py:878-892``) over
+    ``EngineHandle.pieces``."""
+    wanted = tuple(s for s in strings if s)
+    return frozenset(t for t, piece in enumerate(pieces) if any(s in piece for s in wanted))
+
+
 def xtc_sampler(ex: Any, tokenizer: Any, xtc_probability: float, xtc_threshold: float, **combo: Any) -> Any:
     """``ComboSampler(**combo)``'s stack (``generator/sampler/presets.py:110-137``, the
     non-argmax branch, no DRY or Adaptive-P) as a ``CustomSampler`` with
@@ -159,6 +180,13 @@ def xtc_sampler(ex: Any, tokenizer: Any, xtc_probability: float, xtc_threshold: 
         ex.SS_LogitBias(combo["logit_bias"] or {}),
         ex.SS_RepP(combo["rep_p"], sustain, decay),
         ex.SS_PresFreqP(combo["pres_p"], combo["freq_p"], sustain, decay),
+        ex.SS_DRY(
+            combo["dry_multiplier"],
+            combo["dry_base"],
+            combo["dry_allowed_length"],
+            combo["dry_range"],
+            combo["dry_sequence_breakers"],
+        ),
         ex.SS_Temperature(1.0 if last else t),
         ex.SS_MinP(combo["min_p"]),
         ex.SS_TopK(combo["top_k"]),

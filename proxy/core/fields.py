@@ -238,6 +238,13 @@ class SamplerFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool | None = None
     add_bos_token: bool | None = None
     banned_strings: Annotated[list[BannedString], msgspec.Meta(max_length=MAX_BANNED_STRINGS)] | None = None
+    dry_multiplier: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.0
+    dry_base: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 1.75
+    dry_allowed_length: Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)] = 2
+    dry_range: Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX)] = 0
+    dry_sequence_breakers: (
+        Annotated[list[BannedString], msgspec.Meta(max_length=MAX_BANNED_STRINGS)] | None
+    ) = None
 
     def sampling(
         self, *, max_tokens: int | None, stop: str | list[str] | None, logprobs: int | None
@@ -272,6 +279,13 @@ class SamplerFields(msgspec.Struct, kw_only=True):
             skip_special_tokens=self.skip_special_tokens,
             add_bos_token=self.add_bos_token,
             banned_strings=tuple(self.banned_strings or ()),
+            dry_multiplier=self.dry_multiplier,
+            dry_base=self.dry_base,
+            dry_allowed_length=self.dry_allowed_length,
+            dry_range=self.dry_range,
+            dry_sequence_breakers=None
+            if self.dry_sequence_breakers is None
+            else tuple(self.dry_sequence_breakers),
         )
 
 

@@ -30,6 +30,8 @@ import enum
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import msgspec
+
 from proxy.errors import InvalidRequest
 
 
@@ -294,29 +296,36 @@ TABLE: tuple[SamplerField, ...] = (
         "dry_multiplier",
         (),
         "0",
-        _N,
-        _N,
+        _H,
+        _H,
         _TABBY,
-        "DRY repetition penalty. ExLlamaV3 1.6.5 has SS_DRY, the CPU engine not: neither takes it yet.",
-        _equals(0.0),
+        "DRY: a token extending a repeat of n >= dry_allowed_length tokens loses "
+        "dry_multiplier * dry_base ** (n - dry_allowed_length) (ExLlamaV3's SS_DRY).",
+        _any,
     ),
-    *(
-        SamplerField(
-            name,
-            aliases,
-            "any, while dry_multiplier is 0",
-            _N,
-            _N,
-            _TABBY,
-            "A DRY parameter.",
-            _off_unless("dry_multiplier", _equals(0.0)),
-        )
-        for name, aliases in (
-            ("dry_base", ()),
-            ("dry_allowed_length", ()),
-            ("dry_range", ("dry_penalty_last_n",)),
-            ("dry_sequence_breakers", ()),
-        )
+    SamplerField(
+        "dry_base", (), "1.75", _H, _H, _TABBY, "DRY's growth per repeated token; below 1: off.", _any
+    ),
+    SamplerField("dry_allowed_length", (), "2", _H, _H, _TABBY, "The longest repeat DRY leaves alone.", _any),
+    SamplerField(
+        "dry_range",
+        ("dry_penalty_last_n",),
+        "0 (the whole context)",
+        _H,
+        _H,
+        _TABBY,
+        "The most recent tokens DRY looks at.",
+        _any,
+    ),
+    SamplerField(
+        "dry_sequence_breakers",
+        (),
+        "absent (ExLlamaV3's set: .,!?<>[](){} newline tab quote, special tokens)",
+        _H,
+        _H,
+        _TABBY,
+        "Strings a repeat cannot span: every token whose text contains one (a list, or its JSON text).",
+        _any,
     ),
     SamplerField(
         "mirostat_mode",
@@ -505,6 +514,17 @@ def resolve(raw: dict[str, object], where: str) -> dict[str, object]:
                 f"'{param}' as a string must be comma-separated token ids, got {tokens!r}", param=param
             )
         out["banned_tokens"] = [int(p) for p in parts]
+    breakers = out.get("dry_sequence_breakers")
+    if isinstance(breakers, str):
+        # TabbyAPI's and SillyTavern's text form: a JSON array, or its items without the brackets.
+        text = breakers if breakers.startswith("[") else f"[{breakers}]"
+        try:
+            out["dry_sequence_breakers"] = msgspec.json.decode(text)
+        except msgspec.DecodeError:
+            raise InvalidRequest(
+                f"'dry_sequence_breakers' as a string must be a JSON array of strings, got {breakers!r}",
+                param="dry_sequence_breakers",
+            ) from None
     strings = out.get("banned_strings")
     if isinstance(strings, str):
         out["banned_strings"] = [strings] if strings else []

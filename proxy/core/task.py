@@ -70,6 +70,11 @@ class Sampling:
     ban_eos_token: bool = False
     skip_special_tokens: bool | None = None
     banned_strings: tuple[str, ...] = ()
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_range: int = 0
+    dry_sequence_breakers: tuple[str, ...] | None = None
     add_bos_token: bool | None = None
     """``None``: the model's own choice; with messages the worker refuses any other."""
 
@@ -239,6 +244,11 @@ def sampling_params(
         ban_eos_token=s.ban_eos_token,
         skip_special_tokens=s.skip_special_tokens,
         banned_strings=tuple(x for x in s.banned_strings if x),
+        dry_multiplier=s.dry_multiplier,
+        dry_base=s.dry_base,
+        dry_allowed_length=s.dry_allowed_length,
+        dry_range=s.dry_range,
+        dry_sequence_breakers=s.dry_sequence_breakers,
     )
 
 

@@ -774,6 +774,11 @@ class ComboSampler:
             "rep_sustain_range": rep_sustain_range,
             "rep_decay_range": rep_decay_range,
             "temp_last": temp_last,
+            "dry_multiplier": dry_multiplier,
+            "dry_base": dry_base,
+            "dry_allowed_length": dry_allowed_length,
+            "dry_range": dry_range,
+            "dry_sequence_breakers": dry_sequence_breakers,
         }
 
 
@@ -797,6 +802,24 @@ class SS_RepP(_Step):
 
 class SS_PresFreqP(_Step):
     pass
+
+
+class SS_DRY(_Step):
+    """``SS_DRY(dry_multiplier, dry_base, dry_allowed_length, dry_range, dry_sequence_breakers,
+    tokenizer)``; asserts as 1.6.5 does (``generator/sampler/custom.py:998-1001``)."""
+
+    def __init__(
+        self,
+        dry_multiplier: float = 0.0,
+        dry_base: float = 1.75,
+        dry_allowed_length: int = 2,
+        dry_range: int = 0,
+        dry_sequence_breakers: Any = None,
+        tokenizer: Any = None,
+    ) -> None:
+        assert dry_multiplier >= 0.0, "dry_multiplier must be non-negative"
+        assert dry_allowed_length >= 0, "dry_allowed_length must be non-negative"
+        super().__init__(dry_multiplier, dry_base, dry_allowed_length, dry_range, dry_sequence_breakers)
 
 
 class SS_Temperature(_Step):

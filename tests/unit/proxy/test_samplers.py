@@ -27,11 +27,6 @@ BODIES: dict[str, dict[str, Any]] = {
 
 # A value that asks for something, per neutral-only field (its step switched on where it has a switch).
 ACTIVE: dict[str, tuple[object, dict[str, object]]] = {
-    "dry_multiplier": (0.8, {}),
-    "dry_base": (2.0, {"dry_multiplier": 0.8}),
-    "dry_allowed_length": (3, {"dry_multiplier": 0.8}),
-    "dry_range": (64, {"dry_multiplier": 0.8}),
-    "dry_sequence_breakers": (["\n"], {"dry_multiplier": 0.8}),
     "mirostat_mode": (2, {}),
     "mirostat_tau": (3.0, {"mirostat_mode": 2}),
     "mirostat_eta": (0.2, {"mirostat_mode": 2}),
@@ -60,11 +55,6 @@ ACTIVE: dict[str, tuple[object, dict[str, object]]] = {
 
 # SillyTavern's neutral values for these (textgen-settings.js, its default `settings`).
 NEUTRAL: dict[str, object] = {
-    "dry_multiplier": 0.0,
-    "dry_base": 1.75,
-    "dry_allowed_length": 2,
-    "dry_range": 0,
-    "dry_sequence_breakers": ["\n", ":", '"', "*"],
     "mirostat_mode": 0,
     "mirostat_tau": 5,
     "mirostat_eta": 0.1,
@@ -149,6 +139,9 @@ async def test_honoured_fields_reach_the_worker(
         "min_length": 2,
         "seed": -1,
         "banned_strings": "Paris",
+        "dry_multiplier": 0.8,
+        "dry_penalty_last_n": 64,
+        "dry_sequence_breakers": '"\\n", ":"',
     }
     status, body = await _post(make_client, path, extra)
     assert status == 200, body
@@ -163,6 +156,8 @@ async def test_honoured_fields_reach_the_worker(
     )
     assert p.seed is None  # -1: a random seed
     assert p.banned_strings == ("Paris",)  # one string: a list of it
+    assert (p.dry_multiplier, p.dry_base, p.dry_allowed_length, p.dry_range) == (0.8, 1.75, 2, 64)
+    assert p.dry_sequence_breakers == ("\n", ":")  # TabbyAPI's bracketless JSON text
 
 
 async def test_aliases_with_different_values_are_refused(
@@ -269,5 +264,10 @@ async def test_sillytaverns_neutral_body_asks_for_the_plain_answer(
     plain = fake.submits[-1]
     # Only what SillyTavern's neutral body states explicitly differs: BOS asked for, special tokens
     # skipped, temperature last (which at temperature 0, greedy, changes nothing).
-    assert st.params == msgspec.structs.replace(plain.params, skip_special_tokens=True, temperature_last=True)
+    assert st.params == msgspec.structs.replace(
+        plain.params,
+        skip_special_tokens=True,
+        temperature_last=True,
+        dry_sequence_breakers=("\n", ":", '"', "*"),  # DRY's, with DRY off
+    )
     assert (st.prompt, st.add_bos) == (plain.prompt, True)

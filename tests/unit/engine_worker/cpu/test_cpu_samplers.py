@@ -200,3 +200,65 @@ def test_banned_strings_refused_with_logprobs(tiny: Any, make_backend: Any) -> N
             Submit("a", SamplingParams(max_tokens=2, banned_strings=("x",), logprobs=1), prompt="Hi")
         )
     assert e.value.param == "banned_strings"
+
+
+# ---------------------------------------------------------------- DRY
+
+
+def test_dry_charges_the_token_that_would_extend_a_repeat() -> None:
+    """Context 1 2 3 9 1 2 3, read backwards 3 2 1 9 3 2 1: only at k = 4 does the
+    suffix repeat (run 3: "1 2 3"), and the token that followed the earlier "1 2 3"
+    was 9, which loses 0.8 * 1.75 ** (3 - 2) (float32 values, as the kernel takes them)."""
+    params = SamplingParams(max_tokens=1, dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=2)
+    sampler = TokenSampler(params, [1, 2, 3, 9, 1, 2, 3], 10, [])
+    out = sampler.process(torch.zeros(10))
+    expected = torch.zeros(10)
+    expected[9] = -float(torch.tensor(0.8, dtype=torch.float32)) * float(
+        torch.tensor(1.75, dtype=torch.float32)
+    )
+    assert out.tolist() == pytest.approx(expected.tolist())
+
+
+def test_dry_repeats_do_not_span_a_breaker_and_breakers_are_never_charged() -> None:
+    params = SamplingParams(max_tokens=1, dry_multiplier=1.0, dry_base=2.0, dry_allowed_length=1)
+    # Context 5 6 5 6, backwards 6 5 6 5: at k = 2 the run is 2 ("5 6"), charging 5 (which followed
+    # the earlier "5 6") with 2 ** (2 - 1).
+    plain = TokenSampler(params, [5, 6, 5, 6], 8, []).process(torch.zeros(8))
+    assert plain[5] == pytest.approx(-2.0)
+    # With 6 a breaker, no repeat reaches past it (the last token): nothing is charged.
+    breakers = torch.zeros(8, dtype=torch.bool)
+    breakers[6] = True
+    broken = TokenSampler(params, [5, 6, 5, 6], 8, [], breakers=breakers).process(torch.zeros(8))
+    assert broken.tolist() == [0.0] * 8
+    # With 5 a breaker the runs stop one back (at the breaker), and 5 itself, though charged with a
+    # run of 1, is never penalised.
+    breakers = torch.zeros(8, dtype=torch.bool)
+    breakers[5] = True
+    assert TokenSampler(params, [5, 6, 5, 6], 8, [], breakers=breakers).process(torch.zeros(8))[5] == 0.0
+
+
+def test_dry_off_changes_nothing() -> None:
+    logits = torch.randn(10)
+    for params in (
+        SamplingParams(max_tokens=1, dry_multiplier=0.0),
+        SamplingParams(max_tokens=1, dry_multiplier=0.8, dry_base=0.9),  # a base below 1: off
+    ):
+        assert torch.equal(TokenSampler(params, [1, 2, 1, 2, 1], 10, []).process(logits), logits)
+
+
+def test_dry_exponent_clamp_is_exllamav3s() -> None:
+    from engine_worker.cpu.sampling import dry_max_exponent
+
+    assert dry_max_exponent(2.0) == 128  # float32 gives exactly 128 (ExLlamaV3's docstring)
+    assert dry_max_exponent(1.75) == int(88.7228391 / math.log(1.75))
+    assert dry_max_exponent(1.0000001) == 0
+
+
+def test_dry_breakers_of_the_engine(tiny: Any, tokenizer: Any, make_backend: Any) -> None:
+    backend = make_backend(tiny)
+    default = backend._dry_breakers(None)
+    dot = tokenizer.convert_tokens_to_ids(".")
+    assert default is not None and bool(default[dot])
+    colon = backend._dry_breakers((":",))
+    assert colon is not None and not bool(colon[dot]) and bool(colon[tokenizer.convert_tokens_to_ids(":")])
+    assert backend._dry_breakers(()) is None

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from engine_worker.admission import checked_prepare
@@ -499,6 +500,11 @@ def test_sampling_parameters_reach_the_sampler_and_job() -> None:
         "rep_sustain_range": int(10e7),  # ComboSampler's default: the whole context
         "rep_decay_range": 0,
         "temp_last": False,
+        "dry_multiplier": 0.0,  # off
+        "dry_base": 1.75,
+        "dry_allowed_length": 2,
+        "dry_range": 0,
+        "dry_sequence_breakers": None,
     }
     assert (job.seed, job.max_new_tokens, job.min_new_tokens, job.identifier) == (1234, 7, 2, "a")
     assert job.stop_strings == {"STOP"}
@@ -562,6 +568,7 @@ def test_xtc_builds_combo_stack_with_xtc_before_sample() -> None:
         "SS_LogitBias",
         "SS_RepP",
         "SS_PresFreqP",
+        "SS_DRY",
         "SS_Temperature",
         "SS_MinP",
         "SS_TopK",
@@ -572,7 +579,7 @@ def test_xtc_builds_combo_stack_with_xtc_before_sample() -> None:
     ]
     temps = [step.args[0] for step in job.sampler.steps if isinstance(step, fx.SS_Temperature)]
     assert temps == [1.0, 0.8]  # temperature last
-    xtc = job.sampler.steps[8]
+    xtc = job.sampler.steps[9]
     assert xtc.args == (0.5, 0.1) and xtc.kwargs["tokenizer"] is not None
     # Greedy: the stack is an argmax, on which XTC does nothing; ComboSampler stays.
     add(backend, Submit("b", SamplingParams(max_tokens=5, temperature=0.0, xtc_probability=1.0), prompt="hi"))
@@ -996,3 +1003,26 @@ def test_a_requeued_segment_that_finds_no_pages_waits_in_the_engine_and_is_count
     for rid, n in (("a", 1500), ("b", 1500)):
         check_lifecycle(events, rid)
         assert text_of(events, rid) == reply[:n]
+
+
+def test_dry_reaches_combo_sampler_and_the_xtc_stack() -> None:
+    backend, rec = make_backend()
+    params = SamplingParams(
+        max_tokens=4, temperature=0.8, dry_multiplier=0.8, dry_range=-1, dry_sequence_breakers=("\n", "b")
+    )
+    add(backend, Submit("a", params, prompt="hi"))
+    s = rec.inner.pending_jobs[0].sampler.settings
+    pieces = fx.Tokenizer().get_id_to_piece_list(True)
+    expected = frozenset(t for t, piece in enumerate(pieces) if "\n" in piece or "b" in piece)
+    assert (s["dry_multiplier"], s["dry_base"], s["dry_allowed_length"], s["dry_range"]) == (0.8, 1.75, 2, 0)
+    assert s["dry_sequence_breakers"] == expected and ord("b") in expected
+    # Absent breakers: None, ExLlamaV3's default set from the tokenizer.
+    add(
+        backend,
+        Submit(
+            "b", msgspec.structs.replace(params, dry_sequence_breakers=None, xtc_probability=0.5), prompt="hi"
+        ),
+    )
+    stack = rec.inner.pending_jobs[1].sampler.steps
+    dry = next(step for step in stack if isinstance(step, fx.SS_DRY))
+    assert dry.args == (0.8, 1.75, 2, 0, None)
