@@ -451,13 +451,26 @@ TABLE: tuple[SamplerField, ...] = (
     ),
     SamplerField(
         "grammar_string",
-        (),
+        ("grammar",),
         '""',
         _N,
         _N,
         _TABBY,
         "A Lark/GBNF grammar; use response_format (JSON schemas) instead.",
         _empty,
+    ),
+    SamplerField(
+        "json_schema",
+        (),
+        "{} (or absent)",
+        _N,
+        _N,
+        _TABBY,
+        "TabbyAPI's and llama.cpp's JSON schema field; use response_format (honoured) instead.",
+        _empty,
+    ),
+    SamplerField(
+        "regex_pattern", (), '""', _N, _N, _TABBY, "A regular expression the answer must match.", _empty
     ),
     SamplerField(
         "negative_prompt", (), '""', _N, _N, _ST, "Classifier-free guidance's negative prompt.", _empty
