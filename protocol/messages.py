@@ -280,6 +280,10 @@ class Heartbeat(_Msg, frozen=True, tag="heartbeat"):
     running_requests: int | None = None
     """Requests running (a request with ``n`` choices counts once; ``active_requests``
     counts its ``n`` sequences); ``None`` from a worker that does not say."""
+    kv_events_dropped: int = 0
+    """KV-cache event batches (``--kv-events-endpoint``) this worker process dropped
+    because its publishing queue was full, since it started (a counter that a worker
+    restart resets); 0 when it publishes none."""
 
 
 class QueueProgress(_Msg, frozen=True, tag="queued"):

@@ -74,6 +74,7 @@ from engine_worker.cpu.model_store import LoadedModel, load_embedded, load_model
 from engine_worker.cpu.ngram import NgramDrafter
 from engine_worker.cpu.prefix_cache import PrefixCache
 from engine_worker.cpu.sampling import Scored, TokenSampler
+from engine_worker.kv_events import MEDIUM_CPU, BatchSink, KvEvents
 from engine_worker.settings import DraftMode, WorkerSettings
 from protocol.messages import (
     ErrorCode,
@@ -265,6 +266,16 @@ class CpuBackend:
     @property
     def info(self) -> ModelInfo:
         return self._info
+
+    def attach_kv_events(self, sink: BatchSink) -> KvEvents:
+        """Publish the prefix cache's entries as blocks of ``info.kv_block_tokens`` (its
+        entries end at multiples of it, ``_reusable``), medium ``CPU``."""
+        events = KvEvents(sink, block_size=self._info.kv_block_tokens, medium=MEDIUM_CPU)
+        self._prefix_cache.listen(
+            lambda tokens, salt: events.store_tokens(tokens.tolist(), salt),
+            lambda tokens, salt: events.evict_tokens(tokens.tolist(), salt),
+        )
+        return events
 
     @property
     def prefix_cache(self) -> PrefixCache:

@@ -54,6 +54,11 @@ class GeneratorLike(Protocol):
 
     def num_remaining_jobs(self) -> int: ...
 
+    @property
+    def pagetable(self) -> Any:
+        """The ``PageTable`` (``generator/generator.py:242``), read by ``kv_pages`` after ``iterate``."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class EngineHandle:
