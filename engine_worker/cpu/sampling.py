@@ -106,9 +106,12 @@ class TokenSampler:
         # DRY (SS_DRY.alt: off at multiplier 0 or a base below 1); its values rounded to float32 as there.
         self._dry = params.dry_multiplier > 0.0 and params.dry_base >= 1.0
         self._breakers = breakers
-        self._dry_multiplier = float(torch.tensor(params.dry_multiplier, dtype=torch.float32))
-        self._dry_base = float(torch.tensor(params.dry_base, dtype=torch.float32))
-        self._dry_max_exponent = dry_max_exponent(params.dry_base)
+        self._dry_multiplier = self._dry_base = 0.0
+        self._dry_max_exponent = 0
+        if self._dry:  # not on the plain path: a request without DRY pays nothing here
+            self._dry_multiplier = float(torch.tensor(params.dry_multiplier, dtype=torch.float32))
+            self._dry_base = float(torch.tensor(params.dry_base, dtype=torch.float32))
+            self._dry_max_exponent = dry_max_exponent(params.dry_base)
         if self._windowed or self._dry:
             self._history = prompt_ids
         self._generator: torch.Generator | None = None
