@@ -133,7 +133,7 @@ from engine_worker.exllamav3.config import PAGE_SIZE
 from engine_worker.exllamav3.engine import EngineHandle, GeneratorLike, id_list
 from engine_worker.exllamav3.grammar import compile_filter, failure_of
 from engine_worker.exllamav3.kv_pages import PageTableEvents
-from engine_worker.exllamav3.sampling import FLOAT32_MAX, job_settings
+from engine_worker.exllamav3.sampling import FLOAT32_MAX, breaker_ids, job_settings
 from engine_worker.kv_events import MEDIUM_GPU, BatchSink, KvEvents
 from engine_worker.settings import WorkerSettings
 from protocol.messages import (
@@ -271,6 +271,7 @@ class ExLlamaV3Backend:
         self._h = handle
         self._config = config
         self._max_context = resolve_max_context(config, handle)
+        self._breaker_ids: dict[tuple[str, ...], frozenset[int]] = {}
         self._info = ModelInfo(
             handle.model_id,
             self._max_context,
@@ -280,6 +281,7 @@ class ExLlamaV3Backend:
             longest_token_chars=max((len(p) for p in handle.pieces), default=0),
             grammar=handle.new_filter is not None,
             logprobs=True,
+            banned_strings=True,
             chat_template=handle.chat_template,
             template_tools=True,
             kv_block_tokens=PAGE_SIZE,
@@ -330,7 +332,8 @@ class ExLlamaV3Backend:
 
     def _tokenize(self, submit: Submit) -> tuple[Any, str]:
         if submit.prompt is not None:
-            return self._h.encode(submit.prompt, self._config.add_bos), "prompt"
+            add_bos = self._config.add_bos if submit.add_bos is None else submit.add_bos
+            return self._h.encode(submit.prompt, add_bos), "prompt"
         if not submit.messages:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, "messages must not be empty", "messages")
         messages = _template_messages(submit)
@@ -344,12 +347,16 @@ class ExLlamaV3Backend:
         context are the loop's to check (``engine_worker.admission``).
 
         Raises ``RequestRejected`` (``INVALID_REQUEST``) for a chat template that
-        refuses the messages or a grammar that does not compile (``param =
-        params.grammar_param``).
+        refuses the messages, a grammar that does not compile (``param =
+        params.grammar_param``) or XTC on a handle without ``new_xtc_sampler``.
         """
         # No _check_thread(): this runs on the loop's prepare thread, and only the
         # tokenizer, chat template and grammar compiler are used, never the generator.
         params = submit.params
+        if params.xtc_probability > 0.0 and self._h.new_xtc_sampler is None:
+            raise RequestRejected(
+                ErrorCode.INVALID_REQUEST, "XTC is not available on this engine", "xtc_probability"
+            )
         param = "prompt" if submit.prompt is not None else "messages"
         try:
             input_ids, param = self._tokenize(submit)
@@ -375,6 +382,20 @@ class ExLlamaV3Backend:
                 ErrorCode.INVALID_REQUEST, "constrained decoding is not available on this engine", param
             )
         return compile_filter(self._h.new_filter, params.grammar, params.grammar_param)
+
+    def _dry_breakers(self, params: SamplingParams) -> frozenset[int] | None:
+        """The token ids of the request's DRY breakers (``None``: ExLlamaV3's default);
+        the last few sets are kept, as resolving one reads every piece."""
+        strings = params.dry_sequence_breakers
+        if params.dry_multiplier == 0.0 or strings is None:
+            return None
+        ids = self._breaker_ids.get(strings)
+        if ids is None:
+            ids = breaker_ids(self._h.pieces, strings)
+            if len(self._breaker_ids) >= 8:
+                self._breaker_ids.pop(next(iter(self._breaker_ids)))
+            self._breaker_ids[strings] = ids
+        return ids
 
     def _segment(self, prompt_tokens: int, max_new: int) -> _Segment:
         """The first segment of a job: ``max_rq_tokens`` (output chunking) only where it
@@ -454,6 +475,7 @@ class ExLlamaV3Backend:
             max_new_tokens=max_new,
             eos_token_ids=self._h.eos_token_ids,
             stop_strings=self._h.stop_strings,
+            dry_breakers=self._dry_breakers(params),
         )
         segment = self._segment(n, max_new)
         grammar = None
@@ -467,9 +489,14 @@ class ExLlamaV3Backend:
             kwargs = dict(settings.job_kwargs)
             if grammar is not None:
                 kwargs["filters"] = [grammar]
+            if settings.xtc is None:
+                sampler = h.new_sampler(**settings.sampler_kwargs)
+            else:
+                assert h.new_xtc_sampler is not None  # validate refused XTC otherwise
+                sampler = h.new_xtc_sampler(*settings.xtc, **settings.sampler_kwargs)
             return h.new_job(
                 input_ids=input_ids,
-                sampler=h.new_sampler(**settings.sampler_kwargs),
+                sampler=sampler,
                 identifier=rid,
                 max_rq_tokens=segment.rq,
                 **kwargs,

@@ -103,6 +103,9 @@ class EngineHandle:
       grammar that does not compile. ``None`` where the engine has none.
     - ``ll_tokenizer()``: the ``llguidance.LLTokenizer`` of the model (token bytes for logprobs),
       built on the first call (about a second for a 150k vocabulary); ``None`` where unavailable.
+    - ``new_xtc_sampler(xtc_probability, xtc_threshold, **sampler_kwargs)``: a sampler with XTC
+      (``engine_worker.exllamav3.sampling.xtc_sampler`` bound to the module and tokenizer);
+      ``None`` where the engine has none (XTC is then refused).
     """
 
     generator: GeneratorLike
@@ -129,6 +132,7 @@ class EngineHandle:
     rq_boundary: int = 256
     new_filter: Callable[[str], Any] | None = None
     ll_tokenizer: Callable[[], Any] | None = None
+    new_xtc_sampler: Callable[..., Any] | None = None
 
 
 def id_list(ids: Any) -> list[int]:

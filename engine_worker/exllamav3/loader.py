@@ -48,6 +48,7 @@ reaches the llguidance tokenizer those filters share (``create_ll_tokenizer``,
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
@@ -61,6 +62,7 @@ from engine_worker.exllamav3.backend import ExLlamaV3Backend
 from engine_worker.exllamav3.config import PAGE_SIZE, CacheMode, parse_split
 from engine_worker.exllamav3.engine import EngineHandle, id_list
 from engine_worker.exllamav3.grammar import contained_filter_class, filter_factory
+from engine_worker.exllamav3.sampling import xtc_sampler
 from engine_worker.settings import DraftMode, WorkerSettings
 from protocol.messages import PromptPiece
 
@@ -488,6 +490,7 @@ class LoadedEngine:
             generator=generator,
             new_job=self.ex.Job,
             new_sampler=self.ex.ComboSampler,
+            new_xtc_sampler=functools.partial(xtc_sampler, self.ex, tokenizer),
             encode=self.encode,
             encode_chat=self.encode_chat,
             decode=self.decode,

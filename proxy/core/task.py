@@ -61,6 +61,22 @@ class Sampling:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
+    temperature_last: bool = False
+    penalty_range: int = -1
+    repetition_decay: int = 0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    banned_tokens: tuple[int, ...] = ()
+    ban_eos_token: bool = False
+    skip_special_tokens: bool | None = None
+    banned_strings: tuple[str, ...] = ()
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_range: int = 0
+    dry_sequence_breakers: tuple[str, ...] | None = None
+    add_bos_token: bool | None = None
+    """``None``: the model's own choice; with messages the worker refuses any other."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +254,20 @@ def sampling_params(
         logprobs=s.logprobs,
         grammar=grammar,
         grammar_param=grammar_param,
+        temperature_last=s.temperature_last,
+        penalty_range=s.penalty_range,
+        repetition_decay=s.repetition_decay,
+        xtc_probability=s.xtc_probability,
+        xtc_threshold=s.xtc_threshold,
+        banned_tokens=s.banned_tokens,
+        ban_eos_token=s.ban_eos_token,
+        skip_special_tokens=s.skip_special_tokens,
+        banned_strings=tuple(x for x in s.banned_strings if x),
+        dry_multiplier=s.dry_multiplier,
+        dry_base=s.dry_base,
+        dry_allowed_length=s.dry_allowed_length,
+        dry_range=s.dry_range,
+        dry_sequence_breakers=s.dry_sequence_breakers,
     )
 
 
@@ -305,6 +335,7 @@ def chat_submit(task: ChatTask, request_id: str, max_context_tokens: int, tools:
         n=task.n,
         cache_salt=task.cache_salt,
         forced_prefix=tools.prefix if tools is not None else (),
+        add_bos=task.sampling.add_bos_token,
     )
 
 
@@ -313,11 +344,11 @@ def text_submits(task: TextTask, request_id: str, max_context_tokens: int) -> li
     several); choice ``j`` of prompt ``i`` is the response's choice ``i * n + j``
     (OpenAI's order). Raises ``InvalidRequest``."""
     params = sampling_params(task.sampling, max_context_tokens, task.json_output)
-    salt = task.cache_salt
+    salt, bos = task.cache_salt, task.sampling.add_bos_token
     if len(task.prompts) == 1:
-        return [Submit(request_id, params, prompt=task.prompts[0], n=task.n, cache_salt=salt)]
+        return [Submit(request_id, params, prompt=task.prompts[0], n=task.n, cache_salt=salt, add_bos=bos)]
     return [
-        Submit(f"{request_id}-p{i}", params, prompt=p, n=task.n, cache_salt=salt)
+        Submit(f"{request_id}-p{i}", params, prompt=p, n=task.n, cache_salt=salt, add_bos=bos)
         for i, p in enumerate(task.prompts)
     ]
 
