@@ -159,23 +159,77 @@ class Int8Head:
     Weights int8 with a scale per output channel (the embedded GGUF's embedding
     is Q8_0); activations as two int8 terms per token, ``x ~ s1*q1 + s2*q2``
     (the second quantizes what the first left over: about 14 bits), both rows
-    multiplied in one ``torch._int_mm`` call, exact in int32 and VNNI-fast.
+    multiplied in one integer product, exact in int32 and VNNI-fast.
     Logits come out in float32: the weight-only int8 kernel returns bfloat16,
     whose 0.125 steps at logit 25 tie SmolLM2's two best first tokens for "What
     is the capital of France?" (0.08 apart in float32), and eight rows cost it
     three times one row where this head takes about 2.7 times.
+
+    The integer product runs through oneDNN with the weights packed once here
+    (``onednn::qlinear_pointwise``, unit scales, float32 out): ``torch._int_mm``
+    reorders the whole 28 MiB weight on every call, which made the head a fifth
+    of a decode step (``docs/performance.md#where-a-decode-step-goes``). The
+    packed product is used only when it equals ``torch._int_mm`` exactly on a
+    probe of extreme activations (an int32 sum of at most 576 * 127 * 127 is
+    exact in float32; a kernel that saturated 16-bit partial sums, as
+    non-VNNI int8 paths can, would differ there); otherwise ``torch._int_mm``.
     """
 
-    __slots__ = ("_scales", "_weight_t")
+    __slots__ = ("_ones", "_packed", "_scales", "_weight_t", "_zeros")
 
     def __init__(self, weight: torch.Tensor) -> None:
         w = weight.detach().float()
         self._scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        codes = torch.round(w / self._scales[:, None]).clamp(-127, 127).to(torch.int8)
         # [hidden, vocab], a transposed view of [vocab, hidden]: _int_mm's fastest layout here
-        self._weight_t = torch.round(w / self._scales[:, None]).clamp(-127, 127).to(torch.int8).t()
+        self._weight_t: torch.Tensor | None = codes.t()
+        vocab = codes.shape[0]
+        self._ones = torch.ones(vocab)
+        self._zeros = torch.zeros(vocab, dtype=torch.long)
+        self._packed: torch.Tensor | None = _pack_onednn_int8(codes)
+        if self._packed is not None and self._exact_on_probe(codes):
+            self._weight_t = None  # one copy of the weights is enough
+        else:
+            self._packed = None
+
+    def _exact_on_probe(self, codes: torch.Tensor) -> bool:
+        """Whether the packed product equals ``torch._int_mm`` on activations of
+        +-127 everywhere and +-127 following the sign of the weights' first rows
+        (the largest partial sums a kernel can meet), and on random ones."""
+        hidden = codes.shape[1]
+        signs = torch.where(codes[:4] >= 0, 127, -127).to(torch.int8)
+        probe = torch.cat(
+            (
+                torch.full((1, hidden), 127, dtype=torch.int8),
+                torch.full((1, hidden), -127, dtype=torch.int8),
+                signs,
+                -signs,
+                torch.randint(-127, 128, (6, hidden), generator=torch.Generator().manual_seed(0)).to(
+                    torch.int8
+                ),
+            )
+        )
+        try:
+            packed = self._products(probe)
+        except RuntimeError:
+            return False
+        return torch.equal(packed, torch._int_mm(probe, codes.t()).float())
 
     def nbytes(self) -> int:
-        return self._weight_t.numel() + self._scales.numel() * 4
+        weights = self._packed if self._packed is not None else self._weight_t
+        assert weights is not None
+        return weights.numel() + self._scales.numel() * 4
+
+    def _products(self, q: torch.Tensor) -> torch.Tensor:
+        """``q`` ``[rows, hidden]`` int8 times the int8 weights: ``[rows, vocab]``
+        float32 holding the exact int32 sums."""
+        if self._packed is not None:
+            products: torch.Tensor = torch.ops.onednn.qlinear_pointwise(
+                q, 1.0, 0, self._packed, self._ones, self._zeros, None, 1.0, 0, torch.float32, "none", [], ""
+            )
+            return products
+        assert self._weight_t is not None
+        return torch._int_mm(q, self._weight_t).float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -184,8 +238,20 @@ class Int8Head:
         rest = x - high * high_scale
         low_scale = (rest.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-30)
         low = torch.round(rest / low_scale)
-        products = torch._int_mm(torch.cat((high, low)).to(torch.int8), self._weight_t).float()
+        products = self._products(torch.cat((high, low)).to(torch.int8))
         return (products[:rows] * high_scale + products[rows:] * low_scale) * self._scales
+
+
+def _pack_onednn_int8(codes: torch.Tensor) -> torch.Tensor | None:
+    """``codes`` ``[out, in]`` int8 packed for oneDNN's int8 product, or ``None``
+    where this torch build has no oneDNN (or it refuses the shape)."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        packed: torch.Tensor = torch.ops.onednn.qlinear_prepack(codes, None)
+    except (RuntimeError, AttributeError):
+        return None
+    return packed
 
 
 def _pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
