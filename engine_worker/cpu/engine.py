@@ -67,7 +67,7 @@ from engine_worker.client_text import ControlTokens, control_tokens
 from engine_worker.constraints import GrammarUnsupported, TokenConstraint, Vocabulary, compile_grammar
 from engine_worker.cpu.detokenize import IncrementalDetokenizer, StopStringMatcher
 from engine_worker.cpu.kv_cache import SequenceKV
-from engine_worker.cpu.llama import LlamaRunner, Quantization, Segment
+from engine_worker.cpu.llama import BLOCK_TOKENS, LlamaRunner, Quantization, Segment
 from engine_worker.cpu.logprobs import LogprobTrail
 from engine_worker.cpu.model_store import LoadedModel, load_embedded, load_model
 from engine_worker.cpu.ngram import NgramDrafter
@@ -212,7 +212,10 @@ class CpuBackend:
         # Grammars and logprobs' token bytes; built on the first request that needs them.
         self._vocabulary = Vocabulary(self._vocab_size, self._end_ids)
         self._token_info_cache: dict[int, tuple[str, bytes]] = {}
-        self._prefix_cache = PrefixCache(config.prefix_cache_mb * 2**20)
+        # Prefix-cache hits land on block boundaries (_reusable): the runner's
+        # blocks, or the chunks themselves when they are shorter.
+        self._block = min(BLOCK_TOKENS, self._chunk_size)
+        self._prefix_cache = PrefixCache(config.prefix_cache_mb * 2**20, self._block)
         self._requests: dict[str, _Request] = {}
         self._prefill_turn = 0  # which sequence in prefill goes first in the next pass
         vocab = self._tokenizer.get_vocab()
@@ -231,8 +234,8 @@ class CpuBackend:
             # The proxy reads the model's tool-call format from it; this engine
             # passes no tools to its template, so tools come as a system prompt.
             chat_template=self._prompt_tokenizer.chat_template,
-            # Prefix-cache entries end at multiples of the chunk (_reusable).
-            kv_block_tokens=self._chunk_size,
+            # Prefix-cache hits and entries end at multiples of the block (_reusable).
+            kv_block_tokens=self._block,
             cache_salt=True,
         )
         self._warm_up()
@@ -422,12 +425,17 @@ class CpuBackend:
         self._prefill_turn = first + 1
         budget = self._chunk_size
         for req in prefilling[first:] + prefilling[:first]:
-            end = min((req.processed // self._chunk_size + 1) * self._chunk_size, req.prompt_len)
+            begin = req.processed // self._chunk_size * self._chunk_size  # where this chunk starts
+            end = min(begin + self._chunk_size, req.prompt_len)
             if end - req.processed <= budget:
                 assert req.kv is not None
                 budget -= end - req.processed
                 chunk = req.prompt_ids[req.processed : end]
-                work.append(_Work(req, Segment(req.kv, chunk, 1 if end == req.prompt_len else 0), None))
+                logits = 1 if end == req.prompt_len else 0
+                # After a prefix-cache hit inside a chunk only its tail runs, on the
+                # path the whole chunk takes (Segment.chunk_tokens).
+                segment = Segment(req.kv, chunk, logits, chunk_tokens=end - begin)
+                work.append(_Work(req, segment, None))
         return work
 
     def _run(self, work: list[_Work], events: list[Event]) -> list[tuple[_Work, torch.Tensor | None]]:
@@ -586,7 +594,7 @@ class CpuBackend:
         if self._prefix_cache.capacity_bytes > 0:
             hit = self._prefix_cache.lookup(req.prompt_ids, req.prompt_len - 1, req.cache_salt)
             if hit is not None and self._reusable(hit.length):
-                cached = self._reusable(hit.length)
+                cached = self._reusable(hit.length)  # hit.length already is: whole blocks
                 req.kv.seed(hit.entry.kv, cached)
         req.cached = req.processed = cached
         events.append(Started(req.request_id, req.prompt_len, cached))
@@ -757,8 +765,8 @@ class CpuBackend:
         self._release(req, keep_kv=True)
 
     def _release(self, req: _Request, keep_kv: bool) -> None:
-        """Drop ``req``'s KV; with ``keep_kv``, its whole prompt chunks go into the
-        prefix cache (``_reusable``)."""
+        """Drop ``req``'s KV; with ``keep_kv``, its prompt's whole blocks go into
+        the prefix cache (``_reusable``)."""
         kv, req.kv = req.kv, None
         if kv is None or not keep_kv or self._prefix_cache.capacity_bytes == 0:
             return
@@ -769,15 +777,19 @@ class CpuBackend:
 
     def _reusable(self, positions: int) -> int:
         """How many of a prompt's first ``positions`` computed positions a later
-        prompt may reuse: whole chunks only.
+        prompt may reuse: whole blocks (``BLOCK_TOKENS`` positions, or the chunk
+        when ``chunk_size`` is smaller).
 
         A prompt is cut into chunks at multiples of ``chunk_size`` from its first
-        token, whatever is cached, and a position's KV depends on the chunk it was
-        computed in (the rows of its GEMM and attention calls, ``llama`` module).
-        Reusing whole chunks of earlier prompts, and never generated tokens
-        (computed by decode, not prefill), keeps the output of a prompt the same
-        whether its prefix came from the cache or not."""
-        return positions // self._chunk_size * self._chunk_size
+        token, whatever is cached, and within a chunk the dense weights multiply
+        blocks of ``BLOCK_TOKENS`` positions aligned the same way
+        (``llama.BLOCK_TOKENS``); a prompt chunk's attention runs over the keys up
+        to the chunk's end however many of its rows are computed. So a position's
+        KV does not depend on where the cached prefix ended, as long as it ended
+        on a block boundary (``tests/unit/engine_worker/cpu/test_cpu_engine.py``
+        checks the output bit for bit). Generated tokens are never reused: their
+        KV came from decode, not prefill."""
+        return positions // self._block * self._block
 
 
 if TYPE_CHECKING:

@@ -51,6 +51,7 @@ implements. Others raise ``UnsupportedModel``.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,14 @@ DENSE_MIN_TOKENS = 32
 """Prompt chunks of at least this many tokens run through the bfloat16 copies of
 the weights (``dense_prefill``): from about 8 rows a GEMM beats the quantized
 kernels, and from about 32 it pays for reading four times the bytes."""
+BLOCK_TOKENS = 16
+"""The dense weights multiply a prompt chunk's rows in blocks of this many
+positions, aligned to multiples of it from the sequence's first token (one
+batched product for the whole blocks, one each for pieces cut by the chunk's
+ends). A GEMM's row depends on the rows beside it in the call, so this makes a
+position's KV the same whichever chunk it was computed in, as long as chunks
+start on a block boundary: what lets the prefix cache reuse a prefix to the
+block (``CpuBackend``) rather than to the chunk."""
 
 
 class Quantization(enum.StrEnum):
@@ -127,6 +136,37 @@ class QuantizedLinear:
         if self._bias is not None:
             y += self._bias
         return y
+
+    def dense_raw(self, x: torch.Tensor, blocks: int = 0) -> torch.Tensor:
+        """``dense_call`` without widening a bfloat16 product to float32 (``raw``).
+
+        With ``blocks``, ``x`` is that many blocks of ``BLOCK_TOKENS`` rows,
+        multiplied in one batched product where each block's rows come out as
+        that block alone gives them, whatever the number of blocks."""
+        assert self._dense is not None
+        xb = x.to(torch.bfloat16)
+        if blocks:
+            weight_t = self._dense.t()
+            y = torch.bmm(xb.view(blocks, -1, xb.shape[1]), weight_t.expand(blocks, *weight_t.shape))
+            y = y.view(xb.shape[0], -1)
+        else:
+            y = F.linear(xb, self._dense)
+        return y if self._bias is None else y.float() + self._bias
+
+    def raw(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(x)`` in the kernel's output dtype: bfloat16 from the quantized
+        kernels (float32 with a bias). Widening bfloat16 is exact, so adding this
+        to a float32 tensor gives the bits ``self(x)`` would."""
+        y: torch.Tensor
+        if self._mode is Quantization.INT4:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16), self._weight, _INT4_GROUP, self._int4_scales
+            )
+        elif self._mode is Quantization.INT8:
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self._weight, self._int8_scales)
+        else:
+            y = F.linear(x.to(self._weight.dtype), self._weight)
+        return y if self._bias is None else y.float() + self._bias
 
     def nbytes(self) -> int:
         """Bytes of weight data read per forward pass."""
@@ -245,11 +285,9 @@ class Int8Head:
 def _pack_onednn_int8(codes: torch.Tensor) -> torch.Tensor | None:
     """``codes`` ``[out, in]`` int8 packed for oneDNN's int8 product, or ``None``
     where this torch build has no oneDNN (or it refuses the shape)."""
-    if not torch.backends.mkldnn.is_available():
-        return None
     try:
         packed: torch.Tensor = torch.ops.onednn.qlinear_prepack(codes, None)
-    except (RuntimeError, AttributeError):
+    except (RuntimeError, AttributeError, NotImplementedError):  # no such op, or no oneDNN
         return None
     return packed
 
@@ -274,11 +312,17 @@ class Segment:
     last ``logits`` of them are returned (0: none).
 
     A segment with logits for every token (decode: the last token and drafts)
-    attends one query at a time; others (prompt chunks) in one masked call."""
+    attends one query at a time; others (prompt chunks, and any segment with
+    ``chunk_tokens`` above 1) in one masked call over the keys up to their end."""
 
     kv: SequenceKV
     tokens: Sequence[int]
     logits: int
+    chunk_tokens: int = 0
+    """For a prompt chunk: the length of the whole chunk these tokens end (more
+    than ``len(tokens)`` when a prefix-cache hit covered its head). The
+    attention call and the dense weights are chosen by it, so a tail takes the
+    path the whole chunk would. 0: not given (chosen by ``tokens`` and ``logits``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,6 +333,49 @@ class _Layer:
     post_norm: torch.Tensor
     gate_up: QuantizedLinear
     down: QuantizedLinear
+
+
+def _block_spans(row: int, start: int, n: int) -> list[tuple[int, int]]:
+    """Rows ``row .. row + n`` of a pass (positions ``start .. start + n``) as
+    spans for the dense weights: the whole ``BLOCK_TOKENS`` blocks of positions
+    in one span, and a span each for the pieces of blocks cut by the chunk's
+    ends (``BLOCK_TOKENS``)."""
+    end = start + n
+    head = min(end, -(-start // BLOCK_TOKENS) * BLOCK_TOKENS)  # first block boundary
+    whole = head + (end - head) // BLOCK_TOKENS * BLOCK_TOKENS
+    cuts = [start, head, whole, end]
+    return [(row + a - start, row + b - start) for a, b in itertools.pairwise(cuts) if b > a]
+
+
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    """One segment's place in a pass: rows ``offset .. offset + n`` of the pass,
+    positions ``start .. start + n`` of ``kv``, and views of its KV buffer taken
+    once per pass rather than once per layer.
+
+    ``write``: ``[layers, 2, kv_heads, n, head_dim]``, where the pass's KV goes.
+    ``reads``: per attention call, keys and values ``[layers, 1, kv_heads,
+    end, head_dim]``: one call over ``start + n`` positions with ``mask``
+    (a prompt chunk, causal within it), or one per position (decode).
+    """
+
+    kv: SequenceKV
+    offset: int
+    n: int
+    start: int
+    mask: torch.Tensor | None
+    write: torch.Tensor
+    reads: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @classmethod
+    def of(cls, kv: SequenceKV, offset: int, n: int, start: int, prompt_chunk: bool) -> _Planned:
+        buffer = kv.buffer  # [layers, 2, kv_heads, capacity, head_dim]
+        ends = [start + n] if prompt_chunk else range(start + 1, start + n + 1)
+        reads = [(buffer[:, 0:1, :, :end], buffer[:, 1:2, :, :end]) for end in ends]
+        mask = None
+        if prompt_chunk:
+            mask = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
+        return cls(kv, offset, n, start, mask, buffer[:, :, :, start : start + n], reads)
 
 
 class LlamaRunner:
@@ -346,7 +433,11 @@ class LlamaRunner:
             probe = torch.zeros(1, 1, self.head_dim)
             cos, sin = decoder.rotary_emb(probe, positions)
             self._cos = cos[0].float()[:, None, :].contiguous()  # [positions, 1, head_dim]
-            self._sin = sin[0].float()[:, None, :].contiguous()
+            sin = sin[0].float()[:, None, :]
+            # rotate_half(x) * sin == swap_halves(x) * (sin with its first half negated)
+            self._sin_signed = torch.cat(
+                (-sin[..., : self.head_dim // 2], sin[..., self.head_dim // 2 :]), -1
+            )
 
     def _layer(self, layer: Any, quantization: Quantization) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -410,97 +501,104 @@ class LlamaRunner:
         # Long prompt chunks go last, each through the dense weights on its own
         # rows (the same call whatever else is in the pass); the rest first,
         # through the quantized kernels in one call.
-        dense = [
-            self._dense and len(seg.tokens) >= DENSE_MIN_TOKENS and len(seg.tokens) != seg.logits
+        prompt = [
+            seg.chunk_tokens > 1 if seg.chunk_tokens else 1 < len(seg.tokens) != seg.logits
             for seg in segments
+        ]
+        dense = [
+            self._dense and p and max(len(seg.tokens), seg.chunk_tokens) >= DENSE_MIN_TOKENS
+            for p, seg in zip(prompt, segments, strict=True)
         ]
         order = [i for i, d in enumerate(dense) if not d] + [i for i, d in enumerate(dense) if d]
         ids: list[int] = []
         positions: list[int] = []
-        plan: list[tuple[SequenceKV, int, int, int, torch.Tensor | None]] = []
-        spans: list[tuple[int, int]] = []  # rows of the dense chunks
+        plan: list[_Planned] = []
+        spans: list[tuple[int, int]] = []  # rows of the dense chunks, cut at block boundaries
         for i in order:
             seg = segments[i]
             n, start = len(seg.tokens), seg.kv.length
             seg.kv.reserve(start + n)
-            mask = None
-            if 1 < n != seg.logits:  # a prompt chunk: causal within it, everything before visible
-                mask = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
             if dense[i]:
-                spans.append((len(ids), len(ids) + n))
-            plan.append((seg.kv, len(ids), n, start, mask))
+                spans += _block_spans(len(ids), start, n)
+            plan.append(_Planned.of(seg.kv, len(ids), n, start, prompt_chunk=prompt[i]))
             ids.extend(seg.tokens)
             positions.extend(range(start, start + n))
         quantized_rows = spans[0][0] if spans else len(ids)
 
         def linear(layer: QuantizedLinear, h: torch.Tensor) -> torch.Tensor:
             if not spans:
-                return layer(h)
-            parts = [layer(h[:quantized_rows])] if quantized_rows else []
-            parts += [layer.dense_call(h[a:b]) for a, b in spans]
+                return layer.raw(h)
+            parts = [layer.raw(h[:quantized_rows])] if quantized_rows else []
+            parts += [layer.dense_raw(h[a:b], blocks=(b - a) // BLOCK_TOKENS) for a, b in spans]
             return parts[0] if len(parts) == 1 else torch.cat(parts)
 
         index = torch.tensor(positions)
-        cos, sin = self._cos[index], self._sin[index]
+        cos, sin = self._cos[index], self._sin_signed[index]
         x = self._embed[torch.tensor(ids)]
         tokens = len(ids)
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
-        half = d // 2
-        q_width, qk_width = self._q_width, self._q_width + self._kv_width
+        half, qk_heads = d // 2, heads + kv_heads
+        hidden, eps, scale, intermediate = self.hidden_size, self._eps, self._scale, self._intermediate
+        qk_width = self._q_width + self._kv_width
+        # One segment alone (a lone decode step, most often) needs no slicing of
+        # the pass's rows.
+        alone = len(plan) == 1
         for li, layer in enumerate(self._layers):
-            h = F.rms_norm(x, (self.hidden_size,), layer.input_norm, self._eps)
-            qkv = linear(layer.qkv, h)
-            qk = qkv[:, :qk_width].view(tokens, heads + kv_heads, d)
-            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
-            # rotated keys back next to the values: one copy writes a segment's KV
-            qkv[:, q_width:qk_width] = qk[:, heads:].reshape(tokens, self._kv_width)
-            new_kv = qkv[:, q_width:].view(tokens, 2, kv_heads, d).permute(1, 2, 0, 3)  # [2, kv_heads, T, d]
-            queries = qk[:, :heads].transpose(0, 1)[None]  # [1, heads, T, d]
+            h = F.rms_norm(x, (hidden,), layer.input_norm, eps)
+            qkv = linear(layer.qkv, h)  # bfloat16 (float32 with a bias or unquantized)
+            qk = qkv[:, :qk_width].view(tokens, qk_heads, d)
+            # RoPE, rotate_half(x) * sin as the halves swapped times sin with its first
+            # half negated: the same products, bit for bit, in fewer calls. Written
+            # with the values into one float32 block, so one copy writes a segment's KV.
+            block = torch.empty(tokens, qk_heads + kv_heads, d)
+            swapped = qk.view(tokens, qk_heads, 2, half).flip(2).view(tokens, qk_heads, d)
+            torch.add(qk * cos, swapped * sin, out=block[:, :qk_heads])
+            block[:, qk_heads:] = qkv[:, qk_width:].view(tokens, kv_heads, d)
+            new_kv = block[:, heads:].view(tokens, 2, kv_heads, d).permute(1, 2, 0, 3)  # [2, kv_heads, T, d]
+            queries = block[:, :heads].transpose(0, 1)[None]  # [1, heads, T, d]
             outputs = []
-            for kv, offset, n, start, mask in plan:
-                buffer = kv.layers[li]  # [2, kv_heads, capacity, d]
-                buffer[:, :, start : start + n] = new_kv[:, :, offset : offset + n]
-                if mask is not None:
+            for p in plan:
+                p.write[li].copy_(new_kv if alone else new_kv[:, :, p.offset : p.offset + p.n])
+                if p.mask is not None:
+                    keys, values = p.reads[0]
                     outputs.append(
                         F.scaled_dot_product_attention(
-                            queries[:, :, offset : offset + n],
-                            buffer[None, 0, :, : start + n],
-                            buffer[None, 1, :, : start + n],
-                            attn_mask=mask,
-                            scale=self._scale,
+                            queries if alone else queries[:, :, p.offset : p.offset + p.n],
+                            keys[li],
+                            values[li],
+                            attn_mask=p.mask,
+                            scale=scale,
                             enable_gqa=True,
                         )
                     )
                     continue
                 # Decode positions, one query at a time: each is computed exactly as
                 # plain decoding computes it (a verify pass's position included).
-                for i in range(offset, offset + n):
-                    end = start + i - offset + 1
+                for i, (keys, values) in enumerate(p.reads, start=p.offset):
                     outputs.append(
                         F.scaled_dot_product_attention(
-                            queries[:, :, i : i + 1],
-                            buffer[None, 0, :, :end],
-                            buffer[None, 1, :, :end],
-                            scale=self._scale,
+                            queries if tokens == 1 else queries[:, :, i : i + 1],
+                            keys[li],
+                            values[li],
+                            scale=scale,
                             enable_gqa=True,
                         )
                     )
             attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # [1, heads, T, d]
-            x = x + linear(layer.o, attn[0].transpose(0, 1).reshape(tokens, q_width))
-            h = F.rms_norm(x, (self.hidden_size,), layer.post_norm, self._eps)
+            # bfloat16 outputs added to the float32 stream are widened exactly first
+            x = x + linear(layer.o, attn[0].transpose(0, 1).reshape(tokens, self._q_width))
+            h = F.rms_norm(x, (hidden,), layer.post_norm, eps)
             gate_up = linear(layer.gate_up, h)
-            x = x + linear(
-                layer.down, F.silu(gate_up[:, : self._intermediate]) * gate_up[:, self._intermediate :]
-            )
+            x = x + linear(layer.down, F.silu(gate_up[:, :intermediate].float()) * gate_up[:, intermediate:])
         rows: list[int] = []
-        for i, (_, offset, n, _, _) in zip(order, plan, strict=True):
-            rows.extend(range(offset + n - segments[i].logits, offset + n))
+        for i, p in zip(order, plan, strict=True):
+            rows.extend(range(p.offset + p.n - segments[i].logits, p.offset + p.n))
         logits = None
         if rows:
             last = F.rms_norm(x[torch.tensor(rows)], (self.hidden_size,), self._norm, self._eps)
             logits = self._head(last)
-        for kv, _, n, start, _ in plan:
-            kv.length = start + n
+        for p in plan:
+            p.kv.length = p.start + p.n
         result: list[torch.Tensor | None] = [None] * len(segments)
         row = 0
         for i in order:

@@ -198,8 +198,9 @@ def test_prefix_cache_eviction_under_small_budget(tiny, tokenizer, make_backend,
     large = make_backend(tiny, prefix_cache_mb=8)
     for rid, prompt in (("a1", a), ("b1", b)):
         run_one(large, raw(rid, prompt, max_tokens=1))
-    assert run_one(large, raw("a2", a, max_tokens=1)).started.cached_tokens == (n_a - 1) // 256 * 256
-    assert run_one(large, raw("b2", b, max_tokens=1)).started.cached_tokens == (n_b - 1) // 256 * 256
+    # whole blocks of 16 (the default chunk of 256 holds 16 of them)
+    assert run_one(large, raw("a2", a, max_tokens=1)).started.cached_tokens == (n_a - 1) // 16 * 16
+    assert run_one(large, raw("b2", b, max_tokens=1)).started.cached_tokens == (n_b - 1) // 16 * 16
 
     off = make_backend(tiny, prefix_cache_mb=0)
     run_one(off, raw("a1", a, max_tokens=1))
