@@ -68,7 +68,7 @@ from engine_worker.constraints import GrammarUnsupported, TokenConstraint, Vocab
 from engine_worker.cpu.banned import BannedStrings
 from engine_worker.cpu.detokenize import IncrementalDetokenizer, StopStringMatcher
 from engine_worker.cpu.kv_cache import SequenceKV
-from engine_worker.cpu.llama import LlamaRunner, Quantization, Segment
+from engine_worker.cpu.llama import BLOCK_TOKENS, LlamaRunner, Quantization, Segment
 from engine_worker.cpu.logprobs import LogprobTrail
 from engine_worker.cpu.model_store import LoadedModel, load_embedded, load_model
 from engine_worker.cpu.ngram import NgramDrafter
@@ -219,7 +219,10 @@ class CpuBackend:
         self._protected: torch.Tensor | None = None  # XTC's held-out tokens, built on first use
         self._texts: list[str] | None = None  # every token's text, built on first use (XTC, DRY)
         self._breaker_masks: dict[tuple[str, ...] | None, torch.Tensor] = {}
-        self._prefix_cache = PrefixCache(config.prefix_cache_mb * 2**20)
+        # Prefix-cache hits land on block boundaries (_reusable): the runner's
+        # blocks, or the chunks themselves when they are shorter.
+        self._block = min(BLOCK_TOKENS, self._chunk_size)
+        self._prefix_cache = PrefixCache(config.prefix_cache_mb * 2**20, self._block)
         self._requests: dict[str, _Request] = {}
         self._prefill_turn = 0  # which sequence in prefill goes first in the next pass
         vocab = self._tokenizer.get_vocab()
@@ -239,8 +242,8 @@ class CpuBackend:
             # The proxy reads the model's tool-call format from it; this engine
             # passes no tools to its template, so tools come as a system prompt.
             chat_template=self._prompt_tokenizer.chat_template,
-            # Prefix-cache entries end at multiples of the chunk (_reusable).
-            kv_block_tokens=self._chunk_size,
+            # Prefix-cache hits and entries end at multiples of the block (_reusable).
+            kv_block_tokens=self._block,
             cache_salt=True,
         )
         self._warm_up()
@@ -461,7 +464,11 @@ class CpuBackend:
                 assert req.kv is not None
                 budget -= end - req.processed
                 chunk = req.prompt_ids[req.processed : end]
-                work.append(_Work(req, Segment(req.kv, chunk, 1 if end == req.prompt_len else 0), None))
+                logits = 1 if end == req.prompt_len else 0
+                # The path by the chunk size, not this chunk's length: the same for a
+                # position in every prompt, a tail after a prefix-cache hit included.
+                segment = Segment(req.kv, chunk, logits, chunk_size=self._chunk_size)
+                work.append(_Work(req, segment, None))
         return work
 
     def _run(self, work: list[_Work], events: list[Event]) -> list[tuple[_Work, torch.Tensor | None]]:
@@ -680,7 +687,7 @@ class CpuBackend:
         if self._prefix_cache.capacity_bytes > 0:
             hit = self._prefix_cache.lookup(req.prompt_ids, req.prompt_len - 1, req.cache_salt)
             if hit is not None and self._reusable(hit.length):
-                cached = self._reusable(hit.length)
+                cached = self._reusable(hit.length)  # hit.length already is: whole blocks
                 req.kv.seed(hit.entry.kv, cached)
         req.cached = req.processed = cached
         events.append(Started(req.request_id, req.prompt_len, cached))
@@ -887,8 +894,8 @@ class CpuBackend:
         self._release(req, keep_kv=True)
 
     def _release(self, req: _Request, keep_kv: bool) -> None:
-        """Drop ``req``'s KV; with ``keep_kv``, its whole prompt chunks go into the
-        prefix cache (``_reusable``)."""
+        """Drop ``req``'s KV; with ``keep_kv``, its prompt's whole blocks go into
+        the prefix cache (``_reusable``)."""
         kv, req.kv = req.kv, None
         if kv is None or not keep_kv or self._prefix_cache.capacity_bytes == 0:
             return
@@ -899,15 +906,19 @@ class CpuBackend:
 
     def _reusable(self, positions: int) -> int:
         """How many of a prompt's first ``positions`` computed positions a later
-        prompt may reuse: whole chunks only.
+        prompt may reuse: whole blocks (``BLOCK_TOKENS`` positions, or the chunk
+        when ``chunk_size`` is smaller).
 
         A prompt is cut into chunks at multiples of ``chunk_size`` from its first
-        token, whatever is cached, and a position's KV depends on the chunk it was
-        computed in (the rows of its GEMM and attention calls, ``llama`` module).
-        Reusing whole chunks of earlier prompts, and never generated tokens
-        (computed by decode, not prefill), keeps the output of a prompt the same
-        whether its prefix came from the cache or not."""
-        return positions // self._chunk_size * self._chunk_size
+        token, whatever is cached, and within a chunk the dense weights multiply
+        blocks of ``BLOCK_TOKENS`` positions aligned the same way
+        (``llama.BLOCK_TOKENS``); a prompt chunk's attention runs over the keys up
+        to the chunk's end however many of its rows are computed. So a position's
+        KV does not depend on where the cached prefix ended, as long as it ended
+        on a block boundary (``tests/unit/engine_worker/cpu/test_cpu_engine.py``
+        checks the output bit for bit). Generated tokens are never reused: their
+        KV came from decode, not prefill."""
+        return positions // self._block * self._block
 
 
 if TYPE_CHECKING:

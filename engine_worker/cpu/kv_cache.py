@@ -39,6 +39,15 @@ class SequenceKV:
         return num_layers * 2 * kv_heads * head_dim * 4
 
     @property
+    def buffer(self) -> torch.Tensor:
+        """The whole ``[layers, 2, kv_heads, capacity, head_dim]`` buffer (views of
+        it are valid until the cache next grows). Raises ``ValueError`` before the
+        first ``reserve``."""
+        if self._buffer is None:
+            raise ValueError("the cache holds no KV")
+        return self._buffer
+
+    @property
     def capacity(self) -> int:
         return 0 if self._buffer is None else int(self._buffer.shape[3])
 

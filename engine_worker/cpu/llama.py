@@ -51,6 +51,7 @@ implements. Others raise ``UnsupportedModel``.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,6 +67,14 @@ DENSE_MIN_TOKENS = 32
 """Prompt chunks of at least this many tokens run through the bfloat16 copies of
 the weights (``dense_prefill``): from about 8 rows a GEMM beats the quantized
 kernels, and from about 32 it pays for reading four times the bytes."""
+BLOCK_TOKENS = 16
+"""The dense weights multiply a prompt chunk's rows in blocks of this many
+positions, aligned to multiples of it from the sequence's first token (one
+batched product for the whole blocks, one each for pieces cut by the chunk's
+ends). A GEMM's row depends on the rows beside it in the call, so this makes a
+position's KV the same whichever chunk it was computed in, as long as chunks
+start on a block boundary: what lets the prefix cache reuse a prefix to the
+block (``CpuBackend``) rather than to the chunk."""
 
 
 class Quantization(enum.StrEnum):
@@ -128,6 +137,37 @@ class QuantizedLinear:
             y += self._bias
         return y
 
+    def dense_raw(self, x: torch.Tensor, blocks: int = 0) -> torch.Tensor:
+        """``dense_call`` without widening a bfloat16 product to float32 (``raw``).
+
+        With ``blocks``, ``x`` is that many blocks of ``BLOCK_TOKENS`` rows,
+        multiplied in one batched product where each block's rows come out as
+        that block alone gives them, whatever the number of blocks."""
+        assert self._dense is not None
+        xb = x.to(torch.bfloat16)
+        if blocks:
+            weight_t = self._dense.t()
+            y = torch.bmm(xb.view(blocks, -1, xb.shape[1]), weight_t.expand(blocks, *weight_t.shape))
+            y = y.view(xb.shape[0], -1)
+        else:
+            y = F.linear(xb, self._dense)
+        return y if self._bias is None else y.float() + self._bias
+
+    def raw(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(x)`` in the kernel's output dtype: bfloat16 from the quantized
+        kernels (float32 with a bias). Widening bfloat16 is exact, so adding this
+        to a float32 tensor gives the bits ``self(x)`` would."""
+        y: torch.Tensor
+        if self._mode is Quantization.INT4:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16), self._weight, _INT4_GROUP, self._int4_scales
+            )
+        elif self._mode is Quantization.INT8:
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self._weight, self._int8_scales)
+        else:
+            y = F.linear(x.to(self._weight.dtype), self._weight)
+        return y if self._bias is None else y.float() + self._bias
+
     def nbytes(self) -> int:
         """Bytes of weight data read per forward pass."""
         total = self._weight.numel() * self._weight.element_size()
@@ -159,23 +199,77 @@ class Int8Head:
     Weights int8 with a scale per output channel (the embedded GGUF's embedding
     is Q8_0); activations as two int8 terms per token, ``x ~ s1*q1 + s2*q2``
     (the second quantizes what the first left over: about 14 bits), both rows
-    multiplied in one ``torch._int_mm`` call, exact in int32 and VNNI-fast.
+    multiplied in one integer product, exact in int32 and VNNI-fast.
     Logits come out in float32: the weight-only int8 kernel returns bfloat16,
     whose 0.125 steps at logit 25 tie SmolLM2's two best first tokens for "What
     is the capital of France?" (0.08 apart in float32), and eight rows cost it
     three times one row where this head takes about 2.7 times.
+
+    The integer product runs through oneDNN with the weights packed once here
+    (``onednn::qlinear_pointwise``, unit scales, float32 out): ``torch._int_mm``
+    reorders the whole 28 MiB weight on every call, which made the head a fifth
+    of a decode step (``docs/performance.md#where-a-decode-step-goes``). The
+    packed product is used only when it equals ``torch._int_mm`` exactly on a
+    probe of extreme activations (an int32 sum of at most 576 * 127 * 127 is
+    exact in float32; a kernel that saturated 16-bit partial sums, as
+    non-VNNI int8 paths can, would differ there); otherwise ``torch._int_mm``.
     """
 
-    __slots__ = ("_scales", "_weight_t")
+    __slots__ = ("_ones", "_packed", "_scales", "_weight_t", "_zeros")
 
     def __init__(self, weight: torch.Tensor) -> None:
         w = weight.detach().float()
         self._scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        codes = torch.round(w / self._scales[:, None]).clamp(-127, 127).to(torch.int8)
         # [hidden, vocab], a transposed view of [vocab, hidden]: _int_mm's fastest layout here
-        self._weight_t = torch.round(w / self._scales[:, None]).clamp(-127, 127).to(torch.int8).t()
+        self._weight_t: torch.Tensor | None = codes.t()
+        vocab = codes.shape[0]
+        self._ones = torch.ones(vocab)
+        self._zeros = torch.zeros(vocab, dtype=torch.long)
+        self._packed: torch.Tensor | None = _pack_onednn_int8(codes)
+        if self._packed is not None and self._exact_on_probe(codes):
+            self._weight_t = None  # one copy of the weights is enough
+        else:
+            self._packed = None
+
+    def _exact_on_probe(self, codes: torch.Tensor) -> bool:
+        """Whether the packed product equals ``torch._int_mm`` on activations of
+        +-127 everywhere and +-127 following the sign of the weights' first rows
+        (the largest partial sums a kernel can meet), and on random ones."""
+        hidden = codes.shape[1]
+        signs = torch.where(codes[:4] >= 0, 127, -127).to(torch.int8)
+        probe = torch.cat(
+            (
+                torch.full((1, hidden), 127, dtype=torch.int8),
+                torch.full((1, hidden), -127, dtype=torch.int8),
+                signs,
+                -signs,
+                torch.randint(-127, 128, (6, hidden), generator=torch.Generator().manual_seed(0)).to(
+                    torch.int8
+                ),
+            )
+        )
+        try:
+            packed = self._products(probe)
+        except RuntimeError:
+            return False
+        return torch.equal(packed, torch._int_mm(probe, codes.t()).float())
 
     def nbytes(self) -> int:
-        return self._weight_t.numel() + self._scales.numel() * 4
+        weights = self._packed if self._packed is not None else self._weight_t
+        assert weights is not None
+        return weights.numel() + self._scales.numel() * 4
+
+    def _products(self, q: torch.Tensor) -> torch.Tensor:
+        """``q`` ``[rows, hidden]`` int8 times the int8 weights: ``[rows, vocab]``
+        float32 holding the exact int32 sums."""
+        if self._packed is not None:
+            products: torch.Tensor = torch.ops.onednn.qlinear_pointwise(
+                q, 1.0, 0, self._packed, self._ones, self._zeros, None, 1.0, 0, torch.float32, "none", [], ""
+            )
+            return products
+        assert self._weight_t is not None
+        return torch._int_mm(q, self._weight_t).float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -184,8 +278,18 @@ class Int8Head:
         rest = x - high * high_scale
         low_scale = (rest.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-30)
         low = torch.round(rest / low_scale)
-        products = torch._int_mm(torch.cat((high, low)).to(torch.int8), self._weight_t).float()
+        products = self._products(torch.cat((high, low)).to(torch.int8))
         return (products[:rows] * high_scale + products[rows:] * low_scale) * self._scales
+
+
+def _pack_onednn_int8(codes: torch.Tensor) -> torch.Tensor | None:
+    """``codes`` ``[out, in]`` int8 packed for oneDNN's int8 product, or ``None``
+    where this torch build has no oneDNN (or it refuses the shape)."""
+    try:
+        packed: torch.Tensor = torch.ops.onednn.qlinear_prepack(codes, None)
+    except (RuntimeError, AttributeError, NotImplementedError):  # no such op, or no oneDNN
+        return None
+    return packed
 
 
 def _pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,11 +312,19 @@ class Segment:
     last ``logits`` of them are returned (0: none).
 
     A segment with logits for every token (decode: the last token and drafts)
-    attends one query at a time; others (prompt chunks) in one masked call."""
+    attends one query at a time; others (prompt chunks) in masked calls, one per
+    ``BLOCK_TOKENS`` block of positions."""
 
     kv: SequenceKV
     tokens: Sequence[int]
     logits: int
+    chunk_size: int = 0
+    """For a prompt chunk: the chunk size the prompt is cut by (``--chunk-size``).
+    The path is chosen by it, not by the chunk's own length (a prompt's last
+    chunk, or a chunk's tail after a prefix-cache hit, is shorter), so a position
+    takes the same path in every prompt: the masked attention calls when it is
+    above 1, the dense weights when it is ``DENSE_MIN_TOKENS`` or more. 0: not a
+    chunk of a prompt cut that way (chosen by ``tokens`` and ``logits``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +335,61 @@ class _Layer:
     post_norm: torch.Tensor
     gate_up: QuantizedLinear
     down: QuantizedLinear
+
+
+def _block_spans(row: int, start: int, n: int, whole: bool = True) -> list[tuple[int, int]]:
+    """Rows ``row .. row + n`` of a pass (positions ``start .. start + n``) cut
+    at the ``BLOCK_TOKENS`` boundaries of the positions: one span per block or
+    piece of a block, or with ``whole`` the whole blocks together in one span
+    (the pieces cut by the ends each in their own)."""
+    end = start + n
+    head = min(end, -(-start // BLOCK_TOKENS) * BLOCK_TOKENS)  # first block boundary
+    blocks = (end - head) // BLOCK_TOKENS
+    inner = [head + BLOCK_TOKENS * i for i in range(1, blocks)] if not whole else []
+    cuts = [start, head, *inner, head + blocks * BLOCK_TOKENS, end]
+    return [(row + a - start, row + b - start) for a, b in itertools.pairwise(cuts) if b > a]
+
+
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    """One segment's place in a pass: rows ``offset .. offset + n`` of the pass,
+    positions ``start .. start + n`` of ``kv``, and views of its KV buffer taken
+    once per pass rather than once per layer.
+
+    ``write``: ``[layers, 2, kv_heads, n, head_dim]``, where the pass's KV goes.
+    ``calls``: its attention calls, each query rows ``lo .. hi`` of the pass
+    over keys and values ``[layers, 1, kv_heads, end, head_dim]`` with a causal
+    ``mask`` or none. A prompt chunk attends in one call per ``BLOCK_TOKENS``
+    block of positions (aligned from the first token), over the keys up to the
+    block's end: a fused attention row depends on how many keys its call has,
+    masked or not, so this keeps a position's KV independent of where its chunk
+    ends (a prefix-cache entry's last chunk was cut shorter than a later
+    prompt's). Decode positions attend one call each, as plain decoding does.
+    """
+
+    kv: SequenceKV
+    offset: int
+    n: int
+    start: int
+    write: torch.Tensor
+    calls: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None]]
+
+    @classmethod
+    def of(cls, kv: SequenceKV, offset: int, n: int, start: int, prompt_chunk: bool) -> _Planned:
+        buffer = kv.buffer  # [layers, 2, kv_heads, capacity, head_dim]
+        calls: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        if prompt_chunk:
+            for lo, hi in _block_spans(offset, start, n, whole=False):
+                first, end = start + lo - offset, start + hi - offset
+                mask = torch.arange(end)[None, :] <= torch.arange(first, end)[:, None]
+                calls.append((lo, hi, buffer[:, 0:1, :, :end], buffer[:, 1:2, :, :end], mask))
+        else:
+            for i in range(n):
+                end = start + i + 1
+                calls.append(
+                    (offset + i, offset + i + 1, buffer[:, 0:1, :, :end], buffer[:, 1:2, :, :end], None)
+                )
+        return cls(kv, offset, n, start, buffer[:, :, :, start : start + n], calls)
 
 
 class LlamaRunner:
@@ -280,7 +447,11 @@ class LlamaRunner:
             probe = torch.zeros(1, 1, self.head_dim)
             cos, sin = decoder.rotary_emb(probe, positions)
             self._cos = cos[0].float()[:, None, :].contiguous()  # [positions, 1, head_dim]
-            self._sin = sin[0].float()[:, None, :].contiguous()
+            sin = sin[0].float()[:, None, :]
+            # rotate_half(x) * sin == swap_halves(x) * (sin with its first half negated)
+            self._sin_signed = torch.cat(
+                (-sin[..., : self.head_dim // 2], sin[..., self.head_dim // 2 :]), -1
+            )
 
     def _layer(self, layer: Any, quantization: Quantization) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -341,100 +512,92 @@ class LlamaRunner:
                 raise ValueError("a segment needs at least one token")
             if start + n > self.max_positions:
                 raise ValueError(f"position {start + n} is past the model's {self.max_positions}")
-        # Long prompt chunks go last, each through the dense weights on its own
-        # rows (the same call whatever else is in the pass); the rest first,
-        # through the quantized kernels in one call.
+        # Prompt chunks of long chunk sizes go last, each through the dense weights
+        # on its own rows (the same calls whatever else is in the pass); the rest
+        # first, through the quantized kernels in one call.
+        prompt = [
+            seg.chunk_size > 1 if seg.chunk_size else 1 < len(seg.tokens) != seg.logits for seg in segments
+        ]
         dense = [
-            self._dense and len(seg.tokens) >= DENSE_MIN_TOKENS and len(seg.tokens) != seg.logits
-            for seg in segments
+            self._dense and p and (seg.chunk_size or len(seg.tokens)) >= DENSE_MIN_TOKENS
+            for p, seg in zip(prompt, segments, strict=True)
         ]
         order = [i for i, d in enumerate(dense) if not d] + [i for i, d in enumerate(dense) if d]
         ids: list[int] = []
         positions: list[int] = []
-        plan: list[tuple[SequenceKV, int, int, int, torch.Tensor | None]] = []
-        spans: list[tuple[int, int]] = []  # rows of the dense chunks
+        plan: list[_Planned] = []
+        spans: list[tuple[int, int]] = []  # rows of the dense chunks, cut at block boundaries
         for i in order:
             seg = segments[i]
             n, start = len(seg.tokens), seg.kv.length
             seg.kv.reserve(start + n)
-            mask = None
-            if 1 < n != seg.logits:  # a prompt chunk: causal within it, everything before visible
-                mask = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
             if dense[i]:
-                spans.append((len(ids), len(ids) + n))
-            plan.append((seg.kv, len(ids), n, start, mask))
+                spans += _block_spans(len(ids), start, n)
+            plan.append(_Planned.of(seg.kv, len(ids), n, start, prompt_chunk=prompt[i]))
             ids.extend(seg.tokens)
             positions.extend(range(start, start + n))
         quantized_rows = spans[0][0] if spans else len(ids)
 
         def linear(layer: QuantizedLinear, h: torch.Tensor) -> torch.Tensor:
             if not spans:
-                return layer(h)
-            parts = [layer(h[:quantized_rows])] if quantized_rows else []
-            parts += [layer.dense_call(h[a:b]) for a, b in spans]
+                return layer.raw(h)
+            parts = [layer.raw(h[:quantized_rows])] if quantized_rows else []
+            parts += [layer.dense_raw(h[a:b], blocks=(b - a) // BLOCK_TOKENS) for a, b in spans]
             return parts[0] if len(parts) == 1 else torch.cat(parts)
 
         index = torch.tensor(positions)
-        cos, sin = self._cos[index], self._sin[index]
+        cos, sin = self._cos[index], self._sin_signed[index]
         x = self._embed[torch.tensor(ids)]
         tokens = len(ids)
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
-        half = d // 2
-        q_width, qk_width = self._q_width, self._q_width + self._kv_width
+        half, qk_heads = d // 2, heads + kv_heads
+        hidden, eps, scale, intermediate = self.hidden_size, self._eps, self._scale, self._intermediate
+        qk_width = self._q_width + self._kv_width
+        # One segment alone (a lone decode step, most often) needs no slicing of
+        # the pass's rows.
+        alone = len(plan) == 1
         for li, layer in enumerate(self._layers):
-            h = F.rms_norm(x, (self.hidden_size,), layer.input_norm, self._eps)
-            qkv = linear(layer.qkv, h)
-            qk = qkv[:, :qk_width].view(tokens, heads + kv_heads, d)
-            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
-            # rotated keys back next to the values: one copy writes a segment's KV
-            qkv[:, q_width:qk_width] = qk[:, heads:].reshape(tokens, self._kv_width)
-            new_kv = qkv[:, q_width:].view(tokens, 2, kv_heads, d).permute(1, 2, 0, 3)  # [2, kv_heads, T, d]
-            queries = qk[:, :heads].transpose(0, 1)[None]  # [1, heads, T, d]
+            h = F.rms_norm(x, (hidden,), layer.input_norm, eps)
+            qkv = linear(layer.qkv, h)  # bfloat16 (float32 with a bias or unquantized)
+            qk = qkv[:, :qk_width].view(tokens, qk_heads, d)
+            # RoPE, rotate_half(x) * sin as the halves swapped times sin with its first
+            # half negated: the same products, bit for bit, in fewer calls. Written
+            # with the values into one float32 block, so one copy writes a segment's KV.
+            block = torch.empty(tokens, qk_heads + kv_heads, d)
+            swapped = qk.view(tokens, qk_heads, 2, half).flip(2).view(tokens, qk_heads, d)
+            torch.add(qk * cos, swapped * sin, out=block[:, :qk_heads])
+            block[:, qk_heads:] = qkv[:, qk_width:].view(tokens, kv_heads, d)
+            new_kv = block[:, heads:].view(tokens, 2, kv_heads, d).permute(1, 2, 0, 3)  # [2, kv_heads, T, d]
+            queries = block[:, :heads].transpose(0, 1)[None]  # [1, heads, T, d]
             outputs = []
-            for kv, offset, n, start, mask in plan:
-                buffer = kv.layers[li]  # [2, kv_heads, capacity, d]
-                buffer[:, :, start : start + n] = new_kv[:, :, offset : offset + n]
-                if mask is not None:
+            for p in plan:
+                p.write[li].copy_(new_kv if alone else new_kv[:, :, p.offset : p.offset + p.n])
+                for lo, hi, keys, values, mask in p.calls:
                     outputs.append(
                         F.scaled_dot_product_attention(
-                            queries[:, :, offset : offset + n],
-                            buffer[None, 0, :, : start + n],
-                            buffer[None, 1, :, : start + n],
+                            queries if hi - lo == tokens else queries[:, :, lo:hi],
+                            keys[li],
+                            values[li],
                             attn_mask=mask,
-                            scale=self._scale,
-                            enable_gqa=True,
-                        )
-                    )
-                    continue
-                # Decode positions, one query at a time: each is computed exactly as
-                # plain decoding computes it (a verify pass's position included).
-                for i in range(offset, offset + n):
-                    end = start + i - offset + 1
-                    outputs.append(
-                        F.scaled_dot_product_attention(
-                            queries[:, :, i : i + 1],
-                            buffer[None, 0, :, :end],
-                            buffer[None, 1, :, :end],
-                            scale=self._scale,
+                            scale=scale,
                             enable_gqa=True,
                         )
                     )
             attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # [1, heads, T, d]
-            x = x + linear(layer.o, attn[0].transpose(0, 1).reshape(tokens, q_width))
-            h = F.rms_norm(x, (self.hidden_size,), layer.post_norm, self._eps)
+            # bfloat16 outputs added to the float32 stream are widened exactly first
+            x = x + linear(layer.o, attn[0].transpose(0, 1).reshape(tokens, self._q_width))
+            h = F.rms_norm(x, (hidden,), layer.post_norm, eps)
             gate_up = linear(layer.gate_up, h)
-            x = x + linear(
-                layer.down, F.silu(gate_up[:, : self._intermediate]) * gate_up[:, self._intermediate :]
-            )
+            x = x + linear(layer.down, F.silu(gate_up[:, :intermediate].float()) * gate_up[:, intermediate:])
         rows: list[int] = []
-        for i, (_, offset, n, _, _) in zip(order, plan, strict=True):
-            rows.extend(range(offset + n - segments[i].logits, offset + n))
+        for i, p in zip(order, plan, strict=True):
+            rows.extend(range(p.offset + p.n - segments[i].logits, p.offset + p.n))
         logits = None
         if rows:
             last = F.rms_norm(x[torch.tensor(rows)], (self.hidden_size,), self._norm, self._eps)
             logits = self._head(last)
-        for kv, _, n, start, _ in plan:
-            kv.length = start + n
+        for p in plan:
+            p.kv.length = p.start + p.n
         result: list[torch.Tensor | None] = [None] * len(segments)
         row = 0
         for i in order:

@@ -1,20 +1,24 @@
-"""Token-level prefix cache: the KV of earlier sequences, reused by later prompts.
+"""Prefix cache: the KV of earlier prompts, reused by later ones in blocks of
+``block_tokens`` positions.
 
-Each entry is one finished (or aborted) sequence: the token ids whose KV exists
-(prompt plus generated tokens that were fed back) and their KV (``kv_cache.KVTensors``).
-A lookup returns the entry sharing the longest common token prefix with a new
-prompt; the engine copies that many positions into the new sequence's cache, so
-entries are never written after insertion and a later failure or abort cannot
-corrupt them.
+Each entry is one finished (or aborted) sequence's prompt, cut to whole blocks:
+the token ids and their KV (``kv_cache.KVTensors``). A lookup returns the entry
+sharing the longest common token prefix with a new prompt, cut to whole blocks:
+a prompt that shares ``s`` tokens with an earlier one reuses
+``s // block_tokens * block_tokens`` of them. The engine copies that many
+positions into the new sequence's cache, so entries are never written after
+insertion and a later failure or abort cannot corrupt them.
 
 Memory is bounded by ``capacity_bytes``, counted from the actual tensor storages;
 least-recently-used entries are evicted first. An entry whose tokens are a prefix
 of a newly inserted sequence is dropped as redundant (the conversation grew).
 
-``listen(on_store, on_evict)`` is told of every entry that enters and leaves
-(KV-cache events, ``engine_worker.kv_events``): ``on_store(tokens, salt)`` after an
-entry is stored, ``on_evict(tokens, salt)`` with the same ``tokens`` when it leaves
-(eviction, redundancy, ``clear``), so each store is matched by one evict.
+An entry enters in one place, ``_store``, and leaves in one, ``_evict`` (budget,
+redundancy and ``clear`` alike): both have the entry's token ids, whole blocks
+of ``block_tokens``. ``listen(on_store, on_evict)`` is told of each (KV-cache
+events, ``engine_worker.kv_events``): ``on_store(tokens, salt)`` after an entry is
+stored, ``on_evict(tokens, salt)`` with the same ``tokens`` when it leaves, so
+each store is matched by one evict.
 """
 
 from __future__ import annotations
@@ -69,10 +73,15 @@ def _ignore(tokens: torch.Tensor, salt: str | None) -> None:
 
 
 class PrefixCache:
-    """LRU set of sequences' KV, bounded by ``capacity_bytes`` (0 disables it)."""
+    """LRU set of prompts' KV in whole blocks of ``block_tokens`` positions,
+    bounded by ``capacity_bytes`` (0 disables it). Raises ``ValueError`` for a
+    block size below 1."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, block_tokens: int = 1) -> None:
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be at least 1, got {block_tokens}")
         self.capacity_bytes = capacity_bytes
+        self.block_tokens = block_tokens
         self._entries: OrderedDict[int, CacheEntry] = OrderedDict()
         self._next_id = 0
         self._bytes = 0
@@ -93,22 +102,22 @@ class PrefixCache:
         return self._bytes
 
     def clear(self) -> None:
-        for entry in self._entries.values():
-            self._on_evict(entry.tokens, entry.salt)
-        self._entries.clear()
-        self._bytes = 0
+        for entry_id in list(self._entries):
+            self._evict(entry_id)
 
     def lookup(
         self, tokens: Sequence[int] | torch.Tensor, max_length: int, salt: str | None = None
     ) -> PrefixHit | None:
         """The entry of ``salt`` with the longest common prefix with ``tokens``, at
-        most ``max_length`` positions; ``None`` when nothing matches. Marks it used."""
+        most ``max_length`` positions, cut to whole blocks; ``None`` when no whole
+        block matches. Marks it used."""
         query = torch.as_tensor(tokens, dtype=torch.long)
         best_id, best_len = -1, 0
         for entry_id, entry in self._entries.items():
             if entry.salt != salt:
                 continue
             n = min(common_prefix_length(entry.tokens, query), max_length)
+            n -= n % self.block_tokens
             if n > best_len:
                 best_id, best_len = entry_id, n
         if best_len == 0:
@@ -117,18 +126,22 @@ class PrefixCache:
         return PrefixHit(self._entries[best_id], best_len)
 
     def insert(self, tokens: Sequence[int] | torch.Tensor, kv: KVTensors, salt: str | None = None) -> bool:
-        """Store ``kv`` (exactly ``len(tokens)`` positions) for ``tokens`` under ``salt``.
+        """Store ``kv`` (exactly ``len(tokens)`` positions) for ``tokens`` under
+        ``salt``, cut to whole blocks (the positions past the last one are left out).
 
-        Returns ``False`` when not stored: empty, larger than the whole budget, or
-        already covered by an entry that extends it (that entry is marked used).
-        Raises ``ValueError`` when ``kv``'s length differs from ``len(tokens)``.
+        Returns ``False`` when not stored: shorter than a block, larger than the
+        whole budget, or already covered by an entry that extends it (that entry
+        is marked used). Raises ``ValueError`` when ``kv``'s length differs from
+        ``len(tokens)``.
         """
-        ids = torch.as_tensor(tokens, dtype=torch.long).clone()
-        n = int(ids.shape[0])
+        ids = torch.as_tensor(tokens, dtype=torch.long)
+        if kv_length(kv) != int(ids.shape[0]):
+            raise ValueError(f"KV holds {kv_length(kv)} positions for {int(ids.shape[0])} tokens")
+        n = int(ids.shape[0]) // self.block_tokens * self.block_tokens
         if n == 0:
             return False
-        if kv_length(kv) != n:
-            raise ValueError(f"KV holds {kv_length(kv)} positions for {n} tokens")
+        ids = ids[:n].clone()
+        kv = kv[:, :, :, :n]
         for entry_id, entry in list(self._entries.items()):
             if entry.salt != salt:
                 continue
@@ -137,19 +150,24 @@ class PrefixCache:
                 self._entries.move_to_end(entry_id)
                 return False
             if lcp == len(entry):
-                self._remove(entry_id)
+                self._evict(entry_id)
         nbytes = kv_nbytes(kv)
         if nbytes > self.capacity_bytes:
             return False
         while self._bytes + nbytes > self.capacity_bytes and self._entries:
-            self._remove(next(iter(self._entries)))
-        self._entries[self._next_id] = CacheEntry(ids, kv, nbytes, salt)
-        self._next_id += 1
-        self._bytes += nbytes
-        self._on_store(ids, salt)
+            self._evict(next(iter(self._entries)))
+        self._store(CacheEntry(ids, kv, nbytes, salt))
         return True
 
-    def _remove(self, entry_id: int) -> None:
+    def _store(self, entry: CacheEntry) -> None:
+        """The one place an entry enters: ``entry.tokens`` are whole blocks."""
+        self._entries[self._next_id] = entry
+        self._next_id += 1
+        self._bytes += entry.nbytes
+        self._on_store(entry.tokens, entry.salt)
+
+    def _evict(self, entry_id: int) -> None:
+        """The one place an entry leaves (over budget, made redundant, cleared)."""
         entry = self._entries.pop(entry_id)
         self._bytes -= entry.nbytes
         self._on_evict(entry.tokens, entry.salt)
