@@ -11,6 +11,7 @@ from pathlib import Path
 import zmq
 
 from engine_worker.backend import Backend
+from engine_worker.load_stages import LoadReporter, Stage
 from engine_worker.loop import EngineLoop
 from engine_worker.settings import WorkerSettings
 from engine_worker.sockets import WorkerSockets
@@ -18,18 +19,23 @@ from engine_worker.sockets import WorkerSockets
 log = logging.getLogger(__name__)
 
 
-def make_backend(settings: WorkerSettings) -> Backend:
-    """Load the model of ``settings.backend``. The engine packages (torch,
-    exllamav3) are imported here, not when the worker's settings are parsed, so
-    ``--check`` and a bad option answer in a fraction of a second."""
+def make_backend(settings: WorkerSettings, stages: LoadReporter | None = None) -> Backend:
+    """Load the model of ``settings.backend``, its stages reported to ``stages``. The
+    engine packages (torch, exllamav3) are imported here, not when the worker's
+    settings are parsed, so ``--check`` and a bad option answer in a fraction of a
+    second."""
+    stages = stages or LoadReporter()
     if settings.backend == "cpu":
+        stages.stage(Stage.LOAD_WEIGHTS, "import torch and transformers")
         from engine_worker.cpu.engine import CpuBackend
 
-        return CpuBackend(settings)
+        return CpuBackend(settings, stages=stages)
     if settings.backend == "synthetic":
         from engine_worker.synthetic import SyntheticBackend
 
         return SyntheticBackend(settings)
+    # ExLlamaV3's loader draws its own progress bar per model.
+    stages.stage(Stage.LOAD_WEIGHTS, "load the model (exllamav3)")
     from engine_worker.exllamav3.loader import build_backend
 
     return build_backend(settings)
@@ -55,8 +61,9 @@ def run_worker(settings: WorkerSettings) -> None:
         with contextlib.suppress(OSError):
             settings.heartbeat_file.unlink(missing_ok=True)
     log.info("worker: loading the model")
+    stages = LoadReporter()
     try:
-        backend = make_backend(settings)
+        backend = make_backend(settings, stages)
     except Exception as e:
         # A missing model, GPU or package is an operator error: one clear line,
         # the traceback only at debug level, and a failing exit status so a
@@ -73,6 +80,7 @@ def run_worker(settings: WorkerSettings) -> None:
         log.error("worker: cannot bind %s / %s: %s", input_addr, output_addr, e)
         backend.close()
         raise SystemExit(1) from None
+    stages.ready()
     log.info(
         "worker: serving %s (context %d tokens, drafting %s) on %s / %s",
         info.model_id,
