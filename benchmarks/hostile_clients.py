@@ -29,7 +29,7 @@ Only ``127.0.0.1`` URLs are accepted for those four cases.
 - **slowloris**: ``--slowloris`` connections each sending one header line a second and never
   the blank line; prints how many the server closed within ``--slowloris-s`` seconds, when,
   and with what.
-- **inject**: ``GET /v1/x%0A2099-01-01 00:00:00,000 INFO proxy.request_log: FORGED LINE%1b[2J``;
+- **inject**: ``GET /v1/x%0A2099-01-01 00:00:00,000 INFO proxy.ops.request_log: FORGED LINE%1b[2J``;
   prints the forged lines and raw ESC bytes it left in ``--log-file``.
 - **host**: ``/v1/models`` with ``Host: evil.example`` and ``Origin: http://evil.example``
   (DNS rebinding); prints the statuses.

@@ -37,9 +37,9 @@ from protocol import (
     TokenDelta,
 )
 from proxy.app import create_app
-from proxy.dialect import Header
+from proxy.core.dialect import Header
+from proxy.core.generation import Generation, Options
 from proxy.dialects.chat.frames import ChatFrames
-from proxy.generation import Generation, Options
 from proxy.settings import ProxySettings
 from tests.fakes.flood_engine import FloodEngine
 

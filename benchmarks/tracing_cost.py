@@ -18,7 +18,7 @@ the load generator (``loadgen.py``) and the ``/proc`` sampler. Three parts:
 - **scrape under load**: while the streams of the first "off" phase run, one
   ``GET /v1/status`` every 100 ms: its latency (p50/max) and how many requests
   it listed.
-- **snapshot**: in this process, ``proxy.status.snapshot`` + JSON encoding over
+- **snapshot**: in this process, ``proxy.ops.status.snapshot`` + JSON encoding over
   64 requests in flight (each fed the events of a decoding request): the loop
   time one scrape costs.
 
@@ -86,12 +86,12 @@ def snapshot_cost(n: int = 64, repeat: int = 2000) -> dict[str, float]:
 
     from protocol.messages import Heartbeat, PrefillProgress, Ready, Started, TokenDelta
     from protocol.version import PROTOCOL_VERSION
-    from proxy.generation import Generation, Options
-    from proxy.inflight import InFlight, Tracked
-    from proxy.request_log import RequestRecord
+    from proxy.core.generation import Generation, Options
+    from proxy.ops.inflight import InFlight, Tracked
+    from proxy.ops.request_log import RequestRecord
+    from proxy.ops.status import snapshot
+    from proxy.server.state import ProxyState
     from proxy.settings import ProxySettings
-    from proxy.state import ProxyState
-    from proxy.status import snapshot
 
     inflight = InFlight()
     for i in range(n):
@@ -133,10 +133,10 @@ def trace_cost(repeat: int = 2000) -> float:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
     from protocol.messages import Finished, FinishReason, PrefillProgress, Started, TokenDelta
-    from proxy.generation import Generation, Options
-    from proxy.inflight import Tracked
-    from proxy.request_log import RequestRecord
-    from proxy.tracing import RequestTracer
+    from proxy.core.generation import Generation, Options
+    from proxy.ops.inflight import Tracked
+    from proxy.ops.request_log import RequestRecord
+    from proxy.ops.tracing import RequestTracer
 
     class Drop(SpanExporter):
         def export(self, spans: Any) -> SpanExportResult:

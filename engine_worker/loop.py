@@ -306,7 +306,7 @@ class EngineLoop:
     def _abort(self, request_ids: tuple[str, ...], pending: list[Event]) -> None:
         """Drop these choices now: running ones one by one, a queued or preparing
         request whole (its choices wait and start together). Every sequence dropped
-        gets a terminal ``RequestError`` (``OVERLOADED``): the proxy that sent the
+        gets a terminal ``RequestError`` (``ABORTED``): the proxy that sent the
         Abort has forgotten the ids and ignores it (``ZmqEngineClient._route`` drops
         terminal events of unknown ids without a second Abort), and whoever else
         holds the stream (an Abort it did not send, a choice its Abort did not name)
@@ -326,7 +326,7 @@ class EngineLoop:
                 self._backend.abort(rid)
                 dropped.append(rid)
         message = "the request was aborted in the engine worker (an Abort for it arrived)"
-        pending.extend(RequestError(rid, ErrorCode.OVERLOADED, message) for rid in dict.fromkeys(dropped))
+        pending.extend(RequestError(rid, ErrorCode.ABORTED, message) for rid in dict.fromkeys(dropped))
 
     def _submit(self, msg: Submit, pending: list[Event]) -> None:
         ids = choice_ids(msg.request_id, max(1, msg.n))

@@ -276,6 +276,7 @@ class WorkerSettings(LinkSettings):
             if self.draft_mode not in (DraftMode.NONE, DraftMode.NGRAM):
                 raise ValueError(f"draft_mode={self.draft_mode.value} needs backend=exllamav3")
         else:
+            # Imported here: the exllamav3 package's __init__ loads its backend.
             from engine_worker.exllamav3.config import validate
 
             validate(self)

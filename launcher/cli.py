@@ -103,7 +103,7 @@ def serve(worker_args: tuple[str, ...], **values: Any) -> None:
             str(heartbeat_file),
             *worker_args,
         ]
-        from proxy.runner import run
+        from proxy.server.runner import run
 
         # A worker whose heartbeats stop for as long as the proxy waits before it
         # declares it dead is killed and restarted: nothing else would revive it.
@@ -123,7 +123,7 @@ async def _serve(settings: ProxySettings, supervisor: WorkerSupervisor) -> None:
     ``WorkerNeverServed`` (after the proxy has closed) when the worker exits before
     it ever served: the load fails the same way each time, so nothing restarts it."""
     from proxy.app import run_proxy
-    from proxy.engine_client import ZmqEngineClient
+    from proxy.engine.client import ZmqEngineClient
 
     stop = asyncio.Event()
     supervision = asyncio.create_task(supervisor.run())

@@ -1,7 +1,7 @@
 """Where the worker and the proxy meet: ZeroMQ addresses and the private runtime directory.
 
 The worker binds, the proxy connects (``engine_worker.sockets``,
-``proxy.engine_client``). Without explicit addresses both use ``ipc://`` sockets
+``proxy.engine.client``). Without explicit addresses both use ``ipc://`` sockets
 in ``runtime_dir()``, a directory only this user can enter, because anyone who
 can reach the sockets can submit and abort requests. ``serve`` runs its pair in a
 subdirectory of its own (``instance_dir``), so two ``serve`` processes of one

@@ -1,7 +1,7 @@
 """The limits every llguidance grammar is checked and compiled under, in both processes.
 
 The proxy checks each request's grammar in a child process under these limits
-(``proxy.grammar_check``) and the worker compiles the same grammar under the
+(``proxy.grammar.child``) and the worker compiles the same grammar under the
 same ones (``engine_worker.constraints``), so a grammar that passed the proxy's
 bounded check compiles in the worker within the same bounds. One definition,
 here where the two processes meet.

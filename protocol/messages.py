@@ -43,6 +43,7 @@ class ErrorCode(enum.StrEnum):
     OVERLOADED = "overloaded"  # 503
     INTERNAL = "internal_error"  # 500
     QUEUE_FULL = "queue_full"  # 429: the worker's queue is full now; a retry later can succeed
+    ABORTED = "aborted"  # 503: an Abort for the request arrived; a retry can succeed
 
 
 class _Msg(msgspec.Struct, array_like=True, frozen=True, tag=True):

@@ -5,7 +5,8 @@ proxy refuses a worker whose version differs, because the two containers of a
 pod are upgraded separately.
 """
 
-PROTOCOL_VERSION: int = 4
+PROTOCOL_VERSION: int = 5
+# 5: ErrorCode.ABORTED (a proxy of version 4 could not decode it; aborts were OVERLOADED).
 # 4: Tokenize / Detokenize (proxy -> worker) and Tokens / Detokenized events.
 # 3: QueueProgress joins the Event union (a proxy of version 2 could not decode it);
 #    logprobs and grammar in SamplingParams, logprobs in TokenDelta.

@@ -1,14 +1,14 @@
 """Application factory and the server's run loop.
 
 ``create_app`` wires the routes (the dialects' from ``proxy.dialects.registry.ROUTES``,
-``GET /v1/status`` from ``proxy.status``, the others from ``proxy.handlers``), the
-requests in flight (``proxy.inflight``), traces when ``OTEL_*`` asks
-(``proxy.tracing``), the middlewares (request record/log/metrics, then errors,
-then ``Host``/``Origin`` (``proxy.host_check``), then API keys), the
+``GET /v1/status`` from ``proxy.ops.status``, the others from ``proxy.ops.routes``), the
+requests in flight (``proxy.ops.inflight``), traces when ``OTEL_*`` asks
+(``proxy.ops.tracing``), the middlewares (request record/log/metrics, then errors,
+then ``Host``/``Origin`` (``proxy.server.host_check``), then API keys), the
 ``Metrics`` and the engine client's start/close (``cleanup_ctx``); tests build
 the app from it.
-``run_proxy`` serves it (with ``proxy.runner.make_runner``) until
-SIGINT/SIGTERM, then runs the shutdown state machine of ``proxy.state``: stop
+``run_proxy`` serves it (with ``proxy.server.runner.make_runner``) until
+SIGINT/SIGTERM, then runs the shutdown state machine of ``proxy.server.state``: stop
 admitting, drain, abort the rest, close.
 """
 
@@ -21,22 +21,23 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from proxy.constraints import close_checker
 from proxy.dialects.registry import ROUTES
-from proxy.engine_client import EngineClient
+from proxy.engine.client import EngineClient
 from proxy.errors import ProxyError, error_response, from_http_exception
-from proxy.handlers import add_routes
-from proxy.host_check import host_check_middlewares
-from proxy.inflight import INFLIGHT, InFlight
-from proxy.intake import KEY_DIGEST, check_api_key, key_digest
-from proxy.metrics import Metrics
-from proxy.request_log import METRICS, observe_middleware, record_of
-from proxy.runner import make_runner
-from proxy.serve import add_dialect_routes, error_shape
+from proxy.grammar.check import close_checker
+from proxy.ops.inflight import INFLIGHT, InFlight
+from proxy.ops.metrics import Metrics
+from proxy.ops.request_log import METRICS, observe_middleware, record_of
+from proxy.ops.routes import add_routes
+from proxy.ops.status import add_status_routes
+from proxy.ops.tracing import setup_tracing
+from proxy.server.host_check import host_check_middlewares
+from proxy.server.intake import KEY_DIGEST, check_api_key, key_digest
+from proxy.server.probes import PROBE_PATHS
+from proxy.server.runner import make_runner
+from proxy.server.state import STATE, ProxyState
+from proxy.serving.serve import add_dialect_routes, error_shape
 from proxy.settings import ProxySettings
-from proxy.state import STATE, ProxyState
-from proxy.status import add_status_routes
-from proxy.tracing import setup_tracing
 
 log = logging.getLogger(__name__)
 
@@ -47,18 +48,14 @@ when a few thousand clients connect within seconds; the kernel caps it at
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
-"""Routes served without an API key: probes and the Prometheus scrape (which
-carries no request content; a pod's metrics port is for its scraper)."""
-
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
     """The one place where failures of the app become error bodies, in the
-    shape of the dialect that owns the route (``proxy.serve.error_shape``;
+    shape of the dialect that owns the route (``proxy.serving.serve.error_shape``;
     OpenAI's envelope elsewhere): ``ProxyError`` keeps its status, aiohttp's HTTP errors (404, 405) keep
     theirs, anything else is a logged 500. (Requests the HTTP parser refuses
-    never reach the app: ``proxy.runner.EnvelopeRequestHandler``.)"""
+    never reach the app: ``proxy.server.runner.EnvelopeRequestHandler``.)"""
     try:
         return await handler(request)
     except ProxyError as e:
@@ -78,12 +75,12 @@ async def error_middleware(request: web.Request, handler: _Handler) -> web.Strea
 
 @web.middleware
 async def api_key_middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
-    """When API keys are configured, every route but ``OPEN_PATHS`` requires
-    one (``proxy.intake.check_api_key``): checked before anything else."""
+    """When API keys are configured, every route but ``PROBE_PATHS`` requires
+    one (``proxy.server.intake.check_api_key``): checked before anything else."""
     keys = request.app[STATE].api_keys
     if keys:
         resource = request.match_info.route.resource
-        if resource is None or resource.canonical not in OPEN_PATHS:
+        if resource is None or resource.canonical not in PROBE_PATHS:
             request[KEY_DIGEST] = check_api_key(request, keys)
     return await handler(request)
 
@@ -95,16 +92,16 @@ async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await engine.close()
-        # The grammar checker's children (proxy.constraints) go with the app.
+        # The grammar checker's children (proxy.grammar.check) go with the app.
         await asyncio.to_thread(close_checker)
 
 
 def create_app(settings: ProxySettings, engine_client: EngineClient) -> web.Application:
     """The proxy's aiohttp application. ``engine_client`` is started on app
-    startup and closed on cleanup; its state is ``app[proxy.state.STATE]``.
+    startup and closed on cleanup; its state is ``app[proxy.server.state.STATE]``.
 
     Its connections never inflate a compressed body (``auto_decompress=False``;
-    ``proxy.intake`` refuses such bodies with 415). Reads ``api_key_file``;
+    ``proxy.server.intake`` refuses such bodies with 415). Reads ``api_key_file``;
     raises ``ValueError`` naming it when it cannot be read or holds no key."""
     keys = frozenset(key_digest(k) for k in settings.api_keys())
     app = web.Application(
@@ -134,7 +131,7 @@ async def run_proxy(
     ``stop`` is set, for tests), then drain for up to ``settings.shutdown_drain``
     seconds, fail what is left with 503 ``shutting_down``, and close.
 
-    The runner is ``proxy.runner.make_runner``'s. Logging is configured by the
+    The runner is ``proxy.server.runner.make_runner``'s. Logging is configured by the
     caller (the CLI applies ``settings.log_level``). Raises ``OSError`` when the
     port cannot be bound, ``ValueError`` for an unreadable ``api_key_file``.
     """

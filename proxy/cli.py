@@ -31,8 +31,8 @@ def main(**values: Any) -> None:
     settings = settings_from_options(values)
     setup_logging(settings.log_level, settings.log_format)
     from proxy.app import run_proxy
-    from proxy.engine_client import ZmqEngineClient
-    from proxy.runner import run
+    from proxy.engine.client import ZmqEngineClient
+    from proxy.server.runner import run
 
     try:
         run(run_proxy(settings, ZmqEngineClient(settings)))

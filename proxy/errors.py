@@ -16,6 +16,7 @@
      |    +-- EngineUnavailable         the worker's input queue refused the request
      |    +-- EngineDead                the worker died or restarted with the request in flight
      |    +-- EngineOverloaded          the worker refused the request as overloaded
+     |    +-- RequestAborted            the worker aborted the request (an Abort for it arrived)
      |    +-- ShuttingDown              the proxy is draining after SIGINT/SIGTERM
      +-- GatewayTimeout                 504, code "timeout": no worker event for ``request_idle_timeout``
      +-- StalledClient                  408: the client read nothing for ``stalled_client_timeout`` (cut)
@@ -27,7 +28,8 @@ where a retry can succeed, else ``None``) and ``close`` (the connection is close
 after the response: the request body was not read). ``envelope``/``error_response``
 are the only places that produce the envelope, ``from_request_error`` the only
 place that maps the worker's ``RequestError`` codes, and ``from_http_exception``
-the only place that maps aiohttp's own HTTP errors (unknown route, wrong method).
+the only place that maps aiohttp's own HTTP errors (unknown route, wrong method),
+and ``FieldNames.rename`` the only place a field name is put in a dialect's terms.
 
 ``Retry-After`` values: 1 s when the server is full now (429 ``queue_full`` and
 ``too_many_requests``; 503 ``overloaded``, ``engine_unavailable``); 5 s while the
@@ -35,19 +37,22 @@ worker is not there (``engine_not_ready``, ``engine_dead``: a restart or a model
 load takes seconds) and while draining (``shutting_down``: by then a load
 balancer sends the retry to another replica).
 
-Envelope (OpenAI API reference, error object; ``proxy.responses.ErrorEnvelope``)::
+Envelope (OpenAI API reference, error object; ``ErrorEnvelope``)::
 
     {"error": {"message": str, "type": str, "param": str | null, "code": str | null}}
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
+import msgspec
 from aiohttp import web
 
 from protocol.messages import ErrorCode, RequestError
-from proxy.responses import ErrorDetail, ErrorEnvelope, encode
 
 NOT_READY_MESSAGE = "The engine worker is not ready (handshake pending, worker down or restarting)"
 
@@ -191,6 +196,14 @@ class EngineOverloaded(ServiceUnavailable):
     default_code = "overloaded"
 
 
+class RequestAborted(ServiceUnavailable):
+    """The worker ended the request on an ``Abort``: this proxy sends one only
+    for a request whose client is gone, so a live request seeing it was aborted
+    by another client of the worker socket, and a retry can succeed."""
+
+    default_code = "aborted"
+
+
 class TooManyRequests(QueueFull):
     """``ProxySettings.max_in_flight`` requests are already being served: full now,
     so 429 like a full worker queue, and a retry later can succeed."""
@@ -230,6 +243,22 @@ class EngineInternalError(ProxyError):
     default_code = "internal_error"
 
 
+_encode = msgspec.json.Encoder().encode
+
+
+class ErrorDetail(msgspec.Struct, gc=False):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorEnvelope(msgspec.Struct, gc=False):
+    """OpenAI's error body, also sent as the last SSE event of a failed stream."""
+
+    error: ErrorDetail
+
+
 def envelope(exc: ProxyError) -> ErrorEnvelope:
     """The OpenAI error envelope of ``exc`` (shape in the module docstring)."""
     return ErrorEnvelope(ErrorDetail(exc.message, exc.type, exc.param, exc.code))
@@ -251,7 +280,7 @@ class OpenAIErrors:
     __slots__ = ()
 
     def body(self, exc: ProxyError) -> bytes:
-        return encode(envelope(exc))
+        return _encode(envelope(exc))
 
 
 OPENAI_ERRORS: ErrorShape = OpenAIErrors()
@@ -268,10 +297,53 @@ def error_response(exc: ProxyError, shape: ErrorShape = OPENAI_ERRORS) -> web.Re
     return resp
 
 
+_HEAD = re.compile(r"^[A-Za-z_]+")
+
+
+@dataclass(frozen=True, slots=True)
+class FieldNames:
+    """A dialect's names for the fields the core and the worker name in errors.
+
+    ``names`` maps a wire name (chat completions': ``messages``, ``max_tokens``,
+    ``stop``, ``logprobs``, ``response_format``, ``tool_choice``, ``prompt``)
+    to the dialect's (Responses: ``input``, ``max_output_tokens``; Messages:
+    ``stop_sequences``, ``output_config.format``). A name not listed is the
+    dialect's too. ``renumbered`` lists the wire names whose indices do not
+    match the dialect's (Responses' ``input[i]`` items are not chat's
+    ``messages[i]``): their index and what follows are dropped rather than
+    given wrong."""
+
+    names: Mapping[str, str] = field(default_factory=dict)
+    renumbered: frozenset[str] = frozenset()
+
+    def rename(self, exc: ProxyError) -> ProxyError:
+        """``exc`` with its ``param`` and the names quoted in its message in
+        the dialect's terms (changed in place: an error is raised once)."""
+        if not self.names:
+            return exc
+        param = exc.param
+        if param is not None:
+            m = _HEAD.match(param)
+            head = m.group(0) if m else ""
+            if head in self.names:
+                rest = "" if head in self.renumbered else param[len(head) :]
+                exc.param = self.names[head] + rest
+                # The worker writes "max_tokens must be >= 1": the head unquoted.
+                exc.message = re.sub(rf"^{head}\b", self.names[head], exc.message)
+        for wire, own in self.names.items():
+            exc.message = exc.message.replace(f"'{wire}'", f"'{own}'")
+        exc.args = (exc.message,)
+        return exc
+
+
+SAME_NAMES = FieldNames()
+"""For a dialect whose names are the wire's (chat and text completions)."""
+
+
 def from_request_error(ev: RequestError) -> ProxyError:
     """Map a worker ``RequestError`` to the exception that carries its status:
     invalid_request and context_length_exceeded -> 400, queue_full -> 429,
-    overloaded -> 503, internal_error -> 500."""
+    overloaded and aborted -> 503, internal_error -> 500."""
     if ev.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED:
         return ContextLengthExceeded(ev.message, param=ev.param)
     if ev.code is ErrorCode.INVALID_REQUEST:
@@ -280,6 +352,8 @@ def from_request_error(ev: RequestError) -> ProxyError:
         return QueueFull(ev.message, param=ev.param)
     if ev.code is ErrorCode.OVERLOADED:
         return EngineOverloaded(ev.message, param=ev.param)
+    if ev.code is ErrorCode.ABORTED:
+        return RequestAborted(ev.message, param=ev.param)
     return EngineInternalError(ev.message, param=ev.param)
 
 

@@ -40,7 +40,7 @@ manifest: at most 7 files, as the device tool brings back 8. Exit status: 0 when
 and check passed, 1 otherwise, 2 for bad arguments.
 
 ``bash scripts/gpu_check.sh all --dry-run`` runs the same phases on a machine without CUDA,
-over the stand-ins in ``tests/unit/scripts/standin/`` (an ``nvcc``, CUDA in torch, an
+over the stand-ins in ``tests/fakes/gpu_standin/`` (an ``nvcc``, CUDA in torch, an
 ``exllamav3`` over the fake engine); CI does (``tests/unit/scripts/test_gpu_check_dry_run.py``).
 """
 

@@ -35,9 +35,9 @@ fi
 
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ "$dry_run" = 1 ]; then
-    # tests/unit/scripts/standin: an nvcc, CUDA in torch and an exllamav3 over the fake engine,
+    # tests/fakes/gpu_standin: an nvcc, CUDA in torch and an exllamav3 over the fake engine,
     # each failing where the real one would (no arch list, no Triton cache dir, no module).
-    standin="$PWD/tests/unit/scripts/standin"
+    standin="$PWD/tests/fakes/gpu_standin"
     export PATH="$standin/bin:$PATH" PYTHONPATH="$standin:$PYTHONPATH" GPU_CHECK_STANDIN=1
 fi
 # the build installs the extension here as a module, as the worker image does

@@ -309,12 +309,6 @@ class CpuBackend:
         """The cross-request prefix cache (read-only use: size, entries)."""
         return self._prefix_cache
 
-    @property
-    def end_token_ids(self) -> frozenset[int]:
-        """Token ids that end generation unless ``ignore_eos``: the tokenizer's and
-        the model's EOS and the chat template's end-of-turn token."""
-        return self._end_ids
-
     def active_ids(self) -> Collection[str]:
         return self._requests.keys()
 

@@ -165,16 +165,6 @@ def load_embedded(
     return load_model(folder, dtype=dtype, model_id=EMBEDDED_MODEL_ID, stages=stages)
 
 
-def load_tokenizer_embedded(cache_dir: Path | None = None) -> PreTrainedTokenizerBase:
-    """The embedded model's tokenizer: from the converted folder when it exists
-    (fast), otherwise straight from the GGUF (a few seconds, no conversion)."""
-    gguf = find_embedded_gguf()
-    folder = converted_dir(cache_dir or default_cache_dir(), gguf)
-    if (folder / _COMPLETE_MARKER).is_file():
-        return AutoTokenizer.from_pretrained(str(folder))
-    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-
-
 def main(argv: list[str] | None = None) -> None:
     """``python -m engine_worker.cpu.model_store [CACHE_DIR]``: convert the embedded
     model ahead of time (a container build), so the first worker start loads in

@@ -130,7 +130,7 @@ from engine_worker.backend import EngineFailed, ModelInfo, Prepared, RequestReje
 from engine_worker.constraints import grammar_failure
 from engine_worker.exllamav3 import logprobs as lp
 from engine_worker.exllamav3.config import PAGE_SIZE
-from engine_worker.exllamav3.engine import EngineHandle, GeneratorLike
+from engine_worker.exllamav3.engine import EngineHandle, GeneratorLike, id_list
 from engine_worker.exllamav3.grammar import compile_filter, failure_of
 from engine_worker.exllamav3.sampling import FLOAT32_MAX, job_settings
 from engine_worker.settings import WorkerSettings
@@ -204,13 +204,6 @@ def _as_int(x: Any) -> int:
 
 def _token_count(ids: Any) -> int:
     return int(ids.shape[-1]) if ids is not None else 0
-
-
-def _id_list(ids: Any) -> list[int]:
-    if ids is None:
-        return []
-    rows = ids.tolist()
-    return [int(t) for t in (rows[0] if rows and isinstance(rows[0], list) else rows)]
 
 
 def _pages(tokens: int) -> int:
@@ -697,7 +690,7 @@ class ExLlamaV3Backend:
             req.segment = self._requeued(req.segment)
             req.reservation = self._segment_tokens(req.segment)
         text = r.get("text") or ""
-        ids = _id_list(r.get("token_ids"))
+        ids = id_list(r.get("token_ids"))
         tokens = len(ids)
         eos = bool(r.get("eos"))
         entries = self._logprobs(req, ids, text, r)
@@ -748,7 +741,7 @@ class ExLlamaV3Backend:
         ``held`` dict (whose probabilities start with those tokens')."""
         held = r.get("held") or {}
         text: str = held.get("text") or ""
-        ids = _id_list(held.get("token_ids"))
+        ids = id_list(held.get("token_ids"))
         stop_id = r.get("eos_triggering_token_id")
         if ids and ids[-1] == stop_id:
             ids = ids[:-1]

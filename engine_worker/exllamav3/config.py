@@ -23,12 +23,8 @@ Facts from the exllamav3 1.6.5 source that constrain the values:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-from engine_worker.settings import DraftMode
-
-if TYPE_CHECKING:
-    from engine_worker.settings import WorkerSettings
+from pathlib import Path
+from typing import Any, Protocol
 
 PAGE_SIZE = 256
 """Tokens per KV cache page in ExLlamaV3 (``exllamav3/constants.py:2``)."""
@@ -82,7 +78,39 @@ def parse_split(value: Any, setting: str) -> tuple[float, ...] | None:
     return out
 
 
-def validate(s: WorkerSettings) -> None:
+class Options(Protocol):
+    """The worker options ``validate`` reads (``engine_worker.settings.WorkerSettings``
+    has them; this module does not import it, so that settings may import the
+    engine facts here without a circle). ``draft_mode`` is a
+    ``engine_worker.settings.DraftMode``, a ``str`` enum."""
+
+    @property
+    def model_dir(self) -> Path | None: ...
+    @property
+    def draft_model_dir(self) -> Path | None: ...
+    @property
+    def draft_mode(self) -> str: ...
+    @property
+    def cache_mode(self) -> str: ...
+    @property
+    def draft_cache_mode(self) -> str: ...
+    @property
+    def cache_size(self) -> int | None: ...
+    @property
+    def draft_cache_size(self) -> int | None: ...
+    @property
+    def chunk_size(self) -> int | None: ...
+    @property
+    def gpu_split(self) -> str | None: ...
+    @property
+    def draft_gpu_split(self) -> str | None: ...
+
+
+DRAFT_MODEL = "draft_model"
+"""``DraftMode.DRAFT_MODEL``'s value: a separate draft model."""
+
+
+def validate(s: Options) -> None:
     """Raises ``ValueError`` naming the field when ``s`` cannot be served by ExLlamaV3
     (facts in the module docstring): no ``model_dir``, a cache or chunk size that is
     not a whole number of pages, a bad cache mode or GPU split, a draft model
@@ -97,10 +125,10 @@ def validate(s: WorkerSettings) -> None:
             raise ValueError(f"{name}={v}: must be a positive multiple of {PAGE_SIZE} tokens")
     parse_split(s.gpu_split, "gpu_split")
     parse_split(s.draft_gpu_split, "draft_gpu_split")
-    if s.draft_mode is DraftMode.DRAFT_MODEL and s.draft_model_dir is None:
+    if s.draft_mode == DRAFT_MODEL and s.draft_model_dir is None:
         raise ValueError("draft_mode=draft_model needs draft_model_dir")
-    if s.draft_mode is not DraftMode.DRAFT_MODEL and s.draft_model_dir is not None:
-        raise ValueError(f"draft_model_dir needs draft_mode=draft_model, not {s.draft_mode.value}")
+    if s.draft_mode != DRAFT_MODEL and s.draft_model_dir is not None:
+        raise ValueError(f"draft_model_dir needs draft_mode=draft_model, not {s.draft_mode}")
     if s.draft_cache_size is not None and s.cache_size is not None and s.draft_cache_size != s.cache_size:
         # exllamav3/generator/generator.py:257 asserts equal sizes.
         raise ValueError(

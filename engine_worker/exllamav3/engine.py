@@ -123,3 +123,12 @@ class EngineHandle:
     rq_boundary: int = 256
     new_filter: Callable[[str], Any] | None = None
     ll_tokenizer: Callable[[], Any] | None = None
+
+
+def id_list(ids: Any) -> list[int]:
+    """Token ids of a tensor as ExLlamaV3 returns them (shape ``(1, n)`` or
+    ``(n,)``; ``None``: none) as a list."""
+    if ids is None:
+        return []
+    rows = ids.tolist()
+    return [int(t) for t in (rows[0] if rows and isinstance(rows[0], list) else rows)]

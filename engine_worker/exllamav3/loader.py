@@ -59,7 +59,7 @@ from typing import Any
 from engine_worker.exllamav3 import chat_template
 from engine_worker.exllamav3.backend import ExLlamaV3Backend
 from engine_worker.exllamav3.config import PAGE_SIZE, CacheMode, parse_split
-from engine_worker.exllamav3.engine import EngineHandle
+from engine_worker.exllamav3.engine import EngineHandle, id_list
 from engine_worker.exllamav3.grammar import contained_filter_class, filter_factory
 from engine_worker.settings import DraftMode, WorkerSettings
 
@@ -220,7 +220,7 @@ def load_text(ex: Any, config: WorkerSettings) -> Text:
     stop_strings: tuple[str, ...] = ()
     if turn_end is not None:
         stop_strings = (turn_end,)
-        ids = _id_list(tokenizer.encode(turn_end, encode_special_tokens=True))
+        ids = id_list(tokenizer.encode(turn_end, encode_special_tokens=True))
         if len(ids) == 1 and ids[0] not in eos_ids:
             eos_ids.append(ids[0])
     log.info("exllamav3: chat template loaded; a turn ends with %r; stop tokens %s", turn_end, eos_ids)
@@ -536,11 +536,6 @@ def load_engine(config: WorkerSettings) -> EngineHandle:
 def _zip_longest(a: list[float], b: list[float]) -> list[tuple[float, float]]:
     n = max(len(a), len(b))
     return [(a[i] if i < len(a) else 0.0, b[i] if i < len(b) else 0.0) for i in range(n)]
-
-
-def _id_list(ids: Any) -> list[int]:
-    rows = ids.tolist()
-    return [int(t) for t in (rows[0] if rows and isinstance(rows[0], list) else rows)]
 
 
 def build_backend(config: WorkerSettings) -> ExLlamaV3Backend:

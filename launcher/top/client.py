@@ -15,7 +15,7 @@ from httpx_sse import SSEError, connect_sse
 
 from launcher.chat.client import ServerError, StreamBroken, transport_error
 from launcher.chat.wire import ErrorBody, error_decoder
-from proxy.status_types import Status, status_decoder
+from proxy.ops.status_types import Status, status_decoder
 
 PATH = "status"
 """Relative to the base URL, which ends in ``/v1``."""

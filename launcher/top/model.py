@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from proxy.status_types import STAGES, RequestStatus, Status, WorkerStatus
+from proxy.ops.status_types import STAGES, RequestStatus, Status, WorkerStatus
 
 SORTS = ("stage", "age", "tokens", "rate")
 """Sort orders, cycled by the ``s`` key: ``stage`` (the server's order: decode,

@@ -15,7 +15,7 @@ import time
 from typing import TextIO
 
 from launcher.top.model import RateWindow, rates_line, request_line, sort_requests, worker_lines
-from proxy.status_types import Status
+from proxy.ops.status_types import Status
 
 
 class PlainView:

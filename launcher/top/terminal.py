@@ -42,7 +42,7 @@ from launcher.top.model import (
     sort_requests,
     worker_lines,
 )
-from proxy.status_types import RequestStatus, Status
+from proxy.ops.status_types import RequestStatus, Status
 
 QUEUE_STYLE = "yellow"
 STAGE_STYLES = {"decode": "green", "prefill": "cyan", "queued": "yellow", "submitted": "dim", "done": "dim"}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from proxy.dialect import Dialect
+from proxy.core.dialect import Dialect
 from proxy.dialects.chat import CHAT
 from proxy.dialects.completions import COMPLETIONS
 from proxy.dialects.messages import MESSAGES

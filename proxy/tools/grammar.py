@@ -1,6 +1,6 @@
 """llguidance grammars (its Lark dialect) for a forced tool call, for tools
 beside a ``response_format``, and the JSON-schema options every JSON grammar of
-the proxy is built with (``proxy.constraints`` builds ``response_format``'s).
+the proxy is built with (``proxy.grammar.check`` builds ``response_format``'s).
 
 Lark with embedded JSON schemas (``rule: %json {...}``) is llguidance's syntax
 (``docs/syntax.md`` of guidance-ai/llguidance; ``docs/toolcalls.md`` has the
@@ -25,7 +25,7 @@ With ``tool_choice: auto`` and a JSON ``response_format``, ``tools_or_answer_gra
 allows either those calls or one JSON answer (``start: calls | answer``).
 
 Each ``%json`` rule follows a ``// <request field>`` comment naming where its
-schema came from (``proxy.constraints.validate`` names that field when the
+schema came from (``proxy.grammar.check.validate`` names that field when the
 schema is refused). Each function is its own ``%json`` root so that ``$ref``s
 into its ``$defs`` keep working: its top-level ``$defs``/``definitions`` move
 to the wrapper's root, and any other local ``$ref`` (``#``,
@@ -277,7 +277,7 @@ def tool_call_grammar(
     """The grammar of an answer that is only tool calls of ``config``'s callable
     functions (for ``required``: any of them; for a named function: that one),
     one or more when ``config.parallel``, else exactly one. Not validated
-    (``proxy.constraints.validate``). Raises ``ValueError`` unless
+    (``proxy.grammar.check.validate``). Raises ``ValueError`` unless
     ``config.forced``."""
     if not config.forced:
         raise ValueError(f"tool_choice {config.mode!r} does not force a call; no grammar applies")

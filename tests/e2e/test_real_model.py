@@ -128,7 +128,7 @@ def test_long_prompt_streams_progress_before_content(server: Server) -> None:
 def _template_prefix_len() -> int:
     """Tokens the chat template puts before any user content: the longest common
     prefix of two conversations that differ only in the user's text."""
-    from engine_worker.cpu.model_store import load_tokenizer_embedded
+    from tests.fakes.cpu import load_tokenizer_embedded
 
     tok = load_tokenizer_embedded()
     a = tok.apply_chat_template(

@@ -11,6 +11,7 @@
 - ``FakeModel`` / ``FakeTokenizer``: what ``transformers`` loads from a GGUF, as far as
   ``model_store``'s conversion uses it.
 - ``add``: what the worker loop does for one request before the backend starts it.
+- ``load_tokenizer_embedded``: the embedded model's real tokenizer, without its weights.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from engine_worker.admission import checked_prepare
+from engine_worker.cpu import model_store
 from engine_worker.cpu.engine import CpuBackend
 from engine_worker.cpu.llama import LlamaRunner, Quantization
 from engine_worker.cpu.model_store import LoadedModel
@@ -156,3 +158,15 @@ class FakeModel:
 class FakeTokenizer:
     def save_pretrained(self, path: str) -> None:
         (Path(path) / "tokenizer.json").write_text("{}")
+
+
+def load_tokenizer_embedded(cache_dir: Path | None = None) -> PreTrainedTokenizerBase:
+    """The embedded model's tokenizer: from the converted folder when it exists
+    (fast), otherwise straight from the GGUF (a few seconds, no conversion)."""
+    from transformers import AutoTokenizer
+
+    gguf = model_store.find_embedded_gguf()
+    folder = model_store.converted_dir(cache_dir or model_store.default_cache_dir(), gguf)
+    if (folder / model_store._COMPLETE_MARKER).is_file():
+        return AutoTokenizer.from_pretrained(str(folder))
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

@@ -28,8 +28,8 @@ from protocol import (
     choice_ids,
     choice_seed,
 )
+from proxy.engine.stream import DEFAULT_MAX_MERGED_BYTES, RequestStream
 from proxy.errors import EngineDead, EngineNotReady, ProxyError, ShuttingDown
-from proxy.request_stream import DEFAULT_MAX_MERGED_BYTES, RequestStream
 from proxy.settings import ProxySettings
 
 WORKER = Ready(PROTOCOL_VERSION, "worker-1", "fake-model", "fake", 4096, None)

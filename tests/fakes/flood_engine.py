@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Sequence
 
 from protocol import PROTOCOL_VERSION, Finished, FinishReason, Ready, Started, Submit, TokenDelta
-from proxy.request_stream import RequestStream
+from proxy.engine.stream import RequestStream
 
 
 class FloodEngine:

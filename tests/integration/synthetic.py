@@ -16,8 +16,8 @@ import httpx
 from aiohttp import web
 
 from proxy.app import LISTEN_BACKLOG, create_app
-from proxy.engine_client import ZmqEngineClient
-from proxy.runner import make_runner
+from proxy.engine.client import ZmqEngineClient
+from proxy.server.runner import make_runner
 from proxy.settings import ProxySettings
 
 

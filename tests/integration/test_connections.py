@@ -1,5 +1,5 @@
-"""What one client's connections may cost the others (``proxy.connections``),
-on the server ``run_proxy`` builds (``proxy.runner.make_runner``) on a real TCP
+"""What one client's connections may cost the others (``proxy.server.connections``),
+on the server ``run_proxy`` builds (``proxy.server.runner.make_runner``) on a real TCP
 socket, driven with raw bytes: the connection cap with its 503 and its probes,
 the header-read deadline against slow headers, the keep-alive deadline, and
 accept errors logged once a second."""
@@ -17,9 +17,9 @@ import orjson
 import pytest
 from aiohttp import web
 
-from proxy import connections, runner
 from proxy.app import create_app
-from proxy.runner import make_runner
+from proxy.server import connections, runner
+from proxy.server.runner import make_runner
 from tests.fakes.engine_client import FakeEngineClient, make_config
 
 GUARD_S = 20.0  # safety limit for waits that must end; never a speed check
@@ -252,7 +252,7 @@ async def test_accept_errors_are_logged_once_a_second(caplog: pytest.LogCaptureF
     loop.set_exception_handler(lambda _loop, ctx: seen.append(ctx))
     try:
         async with serve():
-            with caplog.at_level(logging.WARNING, logger="proxy.connections"):
+            with caplog.at_level(logging.WARNING, logger="proxy.server.connections"):
                 for _ in range(4096):  # what one readiness event can report (the listen backlog)
                     loop.call_exception_handler(
                         {
@@ -262,7 +262,7 @@ async def test_accept_errors_are_logged_once_a_second(caplog: pytest.LogCaptureF
                     )
                 other = {"message": "something else", "exception": RuntimeError("x")}
                 loop.call_exception_handler(other)
-            lines = [r for r in caplog.records if r.name == "proxy.connections"]
+            lines = [r for r in caplog.records if r.name == "proxy.server.connections"]
             assert len(lines) == 1
             assert "Too many open files" in lines[0].getMessage()
             assert lines[0].exc_info is None

@@ -22,15 +22,15 @@ import orjson
 import pytest
 from aiohttp.test_utils import TestClient
 
-import proxy.serve
+import proxy.serving.serve
 from engine_worker.backend import ENGINE_FAILED_EXIT_STATUS
 from engine_worker.exllamav3.backend import ExLlamaV3Backend
 from engine_worker.loop import EngineLoop
 from engine_worker.settings import WorkerSettings
 from engine_worker.sockets import WorkerSockets
 from proxy.app import create_app
-from proxy.constraints import json_schema_grammar
-from proxy.engine_client import ZmqEngineClient
+from proxy.engine.client import ZmqEngineClient
+from proxy.grammar.check import json_schema_grammar
 from proxy.settings import ProxySettings
 from tests.fakes import exllamav3 as fx
 from tests.fakes.exllamav3_driver import RecordingGenerator, make_backend
@@ -364,7 +364,7 @@ async def test_a_bad_schema_is_a_400_naming_the_field(
     async def unchecked(grammar: str, param: str) -> None:
         return None
 
-    monkeypatch.setattr(proxy.serve, "validate", unchecked)
+    monkeypatch.setattr(proxy.serving.serve, "validate", unchecked)
     for stream in (False, True):
         resp = await client.post("/v1/chat/completions", json={**body, "stream": stream})
         err = (await resp.json())["error"]

@@ -1,4 +1,4 @@
-"""The proxy's HTTP server as ``run_proxy`` builds it (``proxy.runner.make_runner``
+"""The proxy's HTTP server as ``run_proxy`` builds it (``proxy.server.runner.make_runner``
 on a real TCP socket), driven with raw bytes: what aiohttp's HTTP parser refuses
 gets the JSON envelope and one log line, and slow request bodies cannot starve
 the requests that do arrive."""
@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 
 from proxy.app import create_app
-from proxy.runner import make_runner
+from proxy.server.runner import make_runner
 from tests.fakes.engine_client import FakeEngineClient, make_config
 
 GUARD_S = 20.0  # safety limit for waits that must end; never a speed check
@@ -106,7 +106,7 @@ async def test_parser_errors_are_envelopes_logged_in_one_line(
     ]
     assert len(records) == 1, [r.getMessage() for r in records]
     (record,) = records
-    assert record.name == "proxy.runner" and record.levelno == logging.INFO
+    assert record.name == "proxy.server.runner" and record.levelno == logging.INFO
     assert record.exc_info is None and "\n" not in record.getMessage()
     assert "bad HTTP request from 127.0.0.1" in record.getMessage()
     assert fake.submits == []

@@ -7,7 +7,7 @@ import sys
 
 CODE = """
 import sys
-import proxy.app, proxy.engine_client, proxy.handlers, proxy.dialects.registry
+import proxy.app, proxy.engine.client, proxy.ops.routes, proxy.dialects.registry
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "engine_worker", "transformers"))
 print(",".join(heavy))
 """

@@ -171,7 +171,7 @@ def test_abort_stops_events_with_one_terminal_error(running: Running) -> None:
     events = peer.events_until_terminal({"long"})
     assert backend.aborted == ["long"]  # unknown ids never reach the backend
     end = events[-1]
-    assert isinstance(end, RequestError) and end.request_id == "long" and end.code is ErrorCode.OVERLOADED
+    assert isinstance(end, RequestError) and end.request_id == "long" and end.code is ErrorCode.ABORTED
     assert "aborted" in end.message
     # After it, no event for the request arrives any more.
     peer.send(_submit("after", max_tokens=1))
@@ -194,7 +194,7 @@ def test_aborting_one_choice_of_a_queued_request_ends_all_its_choices(tmp_path: 
         peer.send(Abort(("a",)))
         peer.events_until_terminal({"a"})
     ends = {e.request_id: e for e in events if isinstance(e, RequestError)}
-    assert set(ends) == {"b-0", "b-1"} and all(e.code is ErrorCode.OVERLOADED for e in ends.values())
+    assert set(ends) == {"b-0", "b-1"} and all(e.code is ErrorCode.ABORTED for e in ends.values())
     assert [rid for rid, _ in backend.started] == ["a"]
 
 
@@ -395,7 +395,7 @@ def test_an_aborted_queued_request_never_starts_and_the_next_moves_up(tmp_path: 
         # Only its place in the queue was ever reported, then its end.
         gone = _events_of(events, "gone")
         assert all(isinstance(e, QueueProgress) for e in gone[:-1])
-        assert isinstance(gone[-1], RequestError) and gone[-1].code is ErrorCode.OVERLOADED
+        assert isinstance(gone[-1], RequestError) and gone[-1].code is ErrorCode.ABORTED
 
 
 def test_heartbeats_keep_flowing_during_a_long_step(tmp_path: Path) -> None:
@@ -582,9 +582,8 @@ def _exllamav3() -> Any:
 def _cpu() -> Any:
     pytest.importorskip("torch")
     from engine_worker.cpu.engine import CpuBackend
-    from engine_worker.cpu.model_store import load_tokenizer_embedded
     from engine_worker.settings import WorkerSettings
-    from tests.fakes.cpu import tiny_random_llama
+    from tests.fakes.cpu import load_tokenizer_embedded, tiny_random_llama
 
     loaded = tiny_random_llama(load_tokenizer_embedded())
     return CpuBackend.from_loaded(loaded, WorkerSettings(max_batch_size=1))

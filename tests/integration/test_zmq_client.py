@@ -30,7 +30,7 @@ from protocol import (
     TokenDelta,
     encode,
 )
-from proxy.engine_client import ZmqEngineClient
+from proxy.engine.client import ZmqEngineClient
 from proxy.errors import EngineDead, EngineNotReady, EngineUnavailable
 from proxy.settings import ProxySettings
 from tests.fakes.zmq_worker import GUARD_S, FakeWorker
@@ -190,7 +190,7 @@ async def test_version_mismatch_frame_is_refused_and_logged_once(
             await worker.push.send_multipart([theirs.encode(), frames[1]])
         await worker.recv_until(Hello)  # still asking: the answers were refused
         assert not client.ready
-        errors = [r for r in caplog.records if r.levelno == logging.ERROR and r.name == "proxy.engine_client"]
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR and r.name == "proxy.engine.client"]
         assert len(errors) == 1
         assert theirs in errors[0].getMessage() and str(PROTOCOL_VERSION) in errors[0].getMessage()
         with pytest.raises(EngineNotReady):

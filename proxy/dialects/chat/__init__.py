@@ -10,28 +10,21 @@
 from __future__ import annotations
 
 from protocol.messages import Submit
-from proxy.dialect import Context, Dialect, Header, chat_submits
+from proxy.core.dialect import Context, Dialect, Header, RequestJob, chat_submits
+from proxy.core.generation import Frames, Generation, Options
 from proxy.dialects.chat.frames import ChatFrames, chat_body
 from proxy.dialects.chat.request import ChatCompletionRequest, chat_task, parse_chat_request
 from proxy.dialects.chat.tokenize import ROUTES as TOKENIZE_ROUTES
 from proxy.errors import OPENAI_ERRORS
-from proxy.generation import Frames, Generation, Options
 
 
-class ChatJob:
+class ChatJob(RequestJob[ChatCompletionRequest]):
     """One chat completions request."""
 
-    __slots__ = ("req",)
-
-    def __init__(self, req: ChatCompletionRequest) -> None:
-        self.req = req
-
-    @property
-    def stream(self) -> bool:
-        return self.req.stream
+    __slots__ = ()
 
     def submits(self, request_id: str, context: Context) -> tuple[list[Submit], Options]:
-        return chat_submits(chat_task(self.req), request_id, context, progress=self.req.progress)
+        return chat_submits(chat_task(self.req), request_id, context)
 
     def frames(self, generation: Generation, header: Header) -> Frames:
         req = self.req

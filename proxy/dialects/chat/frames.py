@@ -1,6 +1,6 @@
 """``/v1/chat/completions`` output: ``chat.completion.chunk`` events and the ``chat.completion`` body.
 
-Stream chunk (``proxy.dialects.openai_common.StreamChunk``)::
+Stream chunk (``proxy.dialects.openai.shapes.StreamChunk``)::
 
     {"id": "chatcmpl-...", "object": "chat.completion.chunk", "created": int, "model": str,
      "choices": [choice],                         # exactly one; [] on the usage chunk
@@ -34,14 +34,14 @@ from __future__ import annotations
 
 from msgspec import UNSET
 
-from proxy import sse
-from proxy.dialect import Header
-from proxy.dialects.openai_common import (
+from proxy.core.dialect import Header
+from proxy.core.generation import Choice, Generation, Logprobs
+from proxy.dialects.openai.frames import ChunkFrames
+from proxy.dialects.openai.shapes import (
     AssistantMessage,
     ChatDeltaChoice,
     ChatLogprobs,
     ChatMessageChoice,
-    ChunkFrames,
     Completion,
     Delta,
     ResponseChoice,
@@ -49,8 +49,8 @@ from proxy.dialects.openai_common import (
     TokenLogprobOut,
     usage_of,
 )
-from proxy.generation import Choice, Generation, Logprobs
-from proxy.responses import encode
+from proxy.server import sse
+from proxy.server.bodies import encode
 from proxy.tools import ToolCallDelta
 
 _ROLE_DELTA = Delta(role="assistant")

@@ -1,7 +1,7 @@
 """``POST /v1/chat/completions`` request bodies and their conversion into a ``ChatTask``.
 
 Shapes follow the OpenAI API reference for chat completions, plus the extras
-other local servers accept (``proxy.dialects.openai_common.SamplingFields``)
+other local servers accept (``proxy.dialects.openai.request.OpenAIFields``)
 and vLLM's ``add_generation_prompt``. Every validation failure raises
 ``proxy.errors.InvalidRequest`` whose message and ``param`` name the field
 (``max_tokens``, ``messages[0].content``).
@@ -13,18 +13,11 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from proxy.dialects.openai_common import (
-    ContentPart,
-    Count,
-    Refusals,
-    SamplingFields,
-    decode,
-    json_output,
-    never,
-)
+from proxy.core.fields import Count, Refusals, decode, never, tool_config
+from proxy.core.task import ChatTask
+from proxy.dialects.openai.request import ContentPart, OpenAIFields
 from proxy.errors import InvalidRequest
-from proxy.task import ChatTask
-from proxy.tools import HistoryMessage, ToolCall, ToolChoiceIn, ToolIn, ToolSpecError, resolve_tools
+from proxy.tools import HistoryMessage, ToolCall, ToolChoiceIn, ToolIn
 
 
 class ChatMessageIn(msgspec.Struct, kw_only=True):
@@ -40,7 +33,7 @@ class ChatMessageIn(msgspec.Struct, kw_only=True):
     name: str | None = None
 
 
-class ChatCompletionRequest(SamplingFields, kw_only=True):
+class ChatCompletionRequest(OpenAIFields, kw_only=True):
     """``POST /v1/chat/completions`` body. ``max_completion_tokens`` wins over the
     deprecated ``max_tokens``."""
 
@@ -106,10 +99,7 @@ def flatten_content(content: str | list[ContentPart] | None, where: str) -> str 
 
 def chat_task(req: ChatCompletionRequest) -> ChatTask:
     """The request as a ``ChatTask``. Raises ``InvalidRequest``."""
-    try:
-        tools = resolve_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
-    except ToolSpecError as e:
-        raise InvalidRequest(e.message, param=e.param) from None
+    tools = tool_config(req.tools, req.tool_choice, req.parallel_tool_calls)
     messages = tuple(
         HistoryMessage(
             role=m.role,
@@ -122,9 +112,9 @@ def chat_task(req: ChatCompletionRequest) -> ChatTask:
     )
     return ChatTask(
         messages=messages,
-        sampling=req.sampling(req.completion_limit(), req.logprobs_k()),
+        sampling=req.sampling(max_tokens=req.completion_limit(), stop=req.stop, logprobs=req.logprobs_k()),
         tools=tools,
-        json_output=json_output(req.response_format),
+        json_output=req.json_output(),
         n=req.n,
         add_generation_prompt=req.add_generation_prompt,
         parallel_asked=req.parallel_tool_calls is not None,

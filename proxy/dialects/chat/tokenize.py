@@ -10,7 +10,7 @@ Shapes (vLLM's ``TokenizeRequest``/``TokenizeResponse``)::
     POST /detokenize  {"model"?, "tokens": [int, ...]}  -> {"prompt": str}
 
 The prompt is the one the generation endpoint would run: the chat template and
-tools applied, client text tokenized as text (``proxy.lookups``).
+tools applied, client text tokenized as text (``proxy.serving.lookups``).
 """
 
 from __future__ import annotations
@@ -18,15 +18,14 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
-from proxy.dialect import Handler
+from proxy.core.dialect import Handler
+from proxy.core.fields import REFUSE_NOTHING, TokenId, decode
+from proxy.core.task import ChatTask, Sampling, TextTask, chat_submit, text_submits, tool_plan
 from proxy.dialects.chat.request import ChatCompletionRequest, chat_task
-from proxy.dialects.openai_common import REFUSE_NOTHING, TokenId, decode
 from proxy.errors import InvalidRequest
-from proxy.lookups import detokenize, tokenize
-from proxy.responses import encode
-from proxy.serve import context_of, read_request, ready_worker
-from proxy.state import STATE
-from proxy.task import Sampling, TextTask, chat_submit, text_submits, tool_plan
+from proxy.server.bodies import encode
+from proxy.serving.lookups import detokenize, tokenize
+from proxy.serving.side import side_request
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -57,9 +56,9 @@ class DetokenizeResponse(msgspec.Struct, gc=False):
     prompt: str
 
 
-async def tokenize_handler(request: web.Request) -> web.Response:
-    """``POST /tokenize`` (module docstring)."""
-    body = await read_request(request)
+def _parse_tokenize(body: bytes) -> tuple[TokenizeRequest, ChatTask | None]:
+    """The body's fields and, for ``messages``, the conversation as
+    ``/v1/chat/completions`` would take it. Raises ``InvalidRequest``."""
     head = decode(body, TokenizeRequest, REFUSE_NOTHING, "/tokenize")
     if head.return_token_strs:
         raise InvalidRequest("'return_token_strs' is not supported by this server", param="return_token_strs")
@@ -71,30 +70,37 @@ async def tokenize_handler(request: web.Request) -> web.Response:
             "'prompt', false for 'messages')",
             param="add_special_tokens",
         )
-    state = request.app[STATE]
-    worker = ready_worker(state)
-    context = context_of(state, worker)
     if head.messages is not None:
-        task = chat_task(decode(body, ChatCompletionRequest, REFUSE_NOTHING, "/tokenize"))
+        return head, chat_task(decode(body, ChatCompletionRequest, REFUSE_NOTHING, "/tokenize"))
+    if head.prompt is None:
+        raise InvalidRequest("'/tokenize' needs 'prompt' or 'messages'", param="prompt")
+    return head, None
+
+
+async def tokenize_handler(request: web.Request) -> web.Response:
+    """``POST /tokenize`` (module docstring)."""
+    side = await side_request(request, _parse_tokenize)
+    head, task = side.req
+    context = side.context
+    if task is not None:
         submit = chat_submit(
             task, "tokenize", context.max_context_tokens, tool_plan(task, context.tool_format)
         )
-    elif head.prompt is not None:
+    else:
+        assert head.prompt is not None
         text = TextTask(prompts=(head.prompt,), sampling=Sampling(max_tokens=1))
         submit = text_submits(text, "tokenize", context.max_context_tokens)[0]
-    else:
-        raise InvalidRequest("'/tokenize' needs 'prompt' or 'messages'", param="prompt")
     ids = await tokenize(request, submit)
-    out = TokenizeResponse(len(ids), worker.max_context_tokens, list(ids))
+    out = TokenizeResponse(len(ids), side.worker.max_context_tokens, list(ids))
     return web.Response(body=encode(out), content_type="application/json")
 
 
 async def detokenize_handler(request: web.Request) -> web.Response:
     """``POST /detokenize`` (module docstring)."""
-    body = await read_request(request)
-    req = decode(body, DetokenizeRequest, REFUSE_NOTHING, "/detokenize")
-    ready_worker(request.app[STATE])
-    text = await detokenize(request, tuple(req.tokens))
+    side = await side_request(
+        request, lambda body: decode(body, DetokenizeRequest, REFUSE_NOTHING, "/detokenize")
+    )
+    text = await detokenize(request, tuple(side.req.tokens))
     return web.Response(body=encode(DetokenizeResponse(text)), content_type="application/json")
 
 

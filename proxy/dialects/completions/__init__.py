@@ -21,31 +21,29 @@ from typing import Annotated
 import msgspec
 
 from protocol.messages import Submit
-from proxy import sse
-from proxy.dialect import Context, Dialect, Header
-from proxy.dialects.openai_common import (
-    ChunkFrames,
+from proxy.core.dialect import Context, Dialect, Header, RequestJob
+from proxy.core.fields import Refusals, decode
+from proxy.core.generation import Choice, Frames, Generation, Logprobs, Options
+from proxy.core.task import TextTask, text_submits
+from proxy.dialects.openai.frames import ChunkFrames
+from proxy.dialects.openai.request import OpenAIFields
+from proxy.dialects.openai.shapes import (
     Completion,
-    Refusals,
     ResponseChoice,
-    SamplingFields,
     TextChoice,
     TextLogprobs,
     Timings,
-    decode,
-    json_output,
     usage_of,
 )
 from proxy.errors import OPENAI_ERRORS, InvalidRequest
-from proxy.generation import Choice, Frames, Generation, Logprobs, Options
-from proxy.responses import encode
-from proxy.task import TextTask, text_submits
+from proxy.server import sse
+from proxy.server.bodies import encode
 
 DEFAULT_MAX_TOKENS = 16
 """OpenAI's default ``max_tokens`` for ``/v1/completions`` (chat has none)."""
 
 
-class CompletionRequest(SamplingFields, kw_only=True):
+class CompletionRequest(OpenAIFields, kw_only=True):
     """``POST /v1/completions`` body (module docstring)."""
 
     prompt: str | list[str]
@@ -102,30 +100,22 @@ class TextFrames(ChunkFrames):
         out.append(sse.event(self.chunk(c)))
 
 
-class CompletionJob:
+class CompletionJob(RequestJob[CompletionRequest]):
     """One text completions request."""
 
-    __slots__ = ("req",)
-
-    def __init__(self, req: CompletionRequest) -> None:
-        self.req = req
-
-    @property
-    def stream(self) -> bool:
-        return self.req.stream
+    __slots__ = ()
 
     def submits(self, request_id: str, context: Context) -> tuple[list[Submit], Options]:
         req = self.req
         task = TextTask(
             prompts=req.prompts(),
-            sampling=req.sampling(req.completion_limit(), req.logprobs),
-            json_output=json_output(req.response_format),
+            sampling=req.sampling(max_tokens=req.completion_limit(), stop=req.stop, logprobs=req.logprobs),
+            json_output=req.json_output(),
             n=req.n,
             cache_salt=req.cache_salt,
         )
         submits = text_submits(task, request_id, context.max_context_tokens)
         options = Options(
-            progress=req.progress,
             logprobs=req.logprobs is not None,
             echo=task.prompts if req.echo else (),
             per_prompt=req.n if len(submits) > 1 else 0,

@@ -9,7 +9,7 @@
 ``max_tokens`` is required, as Anthropic's, and is a cap: a value beyond what
 the context leaves is clamped by the worker, never a 400 (Claude Code sends
 32,000 to any model). Keys are taken from ``x-api-key`` as well as
-``Authorization`` (``proxy.intake``).
+``Authorization`` (``proxy.server.intake``).
 """
 
 from __future__ import annotations
@@ -18,37 +18,30 @@ import msgspec
 from aiohttp import web
 
 from protocol.messages import Submit
-from proxy.dialect import Context, Dialect, Header, chat_submits
+from proxy.core.dialect import Context, Dialect, Header, RequestJob, chat_submits
+from proxy.core.generation import Frames, Generation, Options
+from proxy.core.task import chat_submit, tool_plan
 from proxy.dialects.messages.frames import MessagesErrors, MessagesFrames, messages_body
 from proxy.dialects.messages.request import (
+    FIELDS,
     MessagesRequest,
     chat_task,
     parse_count_tokens_request,
     parse_messages_request,
 )
-from proxy.generation import Frames, Generation, Options
-from proxy.lookups import tokenize
-from proxy.responses import encode
-from proxy.serve import check_grammars, context_of, read_request, ready_worker
-from proxy.state import STATE
-from proxy.task import chat_submit, tool_plan
+from proxy.server.bodies import encode
+from proxy.serving.lookups import tokenize
+from proxy.serving.serve import check_grammars
+from proxy.serving.side import side_request
 
 
-class MessagesJob:
+class MessagesJob(RequestJob[MessagesRequest]):
     """One Messages request."""
 
-    __slots__ = ("req",)
-
-    def __init__(self, req: MessagesRequest) -> None:
-        self.req = req
-
-    @property
-    def stream(self) -> bool:
-        return self.req.stream
+    __slots__ = ()
 
     def submits(self, request_id: str, context: Context) -> tuple[list[Submit], Options]:
-        progress = self.req.stream and self.req.return_progress
-        return chat_submits(chat_task(self.req), request_id, context, progress=progress)
+        return chat_submits(chat_task(self.req), request_id, context)
 
     def frames(self, generation: Generation, header: Header) -> Frames:
         return MessagesFrames(generation, header)
@@ -65,11 +58,9 @@ async def count_tokens(request: web.Request) -> web.Response:
     """``POST /v1/messages/count_tokens``: ``{"input_tokens": int}``, the whole
     prompt the same Messages request would run with (its ``input_tokens`` plus
     ``cache_read_input_tokens``)."""
-    body = await read_request(request)
-    req = parse_count_tokens_request(body)
-    state = request.app[STATE]
-    context = context_of(state, ready_worker(state))
-    task = chat_task(req)
+    side = await side_request(request, parse_count_tokens_request)
+    context = side.context
+    task = chat_task(side.req)
     submit = chat_submit(task, "count", context.max_context_tokens, tool_plan(task, context.tool_format))
     await check_grammars([submit])  # as the same Messages request would be refused
     ids = await tokenize(request, submit)
@@ -82,5 +73,6 @@ MESSAGES = Dialect(
     errors=MessagesErrors(),
     parse=lambda body: MessagesJob(parse_messages_request(body)),
     extra_routes=(("POST", "/v1/messages/count_tokens", count_tokens),),
+    fields=FIELDS,
 )
 """``POST /v1/messages`` (``?beta=true`` too), ``POST /v1/messages/count_tokens``."""

@@ -47,14 +47,14 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from protocol.messages import PrefillProgress, QueueProgress
-from proxy import sse
-from proxy.dialect import Header
-from proxy.dialects.openai_common import PromptProgress, QueuePosition
+from proxy.core.dialect import Header
+from proxy.core.generation import Choice, Generation, Logprobs
+from proxy.core.progress import PromptProgress, QueuePosition
+from proxy.core.usage import Counts
 from proxy.errors import ProxyError
-from proxy.generation import Choice, Generation, Logprobs
-from proxy.responses import encode
+from proxy.server import sse
+from proxy.server.bodies import encode
 from proxy.tools import ToolCallDelta
-from proxy.usage import Counts
 
 # ---------------------------------------------------------------- shapes
 

@@ -35,30 +35,19 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from proxy.dialects.openai_common import (
+from proxy.core.fields import (
     Count,
-    Prob,
     Refusals,
-    Salt,
-    Seed,
-    TopK,
-    TopP,
+    SamplerFields,
     decode,
+    function_tool,
+    json_output,
+    named_choice,
+    tool_config,
 )
-from proxy.errors import InvalidRequest
-from proxy.task import ChatTask, JsonOutput, ParamNames, Sampling
-from proxy.tools import (
-    FunctionCall,
-    FunctionIn,
-    HistoryMessage,
-    NamedToolChoiceIn,
-    ToolCall,
-    ToolChoiceIn,
-    ToolIn,
-    ToolSpecError,
-    resolve_tools,
-)
-from proxy.tools.spec import FunctionName
+from proxy.core.task import ChatTask, JsonOutput, Sampling
+from proxy.errors import FieldNames, InvalidRequest
+from proxy.tools import FunctionCall, HistoryMessage, ToolCall, ToolChoiceIn, ToolIn
 
 
 class ToolIn_(msgspec.Struct, kw_only=True):
@@ -98,11 +87,12 @@ class MessageIn(msgspec.Struct, kw_only=True):
     content: str | list[dict[str, object]]
 
 
-class MessagesRequest(msgspec.Struct, kw_only=True):
-    """``POST /v1/messages`` body (module docstring), plus ``return_progress``
-    and the sampling extras of the other endpoints (``min_p``, ``seed``)."""
+class MessagesRequest(SamplerFields, kw_only=True):
+    """``POST /v1/messages`` body (module docstring), with the sampler fields
+    every dialect takes (``proxy.core.fields.SamplerFields``: ``min_p``,
+    ``seed``, penalties, ``return_progress``, ...); ``temperature`` in
+    Anthropic's range, 0 to 1."""
 
-    model: str | None = None
     max_tokens: Count
     messages: list[MessageIn]
     system: str | list[dict[str, object]] | None = None
@@ -110,15 +100,8 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     tool_choice: ToolChoiceIn_ | None = None
     stop_sequences: list[str] | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
-    top_p: TopP | None = None
-    top_k: TopK | None = None
-    stream: bool = False
     output_config: OutputConfigIn | None = None
     output_format: OutputFormatIn | None = None
-    min_p: Prob | None = None
-    seed: Seed | None = None
-    return_progress: bool = False
-    cache_salt: Salt | None = None
 
 
 class CountTokensRequest(msgspec.Struct, kw_only=True):
@@ -140,9 +123,8 @@ def _empty(v: object) -> bool:
 REFUSED: Refusals = {"mcp_servers": _empty, "container": _empty}
 """Fields that would change the answer and cannot be honoured here."""
 
-NAMES = ParamNames(
-    stop="stop_sequences", logprobs="logprobs", json_output="output_config.format", tool_choice="tool_choice"
-)
+FIELDS = FieldNames({"stop": "stop_sequences", "response_format": "output_config.format"})
+"""The wire's names in this dialect's terms."""
 
 
 def parse_messages_request(body: bytes) -> MessagesRequest:
@@ -263,55 +245,41 @@ def _tools(
             )
         if t.defer_loading:
             continue  # not loaded yet: the model does not see it (module docstring)
-        fn = FunctionIn(name=t.name, description=t.description, parameters=t.input_schema)
-        tools_in.append(ToolIn(type="function", function=fn))
+        tools_in.append(function_tool(t.name, t.description, t.input_schema))
     if choice is None:
         return tools_in, None, None
     parallel = None if choice.disable_parallel_tool_use is None else not choice.disable_parallel_tool_use
     if choice.type == "tool":
-        named = NamedToolChoiceIn(type="function", function=FunctionName(name=choice.name))
-        return tools_in, named, parallel
+        return tools_in, named_choice(choice.name), parallel
     return tools_in, {"auto": "auto", "any": "required", "none": "none"}[choice.type], parallel
 
 
-def json_output(config: OutputConfigIn | None, legacy: OutputFormatIn | None) -> JsonOutput | None:
+def _json_output(config: OutputConfigIn | None, legacy: OutputFormatIn | None) -> JsonOutput | None:
     """``output_config.format`` (or the older ``output_format``) as a JSON output."""
     fmt, where = (config.format, "output_config.format") if config is not None else (None, "")
     if fmt is None:
         fmt, where = legacy, "output_format"
     if fmt is None:
         return None
-    if fmt.type != "json_schema" or fmt.schema is None:
-        raise InvalidRequest(f'\'{where}\' must be {{"type": "json_schema", "schema": {{...}}}}', param=where)
-    return JsonOutput(fmt.schema, f"{where}.schema", strict=True)
+    return json_output(
+        fmt.type, fmt.schema, param=where, schema_param=f"{where}.schema", strict=True, kinds=("json_schema",)
+    )
 
 
 def chat_task(req: MessagesRequest | CountTokensRequest) -> ChatTask:
     """The request as a ``ChatTask`` (count_tokens: with 1 token to generate,
     which the count does not depend on). Raises ``InvalidRequest``."""
     tools_in, choice, parallel = _tools(req.tools, req.tool_choice)
-    try:
-        tools = resolve_tools(tools_in, choice, parallel)
-    except ToolSpecError as e:
-        raise InvalidRequest(e.message, param=e.param) from None
+    tools = tool_config(tools_in, choice, parallel)
     if isinstance(req, MessagesRequest):
-        sampling = Sampling(
-            max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
-            seed=req.seed,
-            stop=tuple(req.stop_sequences or ()),
-        )
+        sampling = req.sampling(max_tokens=req.max_tokens, stop=req.stop_sequences, logprobs=None)
     else:
         sampling = Sampling(max_tokens=1)
     return ChatTask(
         messages=history(req.system, req.messages),
         sampling=sampling,
         tools=tools,
-        json_output=json_output(req.output_config, req.output_format),
+        json_output=_json_output(req.output_config, req.output_format),
         parallel_asked=parallel is not None,
         cache_salt=req.cache_salt if isinstance(req, MessagesRequest) else None,
-        names=NAMES,
     )

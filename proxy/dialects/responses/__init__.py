@@ -20,29 +20,21 @@ from typing import Any
 import msgspec
 
 from protocol.messages import Submit
-from proxy.dialect import Context, Dialect, Header, chat_submits
+from proxy.core.dialect import Context, Dialect, Header, RequestJob, chat_submits
+from proxy.core.generation import Frames, Generation, Options
 from proxy.dialects.responses.frames import ResponsesFrames, responses_body
-from proxy.dialects.responses.request import ResponsesRequest, parse_responses_request, responses_task
+from proxy.dialects.responses.request import FIELDS, ResponsesRequest, parse_responses_request, responses_task
 from proxy.dialects.responses.shapes import Reasoning, Response
 from proxy.errors import OPENAI_ERRORS, NotFound
-from proxy.generation import Frames, Generation, Options
 
 
-class ResponsesJob:
+class ResponsesJob(RequestJob[ResponsesRequest]):
     """One Responses request."""
 
-    __slots__ = ("req",)
-
-    def __init__(self, req: ResponsesRequest) -> None:
-        self.req = req
-
-    @property
-    def stream(self) -> bool:
-        return self.req.stream
+    __slots__ = ()
 
     def submits(self, request_id: str, context: Context) -> tuple[list[Submit], Options]:
-        progress = self.req.stream and self.req.return_progress
-        return chat_submits(responses_task(self.req), request_id, context, progress=progress)
+        return chat_submits(responses_task(self.req), request_id, context)
 
     def snapshot(self, header: Header) -> Any:
         """``snapshot(status=..., output=..., ...)``: the response object with
@@ -101,5 +93,6 @@ RESPONSES = Dialect(
     errors=OPENAI_ERRORS,
     parse=lambda body: ResponsesJob(parse_responses_request(body)),
     extra_routes=(("GET", "/v1/responses/{response_id}", get_response),),
+    fields=FIELDS,
 )
 """``POST /v1/responses``; ``GET /v1/responses/{response_id}`` is a 404."""

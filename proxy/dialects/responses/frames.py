@@ -28,9 +28,10 @@ from collections.abc import Callable, Sequence
 from msgspec import UNSET
 
 from protocol.messages import PrefillProgress, QueueProgress, TokenLogprob
-from proxy import sse
-from proxy.dialect import Header
-from proxy.dialects.openai_common import PromptProgress, QueuePosition, TokenLogprobOut
+from proxy.core.dialect import Header
+from proxy.core.generation import Choice, Generation, Logprobs
+from proxy.core.progress import PromptProgress, QueuePosition
+from proxy.dialects.openai.shapes import TokenLogprobOut
 from proxy.dialects.responses.shapes import (
     ArgumentsDeltaEvent,
     ArgumentsDoneEvent,
@@ -52,8 +53,8 @@ from proxy.dialects.responses.shapes import (
     TextDoneEvent,
 )
 from proxy.errors import ProxyError
-from proxy.generation import Choice, Generation, Logprobs
-from proxy.responses import encode
+from proxy.server import sse
+from proxy.server.bodies import encode
 from proxy.tools import ToolCallDelta
 
 Snapshot = Callable[..., Response]

@@ -28,40 +28,20 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from proxy.constraints import ANY_JSON_OBJECT
-from proxy.dialects.openai_common import (
-    Bias,
+from proxy.core.fields import (
     Count,
-    MinTokens,
-    Penalty,
-    Prob,
     Refusals,
-    RepetitionPenalty,
-    Salt,
-    Seed,
-    Temperature,
-    TokenId,
-    TopK,
-    TopP,
+    SamplerFields,
     decode,
-    logit_bias,
+    function_tool,
+    json_output,
+    named_choice,
     never,
-    stop_strings,
+    tool_config,
 )
-from proxy.errors import InvalidRequest
-from proxy.task import ChatTask, JsonOutput, ParamNames, Sampling
-from proxy.tools import (
-    FunctionCall,
-    FunctionIn,
-    HistoryMessage,
-    NamedToolChoiceIn,
-    ToolCall,
-    ToolChoiceIn,
-    ToolIn,
-    ToolSpecError,
-    resolve_tools,
-)
-from proxy.tools.spec import FunctionName
+from proxy.core.task import ChatTask, JsonOutput
+from proxy.errors import FieldNames, InvalidRequest
+from proxy.tools import FunctionCall, HistoryMessage, ToolCall, ToolChoiceIn
 
 
 class TextFormatIn(msgspec.Struct, kw_only=True):
@@ -101,12 +81,11 @@ class ToolChoiceObjectIn(msgspec.Struct, kw_only=True):
     name: str | None = None
 
 
-class ResponsesRequest(msgspec.Struct, kw_only=True):
-    """``POST /v1/responses`` body (module docstring), with the sampling
-    extras the chat endpoint takes (``top_k``, ``min_p``, penalties, ``seed``,
-    ``stop``) and ``return_progress``."""
+class ResponsesRequest(SamplerFields, kw_only=True):
+    """``POST /v1/responses`` body (module docstring), with the sampler fields
+    every dialect takes (``proxy.core.fields.SamplerFields``: ``top_k``,
+    ``min_p``, penalties, ``seed``, ``return_progress``, ...) and ``stop``."""
 
-    model: str | None = None
     input: str | list[dict[str, object]]
     instructions: str | None = None
     tools: list[FunctionToolIn] | None = None
@@ -114,27 +93,12 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     parallel_tool_calls: bool | None = None
     text: TextConfigIn | None = None
     max_output_tokens: Count | None = None
-    temperature: Temperature | None = None
-    top_p: TopP | None = None
     top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=20)] | None = None
     include: list[str] | None = None
-    stream: bool = False
     store: bool | None = None
     metadata: dict[str, object] | None = None
     truncation: Literal["auto", "disabled"] | None = None
-    # Extras (vLLM's and llama.cpp's), as on /v1/chat/completions.
-    top_k: TopK | None = None
-    min_p: Prob | None = None
-    repetition_penalty: RepetitionPenalty | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    seed: Seed | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
-    logit_bias: dict[str, Bias] | None = None
-    min_tokens: MinTokens = 0
-    return_progress: bool = False
-    cache_salt: Salt | None = None
 
     @property
     def logprobs_k(self) -> int | None:
@@ -157,7 +121,17 @@ REFUSED: Refusals = {
 """Fields that would change the answer and need what this server does not
 keep (a response store, prompt templates, background runs)."""
 
-NAMES = ParamNames(stop="stop", logprobs="top_logprobs", json_output="text.format", tool_choice="tool_choice")
+FIELDS = FieldNames(
+    {
+        "messages": "input",
+        "max_tokens": "max_output_tokens",
+        "logprobs": "top_logprobs",
+        "response_format": "text.format",
+    },
+    renumbered=frozenset({"messages"}),
+)
+"""The wire's names in this dialect's terms: ``input`` items are not chat
+messages one for one (``instructions`` comes first, calls join their turn)."""
 
 
 def parse_responses_request(body: bytes) -> ResponsesRequest:
@@ -265,24 +239,15 @@ def _tool_choice(choice: str | ToolChoiceObjectIn | None) -> ToolChoiceIn | None
             '{"type": "function", "name": ...}',
             param="tool_choice",
         )
-    return NamedToolChoiceIn(type="function", function=FunctionName(name=choice.name))
+    return named_choice(choice.name)
 
 
 def _json_output(text: TextConfigIn | None) -> JsonOutput | None:
     fmt = text.format if text is not None else None
-    if fmt is None or fmt.type == "text":
+    if fmt is None:
         return None
-    if fmt.type == "json_object":
-        return JsonOutput(ANY_JSON_OBJECT, "text.format")
-    if fmt.type == "json_schema":
-        if fmt.schema is None:
-            raise InvalidRequest(
-                "'text.format' of type 'json_schema' needs 'schema'", param="text.format.schema"
-            )
-        return JsonOutput(fmt.schema, "text.format.schema", bool(fmt.strict))
-    raise InvalidRequest(
-        f"'text.format.type' is {fmt.type!r}; expected 'text', 'json_object' or 'json_schema'",
-        param="text.format.type",
+    return json_output(
+        fmt.type, fmt.schema, param="text.format", schema_param="text.format.schema", strict=bool(fmt.strict)
     )
 
 
@@ -304,35 +269,9 @@ def _check_tool_types(tools: list[FunctionToolIn] | None) -> None:
 def responses_task(req: ResponsesRequest) -> ChatTask:
     """The request as a ``ChatTask``. Raises ``InvalidRequest``."""
     _check_tool_types(req.tools)
-    tools_in = [
-        ToolIn(
-            type="function",
-            function=FunctionIn(
-                name=t.name, description=t.description, parameters=t.parameters, strict=t.strict
-            ),
-        )
-        for t in req.tools or ()
-    ]
-    try:
-        tools = resolve_tools(tools_in, _tool_choice(req.tool_choice), req.parallel_tool_calls)
-    except ToolSpecError as e:
-        raise InvalidRequest(e.message, param=e.param) from None
-    sampling = Sampling(
-        max_tokens=req.max_output_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        min_p=req.min_p,
-        repetition_penalty=req.repetition_penalty,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        seed=req.seed,
-        stop=stop_strings(req.stop),
-        stop_token_ids=tuple(req.stop_token_ids or ()),
-        min_tokens=req.min_tokens,
-        logit_bias=logit_bias(req.logit_bias),
-        logprobs=req.logprobs_k,
-    )
+    tools_in = [function_tool(t.name, t.description, t.parameters, t.strict) for t in req.tools or ()]
+    tools = tool_config(tools_in, _tool_choice(req.tool_choice), req.parallel_tool_calls)
+    sampling = req.sampling(max_tokens=req.max_output_tokens, stop=req.stop, logprobs=req.logprobs_k)
     return ChatTask(
         messages=history(req),
         sampling=sampling,
@@ -340,5 +279,4 @@ def responses_task(req: ResponsesRequest) -> ChatTask:
         json_output=_json_output(req.text),
         parallel_asked=req.parallel_tool_calls is not None,
         cache_salt=req.cache_salt,
-        names=NAMES,
     )

@@ -35,8 +35,9 @@ from typing import Any, Literal
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from proxy.dialects.openai_common import PromptProgress, QueuePosition, TokenLogprobOut
-from proxy.usage import Counts
+from proxy.core.progress import PromptProgress, QueuePosition
+from proxy.core.usage import Counts
+from proxy.dialects.openai.shapes import TokenLogprobOut
 
 
 class InputTokensDetails(msgspec.Struct, gc=False):

@@ -17,8 +17,8 @@ import yaml
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy import handlers
-from proxy.metrics import Metrics
+from proxy.ops import routes as handlers
+from proxy.ops.metrics import Metrics
 from tests.fakes.engine_client import WORKER, FakeEngineClient
 from tests.unit.deploy.kustomize import Obj
 from tests.unit.deploy.support import (
@@ -81,7 +81,7 @@ def test_every_metric_named_in_manifests_and_docs_is_exposed() -> None:
     names = {m for f in files for m in re.findall(r"\bexl3_sidecar_[a-z_]+\b", f.read_text())}
     assert names, "no metric named anywhere"
     unknown = names - set(exposed())
-    assert not unknown, f"named but not exposed by proxy/metrics.py: {sorted(unknown)}"
+    assert not unknown, f"named but not exposed by proxy/ops/metrics.py: {sorted(unknown)}"
 
 
 # --- HPA and the Prometheus adapter ------------------------------------------------

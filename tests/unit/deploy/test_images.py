@@ -84,7 +84,7 @@ def _expensive(steps: list[Step]) -> set[str]:
     }
 
 
-SOURCE_CHANGES = ["engine_worker/loop.py", "protocol/messages.py", "proxy/handlers.py", "README.md"]
+SOURCE_CHANGES = ["engine_worker/loop.py", "protocol/messages.py", "proxy/ops/routes.py", "README.md"]
 
 
 @pytest.mark.parametrize("df", dockerfiles(), ids=lambda d: d.path.name)

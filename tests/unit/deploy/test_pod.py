@@ -24,9 +24,9 @@ from aiohttp import web
 
 from engine_worker import probe
 from protocol.settings import ENV_PREFIX
-from proxy import handlers
-from proxy.app import OPEN_PATHS
-from proxy.state import ProxyState
+from proxy.ops import routes as handlers
+from proxy.server.probes import PROBE_PATHS
+from proxy.server.state import ProxyState
 from tests.unit.deploy.kustomize import Obj, split_image
 from tests.unit.deploy.support import (
     ADDONS,
@@ -194,7 +194,7 @@ def check_probes_and_scrape_hit_the_proxy(objs: Objs) -> None:
     assert int(notes["prometheus.io/port"]) == port
     assert _routes().get(notes["prometheus.io/path"]) is handlers.metrics
     # Scrapers (Prometheus, the adapter's source, the endpoint picker) send no API key.
-    assert notes["prometheus.io/path"] in OPEN_PATHS
+    assert notes["prometheus.io/path"] in PROBE_PATHS
 
 
 def check_proxy_listens_on_the_pod_network(objs: Objs) -> None:

@@ -25,7 +25,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.metrics import CompletedRequest, Metrics
+from proxy.ops.metrics import CompletedRequest, Metrics
 from tests.fakes.engine_client import WORKER, FakeEngineClient
 from tests.unit.deploy.support import ADDONS, REPO, one, rendered
 

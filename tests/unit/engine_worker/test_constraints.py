@@ -22,8 +22,8 @@ from engine_worker.constraints import (  # noqa: E402
     compile_grammar,
     grammar_failure,
 )
-from engine_worker.cpu.model_store import load_tokenizer_embedded  # noqa: E402
 from protocol.messages import ErrorCode  # noqa: E402
+from tests.fakes.cpu import load_tokenizer_embedded  # noqa: E402
 
 END_IDS = (0, 2)  # <|endoftext|>, <|im_end|> in SmolLM2's vocabulary
 

@@ -21,8 +21,8 @@ from launcher.cli import main
 from launcher.top.model import Rates, RateWindow, rates, short_id, sort_requests
 from launcher.top.terminal import queue_bar
 from proxy.app import create_app
-from proxy.state import STATE
-from proxy.status_types import ProxyStatus, QueueStatus, RequestStatus, Status, TotalsStatus
+from proxy.ops.status_types import ProxyStatus, QueueStatus, RequestStatus, Status, TotalsStatus
+from proxy.server.state import STATE
 from tests.fakes.engine_client import FakeEngineClient, make_config
 from tests.unit.launcher.test_chat import clean_environment  # noqa: F401  (autouse here too)
 from tests.unit.launcher.test_chat_terminal import _read_all
@@ -66,7 +66,7 @@ async def served(aiohttp_server: Any) -> AsyncIterator[Served]:
 
 
 def _all_held(app: Any) -> bool:
-    from proxy.inflight import INFLIGHT
+    from proxy.ops.inflight import INFLIGHT
 
     stages = sorted(str(t.view().stage) for t in app[INFLIGHT].requests.values())
     return stages == ["decode", "prefill", "queued", "queued"]

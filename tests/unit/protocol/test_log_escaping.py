@@ -10,7 +10,7 @@ import sys
 
 from protocol.logs import FIELDS, TRACEBACK_INDENT, JsonFormatter, TextFormatter, escape_controls
 
-FORGED = "/v1/x\n2099-01-01 00:00:00,000 INFO proxy.request_log: FORGED LINE"
+FORGED = "/v1/x\n2099-01-01 00:00:00,000 INFO proxy.ops.request_log: FORGED LINE"
 RECORD_START = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
 
 
@@ -42,7 +42,7 @@ def test_a_forged_record_in_the_message_and_fields_stays_on_its_line() -> None:
     )
     assert line.count("\n") == 0
     assert "\x1b" not in line
-    escaped = "/v1/x\\n2099-01-01 00:00:00,000 INFO proxy.request_log: FORGED LINE"
+    escaped = "/v1/x\\n2099-01-01 00:00:00,000 INFO proxy.ops.request_log: FORGED LINE"
     assert f"GET {escaped}\\x1b[31m 404 path={escaped}" in line
     assert RECORD_START.match(line)
 

@@ -2,7 +2,7 @@
 pytest-aiohttp's ``TestServer``, which builds its runner with
 ``handler_cancellation=True`` as ``run_proxy`` does. (What differs, the
 envelope for requests aiohttp's parser refuses, is tested on
-``proxy.runner.make_runner`` in ``tests/integration/test_http_server.py``.)"""
+``proxy.server.runner.make_runner`` in ``tests/integration/test_http_server.py``.)"""
 
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ from openai import AsyncOpenAI
 
 from proxy.app import create_app
 from proxy.cli import main
-from proxy.intake import key_digest
-from proxy.state import STATE
+from proxy.server.intake import key_digest
+from proxy.server.state import STATE
 from tests.fakes.engine_client import FakeEngineClient, make_config
 from tests.unit.proxy.conftest import MakeClient
 from tests.unit.proxy.test_http_chat import URL, body

@@ -13,7 +13,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from protocol import PROTOCOL_VERSION, Heartbeat, Ready
-from proxy.engine_client import ZmqEngineClient
+from proxy.engine.client import ZmqEngineClient
 from tests.fakes.engine_client import FakeEngineClient, make_config
 from tests.unit.proxy.conftest import MakeClient
 

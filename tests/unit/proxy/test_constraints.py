@@ -1,4 +1,4 @@
-"""``proxy.constraints.validate``: grammars checked by llguidance in child
+"""``proxy.grammar.check.validate``: grammars checked by llguidance in child
 processes, never on the event loop, bounded in time, memory and concurrency,
 refusals naming the request field (issue 20's grammar bombs)."""
 
@@ -12,9 +12,9 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy import constraints
-from proxy.constraints import GrammarChecker, grammar_pieces, json_schema_grammar, validate
 from proxy.errors import InvalidRequest, ServiceUnavailable
+from proxy.grammar import check as constraints
+from proxy.grammar.check import GrammarChecker, grammar_pieces, json_schema_grammar, validate
 from proxy.tools.formats import HERMES
 from proxy.tools.grammar import tool_call_grammar
 from proxy.tools.spec import FunctionTool, ToolConfig

@@ -24,10 +24,10 @@ from protocol import (
     TokenDelta,
     TokenLogprob,
 )
-from proxy import sse
-from proxy.delivery import TokenGrouper
+from proxy.engine.stream import RequestStream
 from proxy.errors import EngineDead, EngineInternalError
-from proxy.request_stream import RequestStream
+from proxy.server import sse
+from proxy.serving.delivery import TokenGrouper
 from tests.fakes.engine_client import FakeEngineClient, static_script
 from tests.unit.proxy.conftest import MakeClient, sse_json
 
@@ -332,7 +332,7 @@ def test_run_settles_the_collector_and_runs_the_coroutine() -> None:
     # In a child process: the collector's settings are the whole process's.
     code = (
         "import asyncio, gc\n"
-        "from proxy.runner import GC_THRESHOLDS, run\n"
+        "from proxy.server.runner import GC_THRESHOLDS, run\n"
         "assert run(asyncio.sleep(0, 'done')) == 'done'\n"
         "assert gc.get_threshold() == GC_THRESHOLDS, gc.get_threshold()\n"
         "assert gc.get_freeze_count() > 1000, gc.get_freeze_count()\n"

@@ -1,4 +1,4 @@
-"""The DNS-rebinding guard (``proxy.host_check``): with no API key, ``Host`` and
+"""The DNS-rebinding guard (``proxy.server.host_check``): with no API key, ``Host`` and
 ``Origin`` must name loopback or ``--allowed-hosts``; refused with 403 in the
 OpenAI envelope naming the host."""
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from proxy.host_check import HostPolicy, is_loopback
+from proxy.server.host_check import HostPolicy, is_loopback
 from tests.fakes.engine_client import make_config
 from tests.unit.proxy.conftest import MakeClient
 

@@ -10,12 +10,12 @@ import orjson
 import pytest
 
 from protocol import ChatMessage, Submit
-from proxy.dialect import Context
+from proxy.core.dialect import Context
+from proxy.core.task import prompt_chars
 from proxy.dialects.chat import ChatJob
 from proxy.dialects.chat.request import ChatCompletionRequest, parse_chat_request
 from proxy.dialects.completions import CompletionJob, CompletionRequest, parse_completion_request
 from proxy.errors import InvalidRequest
-from proxy.task import prompt_chars
 from proxy.tools import choose_format
 from proxy.tools.grammar import json_rule_schema
 
@@ -184,7 +184,7 @@ def test_completion_prompt_forms() -> None:
 
 
 def test_unknown_fields_are_ignored_and_logged_at_debug(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.DEBUG, logger="proxy.dialects.openai_common"):
+    with caplog.at_level(logging.DEBUG, logger="proxy.core.fields"):
         req = parse_chat_request(chat(tools=[], frobnicate=1, user="u"))
     assert req.messages[0].content == "hi"
     assert any("frobnicate" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
@@ -192,9 +192,7 @@ def test_unknown_fields_are_ignored_and_logged_at_debug(caplog: pytest.LogCaptur
 
 def test_stream_flags() -> None:
     r = parse_chat_request(chat(stream=True, return_progress=True, stream_options={"include_usage": True}))
-    assert (r.progress, r.include_usage, r.continuous_usage) == (True, True, False)
-    r = parse_chat_request(chat(return_progress=True))
-    assert r.progress is False
+    assert (r.return_progress, r.include_usage, r.continuous_usage) == (True, True, False)
     r = parse_chat_request(
         chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
     )

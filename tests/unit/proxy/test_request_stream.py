@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from protocol import Event, Finished, FinishReason, PrefillProgress, Started, TokenDelta
+from proxy.engine.stream import RequestStream
 from proxy.errors import EngineDead
-from proxy.request_stream import RequestStream
 
 
 async def test_backlog_merges_deltas_beyond_the_cap() -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from proxy import sse
+from proxy.server import sse
 
 
 def test_event_is_data_json_lf_lf() -> None:

@@ -13,8 +13,8 @@ import orjson
 import pytest
 
 from protocol import TokenDelta, TokenLogprob, TopLogprob
+from proxy.engine.stream import RequestStream
 from proxy.errors import StalledClient
-from proxy.request_stream import RequestStream
 from tests.fakes.engine_client import FakeEngineClient, Gate, Step, static_script
 from tests.unit.proxy.conftest import MakeClient
 

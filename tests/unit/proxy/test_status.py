@@ -25,10 +25,10 @@ from protocol.messages import (
     Submit,
     TokenDelta,
 )
-from proxy import status as status_module
-from proxy.generation import Generation, Options
-from proxy.state import STATE
-from proxy.status_types import Status, status_decoder
+from proxy.core.generation import Generation, Options
+from proxy.ops import status as status_module
+from proxy.ops.status_types import Status, status_decoder
+from proxy.server.state import STATE
 from tests.fakes.engine_client import WORKER, FakeEngineClient, Gate, Step
 from tests.unit.proxy.conftest import MakeClient
 

@@ -20,12 +20,12 @@ from protocol import (
     Started,
     TokenDelta,
 )
-from proxy.dialect import Header
+from proxy.core.dialect import Header
+from proxy.core.generation import Generation, Options
 from proxy.dialects.chat.frames import ChatFrames, chat_body
 from proxy.dialects.completions import TextFrames
-from proxy.dialects.openai_common import usage_of
+from proxy.dialects.openai.shapes import usage_of
 from proxy.errors import ContextLengthExceeded, EngineInternalError, InvalidRequest
-from proxy.generation import Generation, Options
 from tests.fakes.engine_client import completion_events
 
 HEADER = Header("resp", 1700000000, "m")

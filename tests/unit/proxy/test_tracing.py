@@ -21,8 +21,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from protocol.messages import PrefillProgress, Started
 from proxy.app import create_app
-from proxy.inflight import INFLIGHT
-from proxy.tracing import TRACER, install_tracer, setup_tracing, tracing_requested
+from proxy.ops.inflight import INFLIGHT
+from proxy.ops.tracing import TRACER, install_tracer, setup_tracing, tracing_requested
 from tests.fakes.engine_client import FakeEngineClient, Gate, make_config, static_script
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -183,8 +183,8 @@ def test_without_the_sdk_tracing_is_off_with_one_warning(
 
     monkeypatch.setattr(builtins, "__import__", no_sdk)
     app = create_app(make_config(), fake)
-    with caplog.at_level(logging.WARNING, logger="proxy.tracing"):
+    with caplog.at_level(logging.WARNING, logger="proxy.ops.tracing"):
         assert setup_tracing(app, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}) is None
-    (record,) = [r for r in caplog.records if r.name == "proxy.tracing"]
+    (record,) = [r for r in caplog.records if r.name == "proxy.ops.tracing"]
     assert "exl3-sidecar[tracing]" in record.getMessage()
     assert TRACER not in app and app[INFLIGHT].listeners == []

@@ -1,5 +1,5 @@
 """The GPU check's one command, run here: ``bash scripts/gpu_check.sh all --dry-run`` over
-the stand-ins of ``tests/unit/scripts/standin/`` (an ``nvcc``, CUDA in torch, an
+the stand-ins of ``tests/fakes/gpu_standin/`` (an ``nvcc``, CUDA in torch, an
 ``exllamav3`` over the fake engine), each "machine" a set of fresh folders. Every phase
 runs; then a kill in the middle of the build (what the device tool does at its timeout),
 the same command going on from the objects left, the built library's pieces restored on a

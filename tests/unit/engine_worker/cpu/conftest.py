@@ -21,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from engine_worker.cpu.engine import CpuBackend  # noqa: E402
 from engine_worker.cpu.llama import LlamaRunner  # noqa: E402
-from engine_worker.cpu.model_store import LoadedModel, load_embedded, load_tokenizer_embedded  # noqa: E402
+from engine_worker.cpu.model_store import LoadedModel, load_embedded  # noqa: E402
 from engine_worker.settings import WorkerSettings  # noqa: E402
 from protocol.messages import (  # noqa: E402
     Event,
@@ -33,7 +33,13 @@ from protocol.messages import (  # noqa: E402
     Submit,
     TokenDelta,
 )
-from tests.fakes.cpu import ScriptedLlama, ScriptedRunner, add, tiny_random_llama  # noqa: E402
+from tests.fakes.cpu import (  # noqa: E402
+    ScriptedLlama,
+    ScriptedRunner,
+    add,
+    load_tokenizer_embedded,
+    tiny_random_llama,
+)
 
 
 @dataclass

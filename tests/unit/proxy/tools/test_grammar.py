@@ -1,4 +1,4 @@
-"""Grammars for forced tool calls and ``response_format`` (``proxy.constraints``): their text, and (with
+"""Grammars for forced tool calls and ``response_format`` (``proxy.grammar.check``): their text, and (with
 llguidance installed) that llguidance compiles them and accepts exactly what
 the parser reads."""
 
@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from proxy.constraints import ANY_JSON_OBJECT, json_schema_grammar
+from proxy.grammar.check import ANY_JSON_OBJECT, json_schema_grammar
 from proxy.tools.formats import HERMES, LLAMA3_JSON, MISTRAL, ToolCallFormat
 from proxy.tools.grammar import (
     INTEGER_DIGITS,

@@ -1,0 +1,11 @@
+"""What every dialect's request goes through, written once: no dialect is named here.
+
+| module | what |
+|---|---|
+| ``dialect`` | the contract: what a dialect provides (``Dialect``, ``Job``, ``FieldNames``) and gets |
+| ``fields`` | tolerant body decoding, field types, the sampler fields and the one sampling builder |
+| ``task`` | the neutral task (``ChatTask``/``TextTask``) and its conversion into ``Submit``s |
+| ``generation`` | one response's state, fed by the worker's events |
+| ``progress`` | this server's ``prompt_progress`` and ``queue_progress`` shapes |
+| ``usage`` | one accounting (``Counts``) for every usage shape, the log and the metrics |
+"""

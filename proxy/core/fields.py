@@ -1,0 +1,269 @@
+"""Request fields every dialect shares: tolerant body decoding, field types, the
+sampler fields and the one sampling builder, the one JSON-output builder.
+
+``decode`` turns a JSON body into a dialect's request struct: unknown fields
+are ignored, a top-level ``null`` is "not given", and a field the dialect
+defines but this server cannot honour is refused (``Refusals``) with a 400
+naming it. Numeric field types carry the ranges the OpenAI API reference gives
+(and the int32 bound of a token count or id, since they travel as MessagePack
+integers and index tensors in the worker).
+
+``SamplerFields`` is the sampler vocabulary each dialect's request struct
+inherits (temperature, nucleus and top-k, min-p, penalties, seed, stop token
+ids, logit bias, ``min_tokens``, ``ignore_eos``; this server's
+``return_progress``; vLLM's ``cache_salt``); ``SamplerFields.sampling`` is the
+only place a ``proxy.core.task.Sampling`` is built from a request, whatever
+the dialect's names for the completion limit and the stop strings.
+``json_output`` is the only place a structured-output field becomes a
+``proxy.core.task.JsonOutput``. Errors: ``proxy.errors.InvalidRequest``
+naming the field.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+from typing import Annotated, TypeVar
+
+import msgspec
+
+from proxy.core.task import JsonOutput, Sampling
+from proxy.errors import InvalidRequest
+from proxy.grammar.check import ANY_JSON_OBJECT
+from proxy.tools import (
+    FunctionIn,
+    NamedToolChoiceIn,
+    ToolChoiceIn,
+    ToolConfig,
+    ToolIn,
+    ToolSpecError,
+    resolve_tools,
+)
+from proxy.tools.spec import FunctionName
+
+log = logging.getLogger(__name__)
+
+Prob = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+# Token counts and ids travel as MessagePack integers and are used as tensor
+# indices: anything beyond int32 is a client error, not an overflow in the worker.
+INT32_MAX = 2**31 - 1
+Count = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
+Seed = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+TopK = Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX)]
+# Multiplicative: below ~0.01 it scales logits past float32's range.
+RepetitionPenalty = Annotated[float, msgspec.Meta(ge=0.01, le=100.0)]
+MinTokens = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
+Bias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
+Salt = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+"""vLLM's ``cache_salt``: prefix-cache entries are shared only within one salt."""
+
+
+_S = TypeVar("_S", bound=msgspec.Struct)
+
+_PATH_RE = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_MISSING_RE = re.compile(r"missing required field `(?P<field>[^`]+)`")
+
+
+def param_of(message: str) -> str | None:
+    """The JSON path msgspec names in a validation message, as the error's
+    ``param`` (``$.messages[0].content`` -> ``messages[0].content``)."""
+    m = _PATH_RE.search(message)
+    # msgspec writes a dict value's path as "name[...]"; the parameter is "name".
+    path = m.group("path").replace("[...]", "") if m else ""
+    missing = _MISSING_RE.search(message)
+    if missing:
+        field = missing.group("field")
+        return f"{path}.{field}" if path else field
+    return path or None
+
+
+Refusals = dict[str, Callable[[object], bool]]
+"""Fields a dialect defines that this server does not implement, each with a
+test of the values that ask for nothing (a client sending those loses
+nothing). Any other value is a 400 naming the field: a client that asked for
+something and got an answer without it could not tell it was ignored."""
+
+
+REFUSE_NOTHING: Refusals = {}
+"""For bodies with no field to refuse."""
+
+
+def never(value: object) -> bool:
+    """For ``Refusals``: no value of the field is harmless."""
+    return False
+
+
+def decode(body: bytes, cls: type[_S], refusals: Refusals, where: str) -> _S:
+    """Decode a JSON request body into ``cls``. Top-level ``null`` fields count
+    as absent (clients send e.g. ``"n": null``); a field of ``refusals`` with a
+    value that asks for something is refused; unknown fields are ignored (logged
+    at debug level). Raises ``InvalidRequest`` naming the field; ``where`` (the
+    endpoint) goes into the refusal's message."""
+    try:
+        raw = msgspec.json.decode(body)
+    except msgspec.DecodeError as e:
+        raise InvalidRequest(f"Request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidRequest("Request body is not valid JSON: nested too deeply") from None
+    if not isinstance(raw, dict):
+        raise InvalidRequest(f"Request body must be a JSON object, got {type(raw).__name__}")
+    raw = {k: v for k, v in raw.items() if v is not None}
+    for name, harmless in refusals.items():
+        if name in raw and not harmless(raw[name]):
+            raise InvalidRequest(
+                f"'{name}' is not supported by this server on {where} yet; it is refused rather than "
+                "ignored so that the answer never silently differs from what was asked",
+                param=name,
+            )
+    try:
+        req = msgspec.convert(raw, cls)
+    except msgspec.ValidationError as e:
+        param = param_of(str(e))
+        at = f" (parameter '{param}')" if param else ""
+        raise InvalidRequest(f"Invalid request{at}: {e}", param=param) from None
+    if log.isEnabledFor(logging.DEBUG):
+        unknown = sorted(set(raw) - set(cls.__struct_fields__))
+        if unknown:
+            log.debug("ignoring unknown request fields: %s", ", ".join(unknown))
+    return req
+
+
+def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token ids as strings) with integer keys. Raises
+    ``InvalidRequest`` for a key that is not a token id."""
+    if not raw:
+        return None
+    out: dict[int, float] = {}
+    for key, value in raw.items():
+        # int() also takes " 1", "1_0" and non-ASCII digits: only plain digits are ids.
+        if not (key.isascii() and key.isdigit()):
+            raise InvalidRequest(
+                f"'logit_bias' keys must be token ids (integers as strings), got {key!r}", param="logit_bias"
+            )
+        token = int(key)
+        if not 0 <= token <= INT32_MAX:
+            raise InvalidRequest(
+                f"'logit_bias' token ids must be in 0..{INT32_MAX}, got {token}", param="logit_bias"
+            )
+        out[token] = value
+    return out
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    """``stop`` as a string or a list, as a tuple."""
+    return (stop,) if isinstance(stop, str) else tuple(stop or ())
+
+
+def json_output(
+    kind: str | None,
+    schema: dict[str, object] | bool | None,
+    *,
+    param: str,
+    schema_param: str,
+    strict: bool = False,
+    kinds: tuple[str, ...] = ("text", "json_object", "json_schema"),
+) -> JsonOutput | None:
+    """The JSON output a structured-output field asks for, ``None`` for none.
+
+    ``kind`` is the field's ``type``: absent or ``text`` (no constraint),
+    ``json_object`` (any JSON object) or ``json_schema`` (``schema``, held at
+    ``schema_param``); ``kinds`` lists those the dialect defines. ``param``
+    names the field itself (OpenAI chat: ``response_format``; Responses:
+    ``text.format``; Messages: ``output_config.format``). Raises
+    ``InvalidRequest`` for a kind the dialect does not define (naming
+    ``param.type``) and for ``json_schema`` without a schema (naming
+    ``schema_param``)."""
+    if kind is None or (kind == "text" and "text" in kinds):
+        return None
+    if kind not in kinds:
+        expected = ", ".join(repr(k) for k in kinds)
+        raise InvalidRequest(f"'{param}.type' is {kind!r}; expected {expected}", param=f"{param}.type")
+    if kind == "json_object":
+        return JsonOutput(ANY_JSON_OBJECT, param)
+    if schema is None:
+        raise InvalidRequest(f"'{param}' of type 'json_schema' needs '{schema_param}'", param=schema_param)
+    return JsonOutput(schema, schema_param, strict)
+
+
+class SamplerFields(msgspec.Struct, kw_only=True):
+    """The sampler fields every dialect's request takes, under the names the
+    OpenAI API and the local servers (vLLM, llama.cpp) give them; a dialect's
+    struct inherits them and adds its own limit, stop and structured-output
+    fields. ``return_progress`` (this server's, llama.cpp's name) asks for
+    ``prompt_progress``/``queue_progress`` on a stream; the core decides it
+    once (``proxy.core.dialect.Job.return_progress``)."""
+
+    model: str | None = None
+    stream: bool = False
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: Prob | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    seed: Seed | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    min_tokens: MinTokens = 0
+    logit_bias: dict[str, Bias] | None = None
+    return_progress: bool = False
+    cache_salt: Salt | None = None
+
+    def sampling(
+        self, *, max_tokens: int | None, stop: str | list[str] | None, logprobs: int | None
+    ) -> Sampling:
+        """The neutral sampling of this request with the dialect's completion
+        limit (``None``: up to the end of the context), stop strings and
+        logprobs (alternatives per token, ``None`` for none). Raises
+        ``InvalidRequest`` for a ``logit_bias`` key that is not a token id."""
+        return Sampling(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed,
+            stop=stop_strings(stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logit_bias=logit_bias(self.logit_bias),
+            logprobs=logprobs,
+        )
+
+
+def function_tool(
+    name: str | None,
+    description: str | None,
+    parameters: dict[str, object] | None,
+    strict: bool | None = None,
+) -> ToolIn:
+    """A dialect's function tool (Responses' flat ``{"type": "function", "name",
+    ...}``, Anthropic's ``{"name", "input_schema"}``) as chat's ``tools[i]``."""
+    fn = FunctionIn(name=name, description=description, parameters=parameters, strict=strict)
+    return ToolIn(type="function", function=fn)
+
+
+def named_choice(name: str | None) -> NamedToolChoiceIn:
+    """A forced call of the function ``name`` as chat's ``tool_choice``."""
+    return NamedToolChoiceIn(type="function", function=FunctionName(name=name))
+
+
+def tool_config(
+    tools: list[ToolIn] | None, choice: ToolChoiceIn | None, parallel: bool | None
+) -> ToolConfig | None:
+    """``proxy.tools.resolve_tools`` with its errors as ``InvalidRequest``
+    naming the field (``tools[i].function.parameters``, ``tool_choice``)."""
+    try:
+        return resolve_tools(tools, choice, parallel)
+    except ToolSpecError as e:
+        raise InvalidRequest(e.message, param=e.param) from None

@@ -1,0 +1,238 @@
+"""The one request path every dialect's generation endpoint runs through.
+
+``endpoint(dialect)`` is the aiohttp handler of a dialect's generation route
+(``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses``,
+``/v1/messages``). In order, each step before the next costs anything:
+
+1. intake (``proxy.server.intake``): media type, admission (not draining), body size
+   and read time; the API key was checked by ``proxy.app``'s middleware;
+2. the dialect parses and validates the body (``Dialect.parse``), then converts
+   it into ``Submit``s (``Job.submits``);
+3. this server's limits: ``max_n`` choices, prompt texts no longer than the
+   context can hold at ``Ready.longest_token_chars`` per token (refused without
+   being sent); each grammar checked off the event loop, bounded in time and
+   memory (``proxy.grammar.check.validate``);
+4. one of the ``max_in_flight`` slots, then the worker (``EngineClient.submit``);
+5. delivery (``proxy.serving.delivery``): the SSE stream through the dialect's encoder,
+   or the dialect's JSON body once every choice finished.
+
+Disconnects: the server runs with ``handler_cancellation=True``, so a client
+that goes away cancels its handler wherever it waits (a silent prefill
+included); every exit path sends ``Abort`` for the choices that did not finish.
+The request's record (``proxy.ops.request_log``) gets its id, its counts and its
+finish; the dialect never touches it. From its submit to its end the request is
+listed in ``proxy.ops.inflight`` (``GET /v1/status``, traces).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+import uuid
+from collections.abc import Sequence
+
+import msgspec
+from aiohttp import web
+
+from protocol.messages import Ready, Submit, choice_ids
+from proxy.core.dialect import Context, Dialect, Handler, Header
+from proxy.core.generation import Generation
+from proxy.core.task import prompt_chars
+from proxy.errors import (
+    NOT_READY_MESSAGE,
+    OPENAI_ERRORS,
+    ContextLengthExceeded,
+    EngineNotReady,
+    ErrorShape,
+    FieldNames,
+    InvalidRequest,
+    ProxyError,
+)
+from proxy.grammar.check import validate
+from proxy.ops.inflight import INFLIGHT
+from proxy.ops.request_log import record_of
+from proxy.server.intake import KEY_DIGEST, check_json_body, max_prompt_chars, read_body
+from proxy.server.state import STATE, ProxyState
+from proxy.serving.delivery import complete_response, send_body, stream_response
+
+
+def context_of(state: ProxyState, worker: Ready) -> Context:
+    """What a dialect's conversion needs from the server now."""
+    return Context(worker.max_context_tokens, state.tool_format(), state.model_name() or worker.model_id)
+
+
+async def read_request(request: web.Request) -> bytes:
+    """Intake: media type, admission and the body within its limits. Raises ``ProxyError``."""
+    state = request.app[STATE]
+    check_json_body(request)
+    state.check_admissible()
+    limit = state.settings.body_limit_bytes(max_prompt_chars(state.engine.worker))
+    return await read_body(request, limit, state.settings)
+
+
+def ready_worker(state: ProxyState) -> Ready:
+    """The worker's handshake, or ``EngineNotReady``."""
+    worker = state.engine.worker
+    if worker is None or not state.engine.ready:
+        raise EngineNotReady(NOT_READY_MESSAGE)
+    return worker
+
+
+ERROR_SHAPES: web.AppKey[dict[str, ErrorShape]] = web.AppKey("error_shapes", dict)
+"""Route pattern -> the error shape of the dialect that owns it (routes of no
+dialect use OpenAI's envelope)."""
+
+
+def add_dialect_routes(app: web.Application, routes: Sequence[tuple[str, Dialect]]) -> None:
+    """Register each dialect's generation route (``path``) and its further
+    routes, and their error shapes in ``app[ERROR_SHAPES]``. Every error a
+    dialect's route raises before its response starts names the field in the
+    dialect's terms (``Dialect.fields``); a worker error inside a stream is
+    renamed by its ``Generation`` (``Options.fields``)."""
+    shapes: dict[str, ErrorShape] = {}
+    for path, dialect in routes:
+        app.router.add_post(path, renaming(endpoint(dialect), dialect.fields))
+        shapes[path] = dialect.errors
+        for method, extra, handler in dialect.extra_routes:
+            app.router.add_route(method, extra, renaming(handler, dialect.fields))
+            shapes[extra] = dialect.errors
+    app[ERROR_SHAPES] = shapes
+
+
+def renaming(handler: Handler, fields: FieldNames) -> Handler:
+    """``handler`` with the ``ProxyError``s it raises renamed by ``fields``."""
+    if not fields.names:
+        return handler
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ProxyError as e:
+            raise fields.rename(e) from None
+
+    handle.__name__ = handle.__qualname__ = handler.__name__
+    return handle
+
+
+def error_shape(request: web.Request) -> ErrorShape:
+    """The error shape of the dialect that owns ``request``'s route (OpenAI's
+    envelope for every other route)."""
+    shapes = request.app.get(ERROR_SHAPES)
+    if shapes is None:
+        return OPENAI_ERRORS
+    resource = request.match_info.route.resource
+    if resource is not None and resource.canonical in shapes:
+        return shapes[resource.canonical]
+    # An unknown route or method under a dialect's path (GET /v1/messages,
+    # /v1/messages/batches) answers in that dialect's shape too.
+    path = request.path
+    under = [p for p in shapes if path == p or path.startswith(p.rstrip("/") + "/")]
+    return shapes[max(under, key=len)] if under else OPENAI_ERRORS
+
+
+def endpoint(dialect: Dialect) -> Handler:
+    """The handler of ``dialect``'s generation route."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await serve(request, dialect)
+
+    handle.__name__ = handle.__qualname__ = f"{dialect.name}_endpoint"
+    return handle
+
+
+async def serve(request: web.Request, dialect: Dialect) -> web.StreamResponse:
+    """Serve one generation request of ``dialect`` (module docstring)."""
+    state = request.app[STATE]
+    settings = state.settings
+    body = await read_request(request)
+    job = dialect.parse(body)
+    worker = ready_worker(state)
+    context = context_of(state, worker)
+    request_id = dialect.id_prefix + uuid.uuid4().hex
+    record = record_of(request)
+    record.request_id = request_id
+    record.stream = job.stream
+    submits, options = job.submits(request_id, context)
+    if settings.cache_isolation == "key" and KEY_DIGEST in request:
+        submits = [salted(s, request[KEY_DIGEST]) for s in submits]
+    check_limits(submits, settings.max_n, worker)
+    await check_grammars(submits)
+    # What every dialect shares is decided here once: progress only on a stream.
+    options = dataclasses.replace(options, progress=job.stream and job.return_progress, fields=dialect.fields)
+    header = Header(request_id, int(time.time()), context.model)
+    ids = [rid for s in submits for rid in choice_ids(s.request_id, s.n)]
+    gen = Generation(ids, options)
+    state.admit()
+    try:
+        stream = state.engine.submit(*submits)
+        state.active.add(stream)
+        tracked = request.app[INFLIGHT].open(
+            request, request_id, context.model, dialect.name, job.stream, gen, record
+        )
+        failure: BaseException | None = None
+        try:
+            if job.stream:
+                frames = job.frames(gen, header)
+                return await stream_response(request, settings, stream, gen, frames, record)
+            reply = await complete_response(
+                stream, gen, lambda: job.body(gen, header), settings.request_idle_timeout
+            )
+        except BaseException as e:
+            failure = e
+            raise
+        finally:
+            request.app[INFLIGHT].close(tracked, failure)
+            state.active.discard(stream)
+            if gen.done:
+                record.complete(gen.final_counts(), gen.finished(), gen.first_token_at)
+            unfinished = gen.unfinished_ids()
+            if unfinished:
+                state.engine.abort(unfinished)
+    finally:
+        state.release()
+    return await send_body(request, reply, settings.stalled_client_timeout, record)
+
+
+async def check_grammars(submits: Sequence[Submit]) -> None:
+    """Each distinct grammar of ``submits`` checked off the event loop, bounded
+    (``proxy.grammar.check.validate``). Raises ``InvalidRequest`` naming its field."""
+    for grammar, param in dict.fromkeys((s.params.grammar, s.params.grammar_param or "") for s in submits):
+        if grammar is not None:
+            await validate(grammar, param)
+
+
+def salted(submit: Submit, key_digest: bytes) -> Submit:
+    """``submit`` with a salt of its API key's digest (and of its own salt), so
+    that its prefix-cache entries are shared with requests of that key only
+    (``cache_isolation: key``)."""
+    own = (submit.cache_salt or "").encode()
+    salt = hashlib.sha256(key_digest + b"\0" + own).hexdigest()
+    return msgspec.structs.replace(submit, cache_salt=salt)
+
+
+def check_limits(submits: list[Submit], max_n: int, worker: Ready) -> None:
+    """This server's limits on a valid request: ``max_n`` choices (over all
+    prompts of a prompt list), and prompt texts no longer than the context can
+    hold (refused without being sent)."""
+    choices = sum(s.n for s in submits)
+    if choices > max_n:
+        what = f"'n' is {submits[0].n}" + (f" for each of {len(submits)} prompts" if len(submits) > 1 else "")
+        raise InvalidRequest(
+            f"{what}; this server runs at most max_n={max_n} choices per request",
+            param="n" if len(submits) == 1 else "prompt",
+        )
+    most = max_prompt_chars(worker)
+    if most is None:
+        return
+    for i, submit in enumerate(submits):
+        chars, param = prompt_chars(submit)
+        if len(submits) > 1:
+            param = f"prompt[{i}]"
+        if chars > most:
+            raise ContextLengthExceeded(
+                f"The prompt has {chars} characters; no text over {most} characters fits this "
+                f"model's context of {worker.max_context_tokens} tokens (a token is at most "
+                f"{worker.longest_token_chars} characters)",
+                param=param,
+            )
