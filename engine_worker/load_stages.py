@@ -11,19 +11,23 @@ only its start and end), and the seconds it took:
     load: quantize weights (int4): done in 2.3 s
 
 Stages, in the order a start goes through them (a backend skips what it does not
-do): ``convert`` (the embedded GGUF, first start only), ``load_weights``,
+do): ``import`` (the engine's packages), ``convert`` (the embedded GGUF, first start only), ``load_weights``,
 ``quantize`` (CPU engine; skipped when the quantized weights are cached),
 ``warm_up``, then ``ready``. Each change also goes to ``listener`` (a
-``LoadStatus``), so whatever reports the worker's state elsewhere can show it.
+``LoadStatus``), so whatever reports the worker's state elsewhere can show it
+(``LoadAnnouncer``: the proxy, as ``protocol.messages.Loading``).
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from protocol.messages import Loading
 
 log = logging.getLogger("engine_worker.load")
 
@@ -31,6 +35,7 @@ log = logging.getLogger("engine_worker.load")
 class Stage(enum.StrEnum):
     """A load stage; the values are what ``LoadStatus.stage`` carries."""
 
+    IMPORT = "import"
     CONVERT = "convert"
     LOAD_WEIGHTS = "load_weights"
     QUANTIZE = "quantize"
@@ -40,13 +45,16 @@ class Stage(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class LoadStatus:
-    """Where a load is: ``stage``, ``done`` of ``total`` units (``total`` 0: no count
-    for this stage), ``elapsed_s`` since the stage began."""
+    """Where a load is: ``stage`` (shown as ``label``), ``done`` of ``total`` units
+    (``total`` 0: no count for this stage), ``elapsed_s`` since the stage began,
+    at ``at`` (the reporter's clock)."""
 
     stage: Stage
     done: int
     total: int
     elapsed_s: float
+    label: str = ""
+    at: float = 0.0
 
 
 class LoadReporter:
@@ -77,7 +85,8 @@ class LoadReporter:
         """The current stage's status, ``None`` before the first."""
         if self._stage is None:
             return None
-        return LoadStatus(self._stage, self._done, self._total, self._clock() - self._started)
+        now = self._clock()
+        return LoadStatus(self._stage, self._done, self._total, now - self._started, self._name(), now)
 
     def stage(self, stage: Stage, label: str = "", *, total: int = 0, unit: str = "") -> None:
         """Begin ``stage`` (ending the one before), shown as ``label`` (default: its
@@ -120,3 +129,73 @@ class LoadReporter:
         status = self.status
         if self._listener is not None and status is not None:
             self._listener(status)
+
+
+class LoadAnnouncer:
+    """Tells the proxy where the load is: a thread that sends ``Loading`` (through
+    ``send``, a ``Sender``'s, made and used on that thread) when the stage changes
+    and every ``every`` seconds in between, so a long stage without progress
+    (a conversion, an import) still shows it is alive. ``update`` is the
+    ``LoadReporter``'s listener; ``stop`` ends the thread before the worker's
+    first ``Ready`` (after it, no ``Loading`` is sent)."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        make_send: Callable[[], tuple[Callable[[Loading], object], Callable[[], None]]],
+        *,
+        every: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._worker_id = worker_id
+        self._make_send = make_send
+        self._every = every
+        self._clock = clock
+        self._began = clock()
+        self._status: LoadStatus | None = None
+        self._changed = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="worker-loading", daemon=True)
+
+    def start(self) -> LoadAnnouncer:
+        self._thread.start()
+        return self
+
+    def update(self, status: LoadStatus) -> None:
+        self._status = status  # one reference swap: read whole by the thread
+        self._changed.set()
+
+    def message(self) -> Loading | None:
+        """The ``Loading`` for the latest status, its time brought up to now."""
+        status = self._status
+        if status is None or status.stage is Stage.READY:
+            return None
+        now = self._clock()
+        return Loading(
+            self._worker_id,
+            status.stage.value,
+            status.label,
+            status.done,
+            status.total,
+            int((status.elapsed_s + now - status.at) * 1000),
+            int((now - self._began) * 1000),
+        )
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._changed.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        send, close = self._make_send()
+        try:
+            while not self._stop.is_set():
+                self._changed.wait(self._every)
+                self._changed.clear()
+                if self._stop.is_set():
+                    break
+                msg = self.message()
+                if msg is not None:
+                    send(msg)
+        finally:
+            close()

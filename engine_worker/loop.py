@@ -135,7 +135,8 @@ class EngineLoop:
     ``parent_pid``: stop when this process is gone (checked every heartbeat;
     ``serve`` passes its own pid). ``heartbeat_file``:
     where each heartbeat is also written (``protocol.liveness``), for probes
-    that need no ZeroMQ peer.
+    that need no ZeroMQ peer. ``worker_id``: this process's id in ``Ready`` and
+    heartbeats (default: a new one), the one its ``Loading`` messages carried.
     """
 
     def __init__(
@@ -148,6 +149,7 @@ class EngineLoop:
         backfill_max_wait: float = 0.0,
         parent_pid: int | None = None,
         heartbeat_file: Path | None = None,
+        worker_id: str | None = None,
     ) -> None:
         self._backend = backend
         self._sockets = sockets
@@ -156,7 +158,7 @@ class EngineLoop:
         self._backfill_max_wait = backfill_max_wait
         self._parent_pid = parent_pid
         self._heartbeat_file = heartbeat_file
-        self.worker_id = uuid.uuid4().hex
+        self.worker_id = worker_id or uuid.uuid4().hex
         self._queue: deque[_Queued] = deque()
         self._queued_ids: dict[str, _Queued] = {}
         self._preparing: deque[_Preparing] = deque()

@@ -42,7 +42,7 @@ def test_stages_progress_and_ends_are_logged_and_heard(caplog: pytest.LogCapture
         "load: ready",
     ]
     assert [h.stage for h in heard] == [Stage.QUANTIZE] * 8 + [Stage.WARM_UP, Stage.READY]
-    assert heard[1] == LoadStatus(Stage.QUANTIZE, 4, 30, 1.0)
+    assert heard[1] == LoadStatus(Stage.QUANTIZE, 4, 30, 1.0, "quantize weights (int4)", 101.0)
 
 
 def test_a_stage_shorter_than_every_logs_no_progress(caplog: pytest.LogCaptureFixture) -> None:
@@ -59,3 +59,34 @@ def test_a_stage_shorter_than_every_logs_no_progress(caplog: pytest.LogCaptureFi
         "load: load weights: done in 0.6 s",
         "load: ready",
     ]
+
+
+def test_the_announcer_sends_the_latest_stage_with_its_time_brought_up_to_date() -> None:
+    import threading
+
+    from engine_worker.load_stages import LoadAnnouncer
+    from protocol import Loading
+
+    clock = Clock()
+    sent: list[Loading] = []
+    got = threading.Event()
+    closed = threading.Event()
+
+    def send(msg: Loading) -> None:
+        sent.append(msg)
+        got.set()
+
+    announcer = LoadAnnouncer("w1", lambda: (send, closed.set), every=0.05, clock=clock)
+    reporter = LoadReporter(announcer.update, clock=clock)
+    assert announcer.message() is None
+    announcer.start()
+    try:
+        reporter.stage(Stage.QUANTIZE, "quantize weights (int4)", total=30, unit="layers")
+        assert got.wait(5)
+        clock.now += 2.0  # no progress for 2 s: the message still says how long
+        assert announcer.message() == Loading("w1", "quantize", "quantize weights (int4)", 0, 30, 2000, 2000)
+        reporter.ready()
+        assert announcer.message() is None  # nothing once ready
+    finally:
+        announcer.stop()
+    assert closed.is_set() and sent[0].stage == "quantize" and sent[0].worker_id == "w1"
