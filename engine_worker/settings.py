@@ -149,7 +149,8 @@ class WorkerSettings(LinkSettings):
     # cpu engine
     cache_dir: Path = setting(
         default_factory=default_cache_dir,
-        help="[cpu] Where the embedded model is converted once (default: $XDG_CACHE_HOME/exl3-sidecar).",
+        help="[cpu] Where the embedded model is converted once and quantized weights are kept between "
+        "starts (default: $XDG_CACHE_HOME/exl3-sidecar).",
     )
     quantization: QuantizationName = setting(
         "int4",
