@@ -159,6 +159,7 @@ class EngineLoop:
         self._parent_pid = parent_pid
         self._heartbeat_file = heartbeat_file
         self.worker_id = worker_id or uuid.uuid4().hex
+        self._hello_pending = False
         self._queue: deque[_Queued] = deque()
         self._queued_ids: dict[str, _Queued] = {}
         self._preparing: deque[_Preparing] = deque()
@@ -212,6 +213,9 @@ class EngineLoop:
                 wait_ms = 0 if backend.active_ids() else 5 if busy else 100
                 for msg in self._sockets.receive(wait_ms):
                     self._handle(msg, pending)
+                if self._hello_pending:
+                    self._hello_pending = False
+                    self._sockets.send(self._ready())
                 self._collect_prepared(pending)
                 self._collect_lookups(pending)
                 self._admit(pending)
@@ -296,7 +300,9 @@ class EngineLoop:
         elif isinstance(msg, Abort):
             self._abort(msg.request_ids, pending)
         elif msg.protocol_version == PROTOCOL_VERSION:
-            self._sockets.send(self._ready())
+            # Answered once per batch received: the Hellos a proxy kept sending
+            # while the model loaded (every handshake_interval) arrive together.
+            self._hello_pending = True
         else:
             log.error(
                 "proxy %s speaks protocol version %d, this worker speaks %d: not answering",
