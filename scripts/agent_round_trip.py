@@ -73,7 +73,8 @@ if __name__ == "__main__":
     except openai.APIStatusError as e:
         body: Any = e.body  # the SDK's: the envelope's "error" object
         if isinstance(body, dict) and body.get("message"):
-            sys.exit(f"the server refused: {e.status_code} {body.get('code')}: {body['message']}")
+            kind = body.get("code") or body.get("type")
+            sys.exit(f"the server refused: {e.status_code} {kind}: {body['message']}")
         sys.exit(f"the server refused: {e.status_code} {e.message}")
     except openai.APIConnectionError as e:
         sys.exit(f"cannot reach {url}: {e}")

@@ -10,11 +10,12 @@ from each. Start the server with drafting to see draft counters::
     python scripts/metrics_vs_usage.py http://127.0.0.1:5056
 
 It needs only the base install (httpx, orjson, prometheus-client). The repeated
-prompt is about 640 tokens, so its second request finds at least two whole
-256-token prompt chunks of the first in the prefix cache (the CPU engine keeps
-whole chunks: ``--chunk-size``). A request the server refuses (``n`` 2 under
-``--max-batch-size 1`` is a 400) is printed with the server's message and left
-out of both sums; the counters count only what clients were sent.
+prompt is about 640 tokens, so its second request (``n`` 1, which runs under any
+``--max-batch-size``) finds two whole 256-token prompt chunks of the first in the
+prefix cache (the CPU engine keeps whole chunks: ``--chunk-size``). A request the
+server refuses (``n`` 2 under ``--max-batch-size 1`` is a 400) is printed with the
+server's message and left out of both sums; the counters count only what clients
+were sent.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ MIX: list[tuple[dict[str, Any], bool]] = [
     ({"messages": [{"role": "user", "content": "Write a haiku about rivers."}], "max_tokens": 24}, False),
     ({"messages": [{"role": "user", "content": "Write a haiku about rivers."}], "max_tokens": 24}, True),
     ({"messages": [{"role": "user", "content": REPEAT}], "max_tokens": 60, "temperature": 0}, True),
+    # the same prompt again, alone: its whole 256-token chunks come from the prefix cache
+    ({"messages": [{"role": "user", "content": REPEAT}], "max_tokens": 8, "temperature": 0}, False),
     ({"messages": [{"role": "user", "content": REPEAT}], "max_tokens": 60, "temperature": 0, "n": 2}, False),
     ({"prompt": "Once upon a time", "max_tokens": 16}, True),
     ({"prompt": "Once upon a time", "max_tokens": 16, "n": 2}, False),
