@@ -100,6 +100,10 @@ class LoadReporter:
             log.info("load: %s: started", self._name())
         self._notify()
 
+    def set_total(self, total: int) -> None:
+        """The current stage counts ``total`` units (known only once it runs)."""
+        self._total = total
+
     def advance(self, done: int) -> None:
         """``done`` units of the current stage are done; logged when ``every``
         seconds have passed since the stage began or was last logged."""

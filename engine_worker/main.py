@@ -37,11 +37,9 @@ def make_backend(settings: WorkerSettings, stages: LoadReporter | None = None) -
         from engine_worker.synthetic import SyntheticBackend
 
         return SyntheticBackend(settings)
-    # ExLlamaV3's loader draws its own progress bar per model.
-    stages.stage(Stage.LOAD_WEIGHTS, "load the model (exllamav3)")
     from engine_worker.exllamav3.loader import build_backend
 
-    return build_backend(settings)
+    return build_backend(settings, stages)
 
 
 def run_worker(settings: WorkerSettings) -> None:
