@@ -12,7 +12,11 @@ folder's resolved path and each ``config.json`` / weights file's size and
 modification time, ``--quantization``, ``--dense-prefill``, the torch version (the
 int4 kernel's packed layout is torch's) and ``FORMAT``. A changed model or option
 never matches a stale file; a file that cannot be read is ignored (and rebuilt),
-and one that cannot be written costs only the speed-up.
+and one that cannot be written costs only the speed-up. The tensors read back
+are mapped from the file (safetensors' ``safe_open``): pages of the system's file
+cache, read on first touch (the warm-up pass) and shared by workers on one
+machine; a file replaced later (``save`` renames a new one into place) leaves a
+running worker's mapping intact.
 """
 
 from __future__ import annotations
