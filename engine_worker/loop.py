@@ -139,6 +139,8 @@ class EngineLoop:
     that need no ZeroMQ peer. ``kv_events``: the backend's KV-cache events
     (``engine_worker.kv_events``), flushed at the start and once per turn of the loop;
     ``kv_events_sink``: where they go, whose drops the heartbeats report.
+    ``worker_id``: this process's id in ``Ready`` and heartbeats (default: a new
+    one), the one its ``Loading`` messages carried.
     """
 
     def __init__(
@@ -153,6 +155,7 @@ class EngineLoop:
         heartbeat_file: Path | None = None,
         kv_events: KvEvents | None = None,
         kv_events_sink: BatchSink | None = None,
+        worker_id: str | None = None,
     ) -> None:
         self._backend = backend
         self._sockets = sockets
@@ -163,7 +166,8 @@ class EngineLoop:
         self._heartbeat_file = heartbeat_file
         self._kv_events = kv_events
         self._kv_events_sink = kv_events_sink
-        self.worker_id = uuid.uuid4().hex
+        self.worker_id = worker_id or uuid.uuid4().hex
+        self._hello_pending = False
         self._queue: deque[_Queued] = deque()
         self._queued_ids: dict[str, _Queued] = {}
         self._preparing: deque[_Preparing] = deque()
@@ -219,6 +223,9 @@ class EngineLoop:
                 wait_ms = 0 if backend.active_ids() else 5 if busy else 100
                 for msg in self._sockets.receive(wait_ms):
                     self._handle(msg, pending)
+                if self._hello_pending:
+                    self._hello_pending = False
+                    self._sockets.send(self._ready())
                 self._collect_prepared(pending)
                 self._collect_lookups(pending)
                 self._admit(pending)
@@ -314,7 +321,9 @@ class EngineLoop:
         elif isinstance(msg, Abort):
             self._abort(msg.request_ids, pending)
         elif msg.protocol_version == PROTOCOL_VERSION:
-            self._sockets.send(self._ready())
+            # Answered once per batch received: the Hellos a proxy kept sending
+            # while the model loaded (every handshake_interval) arrive together.
+            self._hello_pending = True
         else:
             log.error(
                 "proxy %s speaks protocol version %d, this worker speaks %d: not answering",

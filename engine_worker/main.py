@@ -6,42 +6,51 @@ import contextlib
 import logging
 import signal
 import threading
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
 
 from engine_worker.backend import Backend
 from engine_worker.kv_events import KvEventPublisher, KvEvents, KvEventSource, default_topic
+from engine_worker.load_stages import LoadAnnouncer, LoadReporter, Stage
 from engine_worker.loop import EngineLoop
 from engine_worker.settings import WorkerSettings
 from engine_worker.sockets import WorkerSockets
+from protocol.messages import Loading
 
 log = logging.getLogger(__name__)
 
 
-def make_backend(settings: WorkerSettings) -> Backend:
-    """Load the model of ``settings.backend``. The engine packages (torch,
-    exllamav3) are imported here, not when the worker's settings are parsed, so
-    ``--check`` and a bad option answer in a fraction of a second."""
+def make_backend(settings: WorkerSettings, stages: LoadReporter | None = None) -> Backend:
+    """Load the model of ``settings.backend``, its stages reported to ``stages``. The
+    engine packages (torch, exllamav3) are imported here, not when the worker's
+    settings are parsed, so ``--check`` and a bad option answer in a fraction of a
+    second."""
+    stages = stages or LoadReporter()
     if settings.backend == "cpu":
+        stages.stage(Stage.IMPORT, "import torch and transformers")
         from engine_worker.cpu.engine import CpuBackend
 
-        return CpuBackend(settings)
+        return CpuBackend(settings, stages=stages)
     if settings.backend == "synthetic":
         from engine_worker.synthetic import SyntheticBackend
 
         return SyntheticBackend(settings)
     from engine_worker.exllamav3.loader import build_backend
 
-    return build_backend(settings)
+    return build_backend(settings, stages)
 
 
 def run_worker(settings: WorkerSettings) -> None:
-    """Load the model, then serve until SIGTERM/SIGINT.
+    """Bind the sockets, load the model, then serve until SIGTERM/SIGINT.
 
-    Sockets are bound only after the model is loaded, so a proxy sees the worker
-    as not ready (its ``Hello`` goes unanswered) for the whole load. A model that
-    cannot load is one ERROR line and ``SystemExit(1)``.
+    A proxy's ``Hello`` goes unanswered for the whole load (the loop that answers
+    it starts after), so it sees the worker as not ready; meanwhile the worker
+    sends ``Loading`` with its load stage (``load_stages.LoadAnnouncer``), which the
+    proxy's ``/ready`` shows. Sockets that cannot be bound, or a model that cannot
+    load, are one ERROR line and ``SystemExit(1)``.
     """
     stop = threading.Event()
 
@@ -55,25 +64,33 @@ def run_worker(settings: WorkerSettings) -> None:
         # A beat of the process this one replaces must not pass for ours while we load.
         with contextlib.suppress(OSError):
             settings.heartbeat_file.unlink(missing_ok=True)
-    log.info("worker: loading the model")
-    try:
-        backend = make_backend(settings)
-    except Exception as e:
-        # A missing model, GPU or package is an operator error: one clear line,
-        # the traceback only at debug level, and a failing exit status so a
-        # supervisor (Kubernetes, ``serve``) reports and retries it.
-        log.debug("model load failed", exc_info=True)
-        log.error("worker: cannot load the model: %s: %s", type(e).__name__, e)
-        raise SystemExit(1) from None
-    info = backend.info
     input_addr, output_addr = settings.addresses
     try:
         sockets = WorkerSockets(input_addr, output_addr)
     except zmq.ZMQError as e:
         # ipc:// paths over ~107 bytes, a port in use, a directory not there.
         log.error("worker: cannot bind %s / %s: %s", input_addr, output_addr, e)
-        backend.close()
         raise SystemExit(1) from None
+    worker_id = uuid.uuid4().hex
+    announcer = LoadAnnouncer(worker_id, lambda: _sender(sockets)).start()
+    stages = LoadReporter(announcer.update)
+    log.info("worker: loading the model")
+    try:
+        backend = make_backend(settings, stages)
+    except Exception as e:
+        # A missing model, GPU or package is an operator error: one clear line,
+        # the traceback only at debug level, and a failing exit status so a
+        # supervisor (Kubernetes, ``serve``) reports and retries it.
+        log.debug("model load failed", exc_info=True)
+        log.error("worker: cannot load the model: %s: %s", type(e).__name__, e)
+        announcer.stop()  # before its sockets go
+        sockets.close()
+        _remove_ipc_files((input_addr, output_addr), remove_dir=settings.parent_pid is not None)
+        raise SystemExit(1) from None
+    finally:
+        announcer.stop()
+    info = backend.info
+    stages.ready()
     log.info(
         "worker: serving %s (context %d tokens, drafting %s) on %s / %s",
         info.model_id,
@@ -97,6 +114,7 @@ def run_worker(settings: WorkerSettings) -> None:
         heartbeat_file=settings.heartbeat_file,
         kv_events=kv_events,
         kv_events_sink=publisher,
+        worker_id=worker_id,
     )
     try:
         loop.run(stop)
@@ -145,6 +163,12 @@ def _kv_events(settings: WorkerSettings, backend: Backend) -> tuple[KvEventPubli
         settings.kv_events_replay_endpoint or "off",
     )
     return publisher, events
+
+
+def _sender(sockets: WorkerSockets) -> tuple[Callable[[Loading], object], Callable[[], None]]:
+    """A ``Sender`` of the calling thread (the announcer's): its send and close."""
+    sender = sockets.sender()
+    return sender.send, sender.close
 
 
 def _remove_ipc_files(addresses: tuple[str, ...], *, remove_dir: bool) -> None:

@@ -86,13 +86,16 @@ class WorkerSettings(LinkSettings):
     model_dir: Path | None = setting(
         None,
         "Model directory: EXL3 for exllamav3 (required), HF safetensors for cpu "
-        "(default: the embedded model).",
+        "(default: the embedded model). Checked before anything loads: a GGUF file, a missing "
+        "folder or one without config.json is a usage error.",
+        aliases=("-m", "--model"),
     )
     max_seq_len: int | None = setting(
         None,
         "Context length in tokens, prompt + completion (default: cpu 8192, exllamav3 the model's, "
         "capped by --cache-size).",
         ge=2,
+        aliases=("-c", "--ctx-size", "--max-model-len"),
     )
     chunk_size: int | None = setting(
         None,
@@ -122,6 +125,7 @@ class WorkerSettings(LinkSettings):
         f"cpu {BACKEND_DEFAULTS['cpu']['max_batch_size']}, exllamav3 {EXLLAMAV3_MAX_BATCH_SIZE}, "
         f"or {EXLLAMAV3_MAX_BATCH_SIZE_RECURRENT} with recurrent layers).",
         ge=1,
+        aliases=("-np", "--parallel", "--max-num-seqs"),
     )
     max_queue: int = setting(
         256, "Most requests waiting for admission; beyond it requests get 429 queue_full.", ge=0
@@ -161,7 +165,8 @@ class WorkerSettings(LinkSettings):
     # cpu engine
     cache_dir: Path = setting(
         default_factory=default_cache_dir,
-        help="[cpu] Where the embedded model is converted once (default: $XDG_CACHE_HOME/exl3-sidecar).",
+        help="[cpu] Where the embedded model is converted once and quantized weights are kept between "
+        "starts (default: $XDG_CACHE_HOME/exl3-sidecar).",
     )
     quantization: QuantizationName = setting(
         "int4",
@@ -183,9 +188,18 @@ class WorkerSettings(LinkSettings):
     prefix_cache_mb: int = setting(
         1024, "[cpu] Memory budget of the prefix cache (KV of earlier sequences), MiB; 0 disables it.", ge=0
     )
-    threads: int | None = setting(None, "[cpu] torch intra-op threads (default: torch's choice).", ge=1)
+    threads: int | None = setting(
+        None, "[cpu] torch intra-op threads (default: torch's choice).", ge=1, aliases=("-t",)
+    )
     ngram_match_max: int | None = setting(
         None, "[cpu] Longest n-gram (tokens) looked up for drafting (default: max(4, ngram_match_min)).", ge=1
+    )
+    n_gpu_layers: str | None = setting(
+        None,
+        "llama.cpp's option, accepted where it means what this engine does: cpu and synthetic "
+        "only 0 (no layer on a GPU); exllamav3 only all, auto or at least the model's layer count "
+        "(every layer on a GPU: ExLlamaV3 has no partial offload; --gpu-split places them).",
+        aliases=("-ngl", "--gpu-layers"),
     )
     # exllamav3
     cache_size: int | None = setting(
@@ -255,6 +269,8 @@ class WorkerSettings(LinkSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.n_gpu_layers is not None:
+            _check_gpu_layers(self.backend, self.n_gpu_layers)
         for name, value in BACKEND_DEFAULTS[self.backend].items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
@@ -287,6 +303,14 @@ class WorkerSettings(LinkSettings):
             from engine_worker.exllamav3.config import validate
 
             validate(self)
+
+    def check_paths(self) -> None:
+        """The checks that read the disk, run by the CLI before any model loads
+        (``engine_worker.model_paths``; direct construction, as in tests, skips them).
+        Raises ``ValueError`` naming the option."""
+        from engine_worker.model_paths import check_worker_paths
+
+        check_worker_paths(self)
 
     # exllamav3 defaults that depend on the model, asked for by its loader
 
@@ -333,3 +357,57 @@ class WorkerSettings(LinkSettings):
     def drafting(self) -> str | None:
         """``Ready.drafting``: the draft mode's name, or ``None`` without drafting."""
         return None if self.draft_mode is DraftMode.NONE else self.draft_mode.value
+
+
+GPU_LAYERS_ALL = ("all", "auto")
+"""``--n-gpu-layers`` values that mean every layer (llama.cpp's ``all`` and ``auto``)."""
+
+
+def _check_gpu_layers(backend: str, value: str) -> None:
+    """``--n-gpu-layers``: ``0`` on the engines without a GPU, every layer on ExLlamaV3
+    (``all``, ``auto``, or a count checked against the model by ``model_paths``).
+    Raises ``ValueError`` naming the option."""
+    text = value.strip().lower()
+    if backend != "exllamav3":
+        if text != "0":
+            raise ValueError(
+                f"--n-gpu-layers {value}: backend={backend} runs no layer on a GPU (only 0 is accepted); "
+                "for a GPU use --backend exllamav3"
+            )
+        return
+    if text in GPU_LAYERS_ALL:
+        return
+    try:
+        count = int(text)
+    except ValueError:
+        raise ValueError(f"--n-gpu-layers {value}: expected all, auto or a layer count") from None
+    if count < 1:
+        raise ValueError(
+            f"--n-gpu-layers {value}: ExLlamaV3 runs every layer on a GPU (no CPU offload); "
+            "give all, or leave the option out"
+        )
+
+
+FOREIGN_OPTIONS: dict[str, str] = {
+    "--gpu-memory-utilization": (
+        "vLLM's fraction of GPU memory has no counterpart here: ExLlamaV3 takes the weights plus the KV "
+        "cache you size with --cache-size (tokens), placed with --gpu-split (GB per GPU); the cpu engine's "
+        "KV budget is --kv-cache-mb"
+    ),
+    "--tensor-parallel-size": "use --tensor-parallel (exllamav3: every GPU in --gpu-split, or all)",
+    "-tp": "use --tensor-parallel (exllamav3: every GPU in --gpu-split, or all)",
+    "--kv-cache-dtype": "use --cache-mode (exllamav3: FP16, or k_bits,v_bits such as 8,8)",
+    "--batch-size": "the prefill chunk is --chunk-size (tokens); sequences at once are --max-batch-size",
+    "-b": "the prefill chunk is --chunk-size (tokens); sequences at once are --max-batch-size",
+    "--ubatch-size": "the prefill chunk is --chunk-size (tokens)",
+    "--model-draft": "use --draft-model-dir with --draft-mode draft_model (exllamav3)",
+    "-md": "use --draft-model-dir with --draft-mode draft_model (exllamav3)",
+    "--draft-max": "use --num-draft-tokens",
+    "--speculative-config": "use --draft-mode (ngram, draft_model, mtp) and --num-draft-tokens",
+    "--host": "a proxy option: give it to exl3-sidecar serve or exl3-sidecar proxy",
+    "--port": "a proxy option: give it to exl3-sidecar serve or exl3-sidecar proxy",
+}
+"""Flags of llama.cpp's ``llama-server`` and vLLM's ``vllm serve`` that the worker
+does not take, each with what to use instead: ``protocol.settings.HintedCommand``
+refuses them with that hint (names from llama.cpp ``tools/server/README.md`` and
+vLLM's engine arguments)."""

@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from launcher.chat import chat as chat_command
-from launcher.supervisor import WorkerSupervisor
+from launcher.supervisor import WorkerNeverServed, WorkerSupervisor
 from launcher.top import top as top_command
 from protocol.endpoints import default_addresses, instance_dir
 from protocol.logs import setup_logging
@@ -34,6 +34,15 @@ WORKER_AS_SUBCOMMAND = (
 )
 """``exl3-sidecar worker``: the same command, named as the user typed it in its
 usage line and errors (``python -m engine_worker`` names itself)."""
+
+WORKER_CHECK_UNDER_SERVE = (
+    sys.executable,
+    "-c",
+    "from engine_worker.cli import main; main(prog_name='exl3-sidecar serve')",
+    "--check",
+)
+"""``serve``'s check of its worker options: a usage error names ``exl3-sidecar serve``,
+the command the user typed, not ``python -m engine_worker``."""
 
 _CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110}
 
@@ -62,14 +71,17 @@ def worker(args: tuple[str, ...]) -> None:
 @main.command(
     context_settings={**_CONTEXT, "ignore_unknown_options": True, "allow_extra_args": True},
     epilog="Every other option is the worker's (exl3-sidecar worker --help lists them, e.g. --backend, "
-    "--model-dir, --draft-mode); they are checked before anything starts.",
+    "--model-dir, --draft-mode, and the llama.cpp and vLLM names it takes: -m/--model, -c/--ctx-size, "
+    "--max-model-len, --parallel, --max-num-seqs, --n-gpu-layers); they are checked, the model folder "
+    "included, before anything starts. A worker that exits before it ever served stops serve (status 1); "
+    "one that dies after serving is restarted.",
 )
 @click_options(ProxySettings)
 @click.argument("worker_args", nargs=-1, type=click.UNPROCESSED)
 def serve(worker_args: tuple[str, ...], **values: Any) -> None:
     """Run worker and proxy together: the embedded default model on port 5000."""
     settings = settings_from_options(values)  # every proxy option checked before anything starts
-    check = subprocess.run([*WORKER_COMMAND, "--check", *worker_args], check=False)
+    check = subprocess.run([*WORKER_CHECK_UNDER_SERVE, *worker_args], check=False)
     if check.returncode != 0:
         raise SystemExit(check.returncode)
     with contextlib.ExitStack() as stack:
@@ -102,15 +114,22 @@ def serve(worker_args: tuple[str, ...], **values: Any) -> None:
             run(_serve(settings, supervisor))
         except OSError as e:
             exit_on_bind_error(settings, e)
+        except WorkerNeverServed:
+            raise SystemExit(1) from None
 
 
 async def _serve(settings: ProxySettings, supervisor: WorkerSupervisor) -> None:
+    """The proxy until SIGINT/SIGTERM, beside the supervised worker. Raises
+    ``WorkerNeverServed`` (after the proxy has closed) when the worker exits before
+    it ever served: the load fails the same way each time, so nothing restarts it."""
     from proxy.app import run_proxy
     from proxy.engine.client import ZmqEngineClient
 
+    stop = asyncio.Event()
     supervision = asyncio.create_task(supervisor.run())
+    supervision.add_done_callback(lambda _: stop.set())
     try:
-        await run_proxy(settings, ZmqEngineClient(settings))
+        await run_proxy(settings, ZmqEngineClient(settings), stop=stop)
     finally:
         supervision.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -1,8 +1,13 @@
 """Keep a worker child running, the way a Kubernetes pod would.
 
 ``WorkerSupervisor.run`` starts the child command, waits for it, and restarts it
-when it exits, backing off while it keeps failing fast (a bad model path);
-requests in flight on the proxy fail cleanly when their worker goes away.
+when it exits, backing off while it keeps failing fast; requests in flight on
+the proxy fail cleanly when their worker goes away. Only a worker that has
+served is restarted: with a ``heartbeat_file``, a first child that exits before
+its first beat (the model would not load: a broken folder, no GPU, a missing
+package) ends ``run`` with ``WorkerNeverServed``, since the next start would fail
+the same way (a restart loop at 503 tells the operator nothing). Option errors
+never get this far: ``serve`` runs the worker's ``--check`` first (exit status 2).
 A child that stops beating is hung (SIGSTOP, a deadlock, a stuck driver call):
 with a ``heartbeat_file`` (the worker's ``--heartbeat-file``, ``protocol.liveness``)
 a beat older than ``hung_after`` seconds gets the child SIGKILLed (the only signal
@@ -56,6 +61,15 @@ class Backoff:
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
+class WorkerNeverServed(Exception):
+    """The worker exited before its first heartbeat, and no worker before it had
+    served: ``returncode`` is its exit status."""
+
+    def __init__(self, returncode: int) -> None:
+        super().__init__(f"the worker exited with code {returncode} before it served")
+        self.returncode = returncode
+
+
 def _die_with_parent() -> None:
     """Run in the child between fork and exec (Linux): SIGTERM when the parent dies."""
     libc = ctypes.CDLL(None, use_errno=True)
@@ -85,10 +99,14 @@ class WorkerSupervisor:
         """Children started so far."""
         self.pid: int | None = None
         """The running child's pid, else ``None``."""
+        self.served = False
+        """Whether a child has beaten (loaded its model and served) since ``run`` began."""
 
     async def run(self) -> None:
         """Start the child and keep it running; returns only by cancellation,
-        which stops the child first (SIGTERM, SIGKILL after ``stop_timeout``)."""
+        which stops the child first (SIGTERM, SIGKILL after ``stop_timeout``).
+        Raises ``WorkerNeverServed`` when, with a ``heartbeat_file``, the child exits
+        before any child has served."""
         delay: float | None = None
         while True:
             started = time.monotonic()
@@ -106,6 +124,13 @@ class WorkerSupervisor:
                 raise
             finally:
                 self.pid = None
+            if self.heartbeat_file is not None and not self.served:
+                log.error(
+                    "worker exited with code %s before it served (its log above says why); "
+                    "not restarting: the next start would fail the same way",
+                    rc,
+                )
+                raise WorkerNeverServed(rc)
             delay = self.backoff.next(delay, time.monotonic() - started)
             log.error("worker exited with code %s; restarting in %.3g s", rc, delay)
             await asyncio.sleep(delay)
@@ -125,13 +150,19 @@ class WorkerSupervisor:
                 beat = await asyncio.to_thread(read_beat, path)
                 if beat is None or beat.pid != proc.pid:
                     continue  # still loading: nothing to judge yet
+                self.served = True
                 why = check(path, max_age=self.hung_after, pid=proc.pid)
                 if why is not None:
                     log.error("worker hung (%s); killing it", why)
                     self.hung_kills += 1
                     proc.kill()
                     break
-            return await exited
+            rc = await exited
+            # A child that beat once and died within one poll was serving all the same.
+            beat = await asyncio.to_thread(read_beat, path)
+            if beat is not None and beat.pid == proc.pid:
+                self.served = True
+            return rc
         finally:
             exited.cancel()
 

@@ -8,7 +8,8 @@ end, never reorder or remove, and only add enum values. Anything else bumps
 
 Direction proxy -> worker (``ProxyMessage``): ``Hello``, ``Submit``, ``Abort``,
 ``Tokenize``, ``Detokenize``.
-Direction worker -> proxy (``WorkerMessage``): ``Ready``, ``Heartbeat``,
+Direction worker -> proxy (``WorkerMessage``): ``Loading`` (while the model
+loads, before any ``Ready``), ``Ready``, ``Heartbeat``,
 ``EventBatch`` (the events of one engine step: ``QueueProgress``, ``Started``, ``PrefillProgress``,
 ``TokenDelta``, ``Finished``, ``RequestError``; ``Tokens`` and ``Detokenized``,
 the one answer to a ``Tokenize``/``Detokenize`` unless a ``RequestError``).
@@ -283,6 +284,24 @@ class Ready(_Msg, frozen=True, tag="ready"):
     model prefix reuse per block (the Inference Extension's prefix scorer)."""
 
 
+class Loading(_Msg, frozen=True, tag="loading"):
+    """Worker -> proxy while the worker loads its model, before its first ``Ready``
+    (answers to ``Hello`` wait for the load): the load stage it is in, on each
+    change and at least once a second. ``stage``: ``import``, ``convert``,
+    ``load_weights``, ``quantize``, ``warm_up`` (``engine_worker.load_stages.Stage``);
+    ``label``: the stage in words for people (``"quantize weights (int4)"``);
+    ``done`` of ``total`` units of it (``total`` 0: not counted); ``elapsed_ms``:
+    milliseconds in the stage; ``load_ms``: since the load began."""
+
+    worker_id: str
+    stage: str
+    label: str
+    done: int
+    total: int
+    elapsed_ms: int
+    load_ms: int
+
+
 class Heartbeat(_Msg, frozen=True, tag="heartbeat"):
     """Liveness signal at a fixed interval, from a thread of its own: it keeps
     coming while an engine step is long, and stops only when the process is gone
@@ -446,4 +465,4 @@ class EventBatch(_Msg, frozen=True, tag="events"):
     events: list[Event]
 
 
-WorkerMessage = Ready | Heartbeat | EventBatch
+WorkerMessage = Ready | Heartbeat | EventBatch | Loading

@@ -10,7 +10,14 @@ manifest, so their options follow one convention, kept here:
   name in kebab case (``max_seq_len`` -> ``--max-seq-len``; booleans get
   ``--x/--no-x``), the environment variable is ``EXL3_SIDECAR_`` + the field name
   in upper case (``EXL3_SIDECAR_MAX_SEQ_LEN``), ranges become ``IntRange`` /
-  ``FloatRange``, ``Literal`` and ``Enum`` annotations become ``Choice``.
+  ``FloatRange``, ``Literal`` and ``Enum`` annotations become ``Choice``. A field's
+  ``aliases`` (the names llama.cpp and vLLM give the same setting: ``-c``,
+  ``--ctx-size``, ``--max-model-len``) are more flags of the same option, listed
+  beside it in ``--help``.
+- ``HintedCommand`` is the click command class of a settings CLI: an unknown
+  option that another server defines (``--gpu-memory-utilization``) is refused
+  with the hint written for it (``hints``), naming this server's option if it
+  has one; other unknown options keep click's "Did you mean" suggestions.
 - ``check_ranges(obj)``, called from ``__post_init__``, enforces the same ranges
   and choices on objects built directly (tests, benchmarks): ``ValueError``
   naming the field.
@@ -48,6 +55,8 @@ class Spec:
     gt: float | None = None
     le: float | None = None
     show_default: bool = True
+    aliases: tuple[str, ...] = ()
+    """More flags for the option (``-c``, ``--ctx-size``): other servers' names of it."""
 
 
 def setting(
@@ -58,9 +67,11 @@ def setting(
     gt: float | None = None,
     le: float | None = None,
     default_factory: Callable[[], Any] | None = None,
+    aliases: tuple[str, ...] = (),
 ) -> Any:
-    """A settings field: ``x: int = setting(4, "What it is, unit.", ge=1)``."""
-    spec = Spec(help, ge=ge, gt=gt, le=le, show_default=default_factory is None)
+    """A settings field: ``x: int = setting(4, "What it is, unit.", ge=1)``; ``aliases``
+    are more flags for it (``("-c", "--ctx-size")``), not for boolean fields."""
+    spec = Spec(help, ge=ge, gt=gt, le=le, show_default=default_factory is None, aliases=aliases)
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata={_META_KEY: spec})
     return dataclasses.field(default=default, metadata={_META_KEY: spec})
@@ -141,7 +152,11 @@ def click_options(cls: type) -> _Decorator:
     options: list[_Decorator] = []
     for f in _fields(cls):
         default = f.default.value if isinstance(f.default, enum.Enum) else f.default
-        decls = (f"{flag(f.name)}/--no-{f.name.replace('_', '-')}",) if f.base is bool else (flag(f.name),)
+        if f.base is bool:
+            assert not f.spec.aliases, f"{f.name}: a boolean option takes no aliases"
+            decls: tuple[str, ...] = (f"{flag(f.name)}/--no-{f.name.replace('_', '-')}",)
+        else:
+            decls = (flag(f.name), *f.spec.aliases)
         options.append(
             click.option(
                 *decls,
@@ -161,6 +176,33 @@ def click_options(cls: type) -> _Decorator:
         return func
 
     return apply
+
+
+class HintedCommand(click.Command):
+    """A ``click.Command`` whose unknown options may carry a hint: ``hints`` maps a flag
+    another server defines (``--gpu-memory-utilization``) to the sentence that says what
+    to use here instead. Such a flag is a ``click.UsageError`` (exit status 2) with that
+    sentence; any other unknown flag keeps click's own error and suggestions."""
+
+    def __init__(self, *args: Any, hints: Mapping[str, str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hints: Mapping[str, str] = hints or {}
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as e:
+            hint = self.hints.get(e.option_name)
+            if hint is not None:
+                raise click.UsageError(f"{e.option_name}: {hint}", ctx) from None
+            if not e.possibilities:
+                raise
+            # An alias among click's suggestions is shown with the option it stands for.
+            canonical = {o: p.opts[0] for p in self.params for o in p.opts}
+            shown = [f"{o} (= {canonical[o]})" if canonical.get(o, o) != o else o for o in e.possibilities]
+            raise click.UsageError(
+                f"No such option {e.option_name!r}; did you mean {' or '.join(shown)}?", ctx
+            ) from None
 
 
 def check_ranges(obj: Any) -> None:

@@ -4,7 +4,8 @@
 ``GET /v1/status`` from ``proxy.ops.status``, the others from ``proxy.ops.routes``), the
 requests in flight (``proxy.ops.inflight``), traces when ``OTEL_*`` asks
 (``proxy.ops.tracing``), the middlewares (request record/log/metrics, then errors,
-then ``Host``/``Origin`` (``proxy.server.host_check``), then API keys), the
+then CORS preflights with ``--allowed-origins`` (``proxy.server.cors``), then
+``Host``/``Origin`` (``proxy.server.host_check``), then API keys), the
 response's ``X-Request-Id`` (``proxy.ops.request_log.echo_request_id``), the
 ``Metrics`` and the engine client's start/close (``cleanup_ctx``); tests build
 the app from it.
@@ -32,6 +33,7 @@ from proxy.ops.request_log import METRICS, echo_request_id, observe_middleware, 
 from proxy.ops.routes import add_routes
 from proxy.ops.status import add_status_routes
 from proxy.ops.tracing import setup_tracing
+from proxy.server.cors import cors_middlewares, install_cors_headers
 from proxy.server.host_check import host_check_middlewares
 from proxy.server.intake import KEY_DIGEST, check_api_key, key_digest
 from proxy.server.probes import PROBE_PATHS
@@ -65,6 +67,8 @@ async def error_middleware(request: web.Request, handler: _Handler) -> web.Strea
         if e.status < 400:
             raise
         err = from_http_exception(e)
+        if request.match_info.http_exception is e:  # no route: say which there are
+            err.message = _no_route_message(request, e)
     except asyncio.CancelledError:
         raise
     except Exception as e:
@@ -72,6 +76,23 @@ async def error_middleware(request: web.Request, handler: _Handler) -> web.Strea
         err = ProxyError(f"Internal server error: {type(e).__name__}")
     record_of(request).fail(err)
     return error_response(err, error_shape(request))
+
+
+def _no_route_message(request: web.Request, e: web.HTTPException) -> str:
+    """``e``'s reason, then the routes this server has: for a path none matches
+    (404) all of them, for a method the path lacks (405) that path's methods.
+    Routes with a ``{placeholder}`` are shown as registered."""
+    if isinstance(e, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(set(e.allowed_methods) - {"HEAD", "OPTIONS"}))
+        return f"{e.reason}: {request.method} {request.path[:200]!r}; it takes {allowed}"
+    by_path: dict[str, list[str]] = {}
+    for route in request.app.router.routes():
+        resource = route.resource
+        if resource is None or route.method in ("HEAD", "OPTIONS", "*"):
+            continue
+        by_path.setdefault(resource.canonical, []).append(route.method)
+    routes = ", ".join(f"{m} {p}" for p, ms in sorted(by_path.items()) for m in sorted(set(ms)))
+    return f"{e.reason}: no route for {request.method} {request.path[:200]!r}; the routes are {routes}"
 
 
 @web.middleware
@@ -109,11 +130,13 @@ def create_app(settings: ProxySettings, engine_client: EngineClient) -> web.Appl
         middlewares=[
             observe_middleware,
             error_middleware,
+            *cors_middlewares(settings),
             *host_check_middlewares(settings, has_keys=bool(keys)),
             api_key_middleware,
         ],
         handler_args={"auto_decompress": False},
     )
+    install_cors_headers(app, settings)
     app[STATE] = ProxyState(settings, engine_client, api_keys=keys)
     app[METRICS] = Metrics(engine_client)
     app.cleanup_ctx.append(_engine_lifetime)

@@ -146,6 +146,12 @@ class ProxySettings(LinkSettings):
         "rebinding. Default: loopback names only while --host is a loopback address; no check when "
         "listening on other interfaces (a container, a pod reached by Service names).",
     )
+    allowed_origins: str | None = setting(
+        None,
+        "Origins (comma-separated scheme://host[:port], '*' for any) whose web pages may call this server "
+        "(CORS, vLLM's --allowed-origins): preflight OPTIONS answered, Access-Control-Allow-Origin on "
+        "their responses, and their Origin accepted by the Host/Origin check. Default: none (no CORS).",
+    )
     max_connections: int | None = setting(
         None,
         "Client connections open at once; a connection beyond it may ask /health or /ready, "

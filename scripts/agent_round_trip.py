@@ -2,8 +2,12 @@
 with the official ``openai`` SDK (what ``tests/e2e/test_agent_features.py``
 asserts, printed)::
 
+    pip install -e '.[examples]'   # the openai SDK and pydantic
     exl3-sidecar serve --port 5057
     python scripts/agent_round_trip.py http://127.0.0.1:5057/v1
+
+A request the server refuses is printed as the server's message (status, code,
+message), exit status 1, not as the SDK's traceback.
 """
 
 from __future__ import annotations
@@ -63,4 +67,14 @@ def main(base_url: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:5000/v1")
+    url = sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:5000/v1"
+    try:
+        main(url)
+    except openai.APIStatusError as e:
+        body: Any = e.body  # the SDK's: the envelope's "error" object
+        if isinstance(body, dict) and body.get("message"):
+            kind = body.get("code") or body.get("type")
+            sys.exit(f"the server refused: {e.status_code} {kind}: {body['message']}")
+        sys.exit(f"the server refused: {e.status_code} {e.message}")
+    except openai.APIConnectionError as e:
+        sys.exit(f"cannot reach {url}: {e}")

@@ -8,6 +8,14 @@ from each. Start the server with drafting to see draft counters::
 
     exl3-sidecar serve --port 5056 -- --draft-mode ngram
     python scripts/metrics_vs_usage.py http://127.0.0.1:5056
+
+It needs only the base install (httpx, orjson, prometheus-client). The repeated
+prompt is about 640 tokens, so its second request (``n`` 1, which runs under any
+``--max-batch-size``) finds two whole 256-token prompt chunks of the first in the
+prefix cache (the CPU engine keeps whole chunks: ``--chunk-size``). A request the
+server refuses (``n`` 2 under ``--max-batch-size 1`` is a 400) is printed with the
+server's message and left out of both sums; the counters count only what clients
+were sent.
 """
 
 from __future__ import annotations
@@ -26,11 +34,13 @@ COUNTERS = {
     "accepted": "draft_tokens_accepted_total",
     "rejected": "draft_tokens_rejected_total",
 }
-REPEAT = "Repeat exactly: " + "one two three four five six seven eight nine ten " * 20
+REPEAT = "Repeat exactly: " + "one two three four five six seven eight nine ten " * 60
 MIX: list[tuple[dict[str, Any], bool]] = [
     ({"messages": [{"role": "user", "content": "Write a haiku about rivers."}], "max_tokens": 24}, False),
     ({"messages": [{"role": "user", "content": "Write a haiku about rivers."}], "max_tokens": 24}, True),
     ({"messages": [{"role": "user", "content": REPEAT}], "max_tokens": 60, "temperature": 0}, True),
+    # the same prompt again, alone: its whole 256-token chunks come from the prefix cache
+    ({"messages": [{"role": "user", "content": REPEAT}], "max_tokens": 8, "temperature": 0}, False),
     ({"messages": [{"role": "user", "content": REPEAT}], "max_tokens": 60, "temperature": 0, "n": 2}, False),
     ({"prompt": "Once upon a time", "max_tokens": 16}, True),
     ({"prompt": "Once upon a time", "max_tokens": 16, "n": 2}, False),
@@ -47,15 +57,36 @@ def counters(base: str) -> dict[str, float]:
     return {key: samples.get("exl3_sidecar_" + name, 0.0) for key, name in COUNTERS.items()}
 
 
+class Refused(Exception):
+    """The server answered with an error: its status and message."""
+
+
+def _message(raw: bytes) -> str:
+    try:
+        error = orjson.loads(raw)["error"]
+        return f"{error.get('message')} ({error.get('code') or error.get('type')})"
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return raw.decode(errors="replace")[:300]
+
+
 def usage_of(client: httpx.Client, base: str, body: dict[str, Any], stream: bool) -> dict[str, Any]:
+    """The response's ``usage``. Raises ``Refused`` with the server's message."""
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     body = {**body, "model": "any", "stream": stream}
     if not stream:
-        usage: dict[str, Any] = client.post(base + path, json=body).raise_for_status().json()["usage"]
+        r = client.post(base + path, json=body)
+        if r.status_code >= 400:
+            raise Refused(f"{path}: {r.status_code} {_message(r.content)}")
+        usage: dict[str, Any] = r.json()["usage"]
         return usage
     body["stream_options"] = {"include_usage": True}
     with client.stream("POST", base + path, json=body) as r:
+        if r.status_code >= 400:
+            raise Refused(f"{path}: {r.status_code} {_message(r.read())}")
         data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    for chunk in data:
+        if chunk.startswith("{") and '"error"' in chunk[:12]:  # an error event after the stream began
+            raise Refused(f"{path}: {_message(chunk.encode())}")
     return dict(orjson.loads(data[-2])["usage"])  # the last chunk before [DONE]
 
 
@@ -70,7 +101,11 @@ def main(base: str) -> None:
     sent = dict.fromkeys(COUNTERS, 0)
     with httpx.Client(timeout=300) as client:
         for body, stream in MIX:
-            u = usage_of(client, base, body, stream)
+            try:
+                u = usage_of(client, base, body, stream)
+            except Refused as e:
+                print("refused by the server:", e)
+                continue
             details = u.get("completion_tokens_details") or {}
             sent["prompt"] += u["prompt_tokens"]
             sent["cached"] += u["prompt_tokens_details"]["cached_tokens"]
@@ -84,4 +119,8 @@ def main(base: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:5000")
+    url = sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:5000"
+    try:
+        main(url)
+    except httpx.TransportError as e:
+        sys.exit(f"cannot reach {url}: {e}")

@@ -65,6 +65,7 @@ from engine_worker.admission import full_reservation
 from engine_worker.backend import Backend, ModelInfo, Prepared, RequestRejected, check_token_ids
 from engine_worker.client_text import ControlTokens, control_tokens
 from engine_worker.constraints import GrammarUnsupported, TokenConstraint, Vocabulary, compile_grammar
+from engine_worker.cpu import weight_cache
 from engine_worker.cpu.banned import BannedStrings
 from engine_worker.cpu.detokenize import IncrementalDetokenizer, StopStringMatcher
 from engine_worker.cpu.kv_cache import SequenceKV
@@ -75,6 +76,7 @@ from engine_worker.cpu.ngram import NgramDrafter
 from engine_worker.cpu.prefix_cache import PrefixCache
 from engine_worker.cpu.sampling import Scored, TokenSampler
 from engine_worker.kv_events import MEDIUM_CPU, BatchSink, KvEvents
+from engine_worker.load_stages import LoadReporter, Stage
 from engine_worker.settings import DraftMode, WorkerSettings
 from protocol.messages import (
     ErrorCode,
@@ -178,6 +180,7 @@ class CpuBackend:
         *,
         loaded: LoadedModel | None = None,
         runner_class: type[LlamaRunner] = LlamaRunner,
+        stages: LoadReporter | None = None,
     ) -> None:
         # Resolved per backend when the settings were built (BACKEND_DEFAULTS).
         assert config.max_seq_len and config.chunk_size and config.num_draft_tokens and config.ngram_match_max
@@ -191,11 +194,12 @@ class CpuBackend:
         quantization = Quantization(config.quantization)
         # Quantized weights are made from float32 ones; --dtype applies without quantization.
         dtype = config.dtype if quantization is Quantization.NONE else "float32"
+        stages = stages or LoadReporter()
         if loaded is None:
             if config.model_dir is not None:
-                loaded = load_model(config.model_dir, dtype=dtype)
+                loaded = load_model(config.model_dir, dtype=dtype, stages=stages)
             else:
-                loaded = load_embedded(config.cache_dir, dtype=dtype)
+                loaded = load_embedded(config.cache_dir, dtype=dtype, stages=stages)
         self._config = config
         # The runner copies what it needs; the transformers model is not kept
         # (its float32 weights would double the memory of the worker).
@@ -211,7 +215,7 @@ class CpuBackend:
         self._vocab_size = int(text_config.vocab_size)
         max_positions = getattr(text_config, "max_position_embeddings", None) or self._max_seq_len
         self._max_context = min(self._max_seq_len, int(max_positions))
-        self._runner = runner_class(loaded.model, quantization, self._max_context, config.dense_prefill)
+        self._runner = self._build_runner(runner_class, loaded, quantization, stages)
         self._end_ids = self._find_end_ids()
         # Grammars and logprobs' token bytes; built on the first request that needs them.
         self._vocabulary = Vocabulary(self._vocab_size, self._end_ids)
@@ -246,7 +250,48 @@ class CpuBackend:
             kv_block_tokens=self._block,
             cache_salt=True,
         )
+        stages.stage(Stage.WARM_UP, "warm up (one forward pass)")
         self._warm_up()
+
+    def _build_runner(
+        self,
+        runner_class: type[LlamaRunner],
+        loaded: LoadedModel,
+        quantization: Quantization,
+        stages: LoadReporter,
+    ) -> LlamaRunner:
+        """The forward pass over ``loaded``: its quantized weights read back from the
+        ``weight_cache`` when an earlier start kept them, else quantized (the
+        ``quantize`` stage, by layer) and kept for the next start."""
+        config = self._config
+        cache_path = None
+        quantized = None
+        if quantization is not Quantization.NONE and loaded.folder is not None:
+            cache_path = weight_cache.cache_file(
+                config.cache_dir, loaded.folder, quantization.value, config.dense_prefill
+            )
+            quantized = weight_cache.load(cache_path)
+        layers = int(getattr(self._text_config, "num_hidden_layers", 0) or 0)
+        label = f"{'read' if quantized is not None else 'quantize'} weights ({quantization.value})"
+        stages.stage(Stage.QUANTIZE, label, total=layers, unit="layers")
+        try:
+            runner = runner_class(
+                loaded.model,
+                quantization,
+                self._max_context,
+                config.dense_prefill,
+                quantized=quantized,
+                progress=stages.advance,
+            )
+        except KeyError as e:  # a cached file of another shape: quantize again
+            logger.warning("the cached quantized weights lack %s; quantizing again", e)
+            runner = runner_class(
+                loaded.model, quantization, self._max_context, config.dense_prefill, progress=stages.advance
+            )
+            quantized = None
+        if quantized is None and cache_path is not None:
+            weight_cache.save(cache_path, runner.quantized_state())
+        return runner
 
     @classmethod
     def from_loaded(

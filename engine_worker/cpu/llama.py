@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,6 +127,34 @@ class QuantizedLinear:
     @property
     def mode(self) -> Quantization:
         return self._mode
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The tensors this layer computes with (bias aside: it comes from the model
+        unchanged), by name, for ``from_state``; what ``weight_cache`` stores."""
+        out = {"weight": self._weight}
+        for name, tensor in (
+            ("int4_scales", self._int4_scales),
+            ("int8_scales", self._int8_scales),
+            ("dense", self._dense),
+        ):
+            if tensor is not None:
+                out[name] = tensor
+        return out
+
+    @classmethod
+    def from_state(
+        cls, state: Mapping[str, torch.Tensor], bias: torch.Tensor | None, mode: Quantization
+    ) -> QuantizedLinear:
+        """The layer ``state()`` described (``mode`` as it was after any int4 -> int8
+        fallback), without quantizing anything again."""
+        self = cls.__new__(cls)
+        self._mode = mode
+        self._bias = None if bias is None else bias.detach().float()
+        self._weight = state["weight"]
+        self._int4_scales = state.get("int4_scales")
+        self._int8_scales = state.get("int8_scales")
+        self._dense = state.get("dense")
+        return self
 
     def dense_call(self, x: torch.Tensor) -> torch.Tensor:
         """``y`` from the bfloat16 copy (``dense=True``): a GEMM that pays off over
@@ -328,6 +356,27 @@ class Segment:
 
 
 @dataclass(frozen=True, slots=True)
+class QuantizedState:
+    """A runner's quantized weights: ``tensors`` by ``"layers.{i}.{qkv,o,gate_up,down}.{part}"``,
+    and each linear layer's ``Quantization`` value by
+    ``"layers.{i}.{name}"`` (int4 falls back to int8 for some shapes)."""
+
+    tensors: dict[str, torch.Tensor]
+    modes: dict[str, str]
+
+    def part(self, key: str) -> dict[str, torch.Tensor]:
+        """The tensors under ``key.``, by the rest of their name."""
+        prefix = key + "."
+        found = {k[len(prefix) :]: v for k, v in self.tensors.items() if k.startswith(prefix)}
+        if not found:
+            raise KeyError(key)
+        return found
+
+    def mode(self, key: str) -> Quantization:
+        return Quantization(self.modes[key])
+
+
+@dataclass(frozen=True, slots=True)
 class _Layer:
     input_norm: torch.Tensor
     qkv: QuantizedLinear
@@ -396,12 +445,23 @@ class LlamaRunner:
     """The forward pass of a transformers Llama-family causal LM, weights copied
     (and quantized) out of ``model`` at construction.
 
-    ``max_positions`` bounds the positions (RoPE table, tokens). Raises
-    ``UnsupportedModel`` for other architectures.
+    ``max_positions`` bounds the positions (RoPE table, tokens). ``quantized``, a
+    ``quantized_state()`` of an earlier runner over the same weights and options
+    (``weight_cache``), replaces the quantization of the linear layers (seconds on
+    2 cores, the bulk of a start); ``progress`` is called with the number of layers
+    quantized so far. Raises ``UnsupportedModel`` for other architectures, and
+    ``KeyError`` for a ``quantized`` state that lacks a tensor.
     """
 
     def __init__(
-        self, model: Any, quantization: Quantization, max_positions: int, dense_prefill: bool = True
+        self,
+        model: Any,
+        quantization: Quantization,
+        max_positions: int,
+        dense_prefill: bool = True,
+        *,
+        quantized: QuantizedState | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> None:
         config = model.config.get_text_config(decoder=True)
         model_type = getattr(config, "model_type", None)
@@ -432,15 +492,23 @@ class LlamaRunner:
             self._embed = decoder.embed_tokens.weight.detach().float()
             self._norm = decoder.norm.weight.detach().float()
             self._dense = dense_prefill and quantization is not Quantization.NONE
-            self._layers = [self._layer(layer, quantization) for layer in decoder.layers]
+            self._restore = quantized
+            self._layers = []
+            for i, layer in enumerate(decoder.layers):
+                self._layers.append(self._layer(i, layer, quantization))
+                if progress is not None:
+                    progress(i + 1)
             head = model.get_output_embeddings()
             if getattr(head, "bias", None) is not None:
                 raise UnsupportedModel("an LM head with a bias is not supported")
-            self._head: QuantizedLinear | Int8Head = (
-                QuantizedLinear(head.weight, None, quantization)
-                if quantization is Quantization.NONE
-                else Int8Head(head.weight)
-            )
+            self._head: QuantizedLinear | Int8Head
+            if quantization is Quantization.NONE:
+                self._head = QuantizedLinear(head.weight, None, quantization)
+            else:
+                # Not kept in ``quantized``: per-channel int8 takes milliseconds, and the
+                # head keeps only oneDNN's packed copy (Int8Head), so it is made anew.
+                self._head = Int8Head(head.weight)
+            self._restore = None
             # cos/sin per position from the model's own rotary embedding (any RoPE
             # scaling it implements, attention scaling included).
             positions = torch.arange(max_positions)[None]
@@ -453,7 +521,26 @@ class LlamaRunner:
                 (-sin[..., : self.head_dim // 2], sin[..., self.head_dim // 2 :]), -1
             )
 
-    def _layer(self, layer: Any, quantization: Quantization) -> _Layer:
+    def _linear(
+        self, key: str, weight: torch.Tensor, bias: torch.Tensor | None, quantization: Quantization
+    ) -> QuantizedLinear:
+        if self._restore is not None:
+            return QuantizedLinear.from_state(self._restore.part(key), bias, self._restore.mode(key))
+        return QuantizedLinear(weight, bias, quantization, self._dense)
+
+    def quantized_state(self) -> QuantizedState:
+        """The quantized linear layers, for a later runner's ``quantized`` (the LM
+        head is quantized anew: milliseconds)."""
+        tensors: dict[str, torch.Tensor] = {}
+        modes: dict[str, str] = {}
+        for i, layer in enumerate(self._layers):
+            for name in ("qkv", "o", "gate_up", "down"):
+                linear: QuantizedLinear = getattr(layer, name)
+                modes[f"layers.{i}.{name}"] = linear.mode.value
+                tensors.update({f"layers.{i}.{name}.{k}": v for k, v in linear.state().items()})
+        return QuantizedState(tensors, modes)
+
+    def _layer(self, i: int, layer: Any, quantization: Quantization) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         biases = [p.bias for p in projections]
@@ -466,16 +553,25 @@ class LlamaRunner:
             )
         else:
             bias = None
-        dense = self._dense
+        restoring = self._restore is not None
+        key = f"layers.{i}"
         return _Layer(
             input_norm=layer.input_layernorm.weight.detach().float(),
-            qkv=QuantizedLinear(torch.cat([p.weight for p in projections]), bias, quantization, dense),
-            o=QuantizedLinear(attn.o_proj.weight, attn.o_proj.bias, quantization, dense),
-            post_norm=layer.post_attention_layernorm.weight.detach().float(),
-            gate_up=QuantizedLinear(
-                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), None, quantization, dense
+            qkv=self._linear(
+                f"{key}.qkv",
+                attn.q_proj.weight if restoring else torch.cat([p.weight for p in projections]),
+                bias,
+                quantization,
             ),
-            down=QuantizedLinear(mlp.down_proj.weight, None, quantization, dense),
+            o=self._linear(f"{key}.o", attn.o_proj.weight, attn.o_proj.bias, quantization),
+            post_norm=layer.post_attention_layernorm.weight.detach().float(),
+            gate_up=self._linear(
+                f"{key}.gate_up",
+                mlp.gate_proj.weight if restoring else torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                None,
+                quantization,
+            ),
+            down=self._linear(f"{key}.down", mlp.down_proj.weight, None, quantization),
         )
 
     @property

@@ -30,6 +30,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from engine_worker.load_stages import LoadReporter, Stage
 from engine_worker.settings import Dtype, default_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -49,11 +50,13 @@ class ModelNotFound(Exception):
 
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
-    """A causal LM in eval mode with its tokenizer and the id announced to clients."""
+    """A causal LM in eval mode with its tokenizer and the id announced to clients;
+    ``folder`` is where it was loaded from (``None``: built in memory, as in tests)."""
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     model_id: str
+    folder: Path | None = None
 
 
 def find_embedded_gguf() -> Path:
@@ -83,11 +86,14 @@ def converted_dir(cache_dir: Path, gguf: Path) -> Path:
     return cache_dir / f"{gguf.stem}-{size}-v{_CONVERSION_FORMAT}"
 
 
-def convert_gguf(gguf: Path, target: Path) -> Path:
+def convert_gguf(gguf: Path, target: Path, stages: LoadReporter | None = None) -> Path:
     """Dequantise ``gguf`` to an fp32 safetensors folder at ``target`` (model and
-    tokenizer), atomically. Returns ``target``. A no-op when it already exists."""
+    tokenizer), atomically. Returns ``target``. A no-op when it already exists;
+    otherwise the ``convert`` stage of ``stages``."""
     if (target / _COMPLETE_MARKER).is_file():
         return target
+    if stages is not None:
+        stages.stage(Stage.CONVERT, f"convert {gguf.name} (first start only)")
     logger.info("converting %s once into %s (about 20 s on 2 cores)", gguf.name, target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
@@ -126,28 +132,37 @@ def _torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def load_model(model_dir: Path, dtype: str = "float32", model_id: str | None = None) -> LoadedModel:
-    """Load a transformers causal LM and its tokenizer from a local folder.
+def load_model(
+    model_dir: Path, dtype: str = "float32", model_id: str | None = None, stages: LoadReporter | None = None
+) -> LoadedModel:
+    """Load a transformers causal LM and its tokenizer from a local folder (the
+    ``load_weights`` stage of ``stages``).
 
     ``dtype`` is ``"float32"``, ``"bfloat16"`` or ``"float16"``. Raises
     ``ModelNotFound`` when the folder has no ``config.json``.
     """
     if not (model_dir / "config.json").is_file():
         raise ModelNotFound(f"{model_dir} is not a model folder (no config.json)")
+    if stages is not None:
+        stages.stage(Stage.LOAD_WEIGHTS, f"load weights ({model_id or model_dir.name})")
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=_torch_dtype(dtype))
     model.eval()  # type: ignore[no-untyped-call]
-    return LoadedModel(model=model, tokenizer=tokenizer, model_id=model_id or model_dir.name)
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, model_id=model_id or model_dir.name, folder=model_dir
+    )
 
 
-def load_embedded(cache_dir: Path | None = None, dtype: str = "float32") -> LoadedModel:
+def load_embedded(
+    cache_dir: Path | None = None, dtype: str = "float32", stages: LoadReporter | None = None
+) -> LoadedModel:
     """Load the embedded SmolLM2-135M-Instruct, converting the GGUF on first use.
 
     ``cache_dir`` defaults to ``default_cache_dir()``. Raises ``ModelNotFound``.
     """
     gguf = find_embedded_gguf()
-    folder = convert_gguf(gguf, converted_dir(cache_dir or default_cache_dir(), gguf))
-    return load_model(folder, dtype=dtype, model_id=EMBEDDED_MODEL_ID)
+    folder = convert_gguf(gguf, converted_dir(cache_dir or default_cache_dir(), gguf), stages)
+    return load_model(folder, dtype=dtype, model_id=EMBEDDED_MODEL_ID, stages=stages)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -63,6 +63,7 @@ from engine_worker.exllamav3.config import PAGE_SIZE, CacheMode, parse_split
 from engine_worker.exllamav3.engine import EngineHandle, id_list
 from engine_worker.exllamav3.grammar import contained_filter_class, filter_factory
 from engine_worker.exllamav3.sampling import xtc_sampler
+from engine_worker.load_stages import LoadReporter, Stage
 from engine_worker.settings import DraftMode, WorkerSettings
 from protocol.messages import PromptPiece
 
@@ -78,10 +79,13 @@ def _cache_kwargs(ex: Any, mode: CacheMode) -> dict[str, Any]:
     return {"layer_type": ex.CacheLayer_quant, "k_bits": k_bits, "v_bits": v_bits}
 
 
-def _progress_bar(steps: Iterable[Any], label: str) -> None:
-    """Drain a ``load_gen``-style generator of ``(done, total)`` with a tqdm bar on stderr."""
+def _progress_bar(steps: Iterable[Any], label: str, stages: LoadReporter | None = None) -> None:
+    """Drain a ``load_gen``-style generator of ``(done, total)`` with a tqdm bar on stderr,
+    and as the ``load_weights`` stage of ``stages`` (``label``, modules done of total)."""
     from tqdm import tqdm
 
+    if stages is not None:
+        stages.stage(Stage.LOAD_WEIGHTS, label.lower(), unit="modules")
     with tqdm(desc=label, unit="module", file=sys.stderr, dynamic_ncols=True) as bar:
         for step in steps:
             if isinstance(step, tuple) and len(step) == 2:
@@ -89,6 +93,9 @@ def _progress_bar(steps: Iterable[Any], label: str) -> None:
                 bar.total = int(total)
                 bar.n = int(done)
                 bar.refresh()
+                if stages is not None:
+                    stages.set_total(int(total))
+                    stages.advance(int(done))
 
 
 def _start_moe_cpu_hosts(model: Any) -> None:
@@ -340,7 +347,9 @@ def _splits(config: WorkerSettings) -> tuple[list[float] | None, list[float] | N
     return (list(main) if main else None), (list(draft) if draft else None)
 
 
-def load_weights(config: WorkerSettings, models: Models, cache: Any, sizes: Sizes) -> None:
+def load_weights(
+    config: WorkerSettings, models: Models, cache: Any, sizes: Sizes, stages: LoadReporter | None = None
+) -> None:
     """Step 4: the drafter's weights, then the main model's with ``draft_model=`` for its
     split (``model_init.py:379-405``), a progress bar each; then, with ``warmup``,
     ``Model.warmup`` before a generator owns the cache (``model/model.py:203``, ``232-233``)."""
@@ -355,6 +364,7 @@ def load_weights(config: WorkerSettings, models: Models, cache: Any, sizes: Size
             _progress_bar(
                 models.draft_model.load_gen(use_per_device=draft_split, max_chunk_size=config.chunk_size),
                 f"Loading {models.draft_label}",
+                stages,
             )
             _start_moe_cpu_hosts(models.draft_model)
         _progress_bar(
@@ -366,9 +376,12 @@ def load_weights(config: WorkerSettings, models: Models, cache: Any, sizes: Size
                 draft_model=models.draft_model,
             ),
             f"Loading {config.model_dir.name}",
+            stages,
         )
         _start_moe_cpu_hosts(models.model)
     if config.warmup:
+        if stages is not None:
+            stages.stage(Stage.WARM_UP, "warm up (kernel compilation and tuning)")
         log.info("exllamav3: warming up (kernel compilation and tuning)")
         failed = models.model.warmup(
             cache=cache, max_chunk_size=config.chunk_size, max_batch_size=sizes.max_batch_size
@@ -517,7 +530,7 @@ class LoadedEngine:
         )
 
 
-def load_engine(config: WorkerSettings) -> EngineHandle:
+def load_engine(config: WorkerSettings, stages: LoadReporter | None = None) -> EngineHandle:
     """Load tokenizer and chat template, model, drafter, caches and generator as
     ``config`` says, in the steps above.
 
@@ -525,19 +538,26 @@ def load_engine(config: WorkerSettings) -> EngineHandle:
     CUDA, ``ValueError`` for a configuration the model cannot serve (no MTP head,
     no usable chat template: ``ChatTemplateError``, before any weight is read), and
     whatever ExLlamaV3 raises for an unreadable model directory or too little VRAM.
+    ``stages`` hears the load stages (``engine_worker.load_stages``).
     """
+    if stages is not None:
+        stages.stage(Stage.IMPORT, "import torch and exllamav3")
     import torch
 
     if not torch.cuda.is_available():
         raise RuntimeError("the exllamav3 backend needs a CUDA GPU (torch.cuda.is_available() is False)")
     import exllamav3 as ex
 
+    if stages is not None:
+        stages.stage(Stage.LOAD_WEIGHTS, "tokenizer, chat template and caches")
     text = load_text(ex, config)
     models = create_models(ex, config, text)
     sizes = plan_sizes(config, text, models)
     caches = create_caches(ex, config, models, sizes)
-    load_weights(config, models, caches[0], sizes)
+    load_weights(config, models, caches[0], sizes, stages)
     engine = LoadedEngine(ex, config, text, models, generator_kwargs(config, text, models, caches, sizes))
+    if config.warmup and stages is not None:
+        stages.stage(Stage.WARM_UP, "warm up the generator (sampling and draft passes)")
     warmup_s = engine.warm() if config.warmup else 0.0
     return engine.handle(sizes, warmup_s)
 
@@ -547,9 +567,10 @@ def _zip_longest(a: list[float], b: list[float]) -> list[tuple[float, float]]:
     return [(a[i] if i < len(a) else 0.0, b[i] if i < len(b) else 0.0) for i in range(n)]
 
 
-def build_backend(config: WorkerSettings) -> ExLlamaV3Backend:
-    """Load the model (progress bar on stderr) and return the backend serving it."""
-    handle = load_engine(config)
+def build_backend(config: WorkerSettings, stages: LoadReporter | None = None) -> ExLlamaV3Backend:
+    """Load the model (progress bar on stderr, stages to ``stages``) and return the
+    backend serving it."""
+    handle = load_engine(config, stages)
     backend = ExLlamaV3Backend(handle, config)
     info = backend.info
     log.info(

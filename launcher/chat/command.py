@@ -93,6 +93,14 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopp
     help="Seconds the server may send nothing before the client gives up.",
 )
 @click.option("--plain", is_flag=True, help="Plain lines even on a terminal.")
+@click.option(
+    "--wait",
+    "wait_s",
+    type=click.FloatRange(min=0),
+    default=300.0,
+    show_default=True,
+    help="Seconds to wait for a server that is still loading (GET /ready), a line per stage; 0: not at all.",
+)
 def chat(
     prompt: str | None,
     prompt_file: Path | None,
@@ -106,8 +114,12 @@ def chat(
     port: int | None,
     timeout: float,
     plain: bool,
+    wait_s: float,
 ) -> None:
     """Send a prompt to any OpenAI-compatible server and stream the answer.
+
+    A server still loading its model (this one's GET /ready says so) is waited for,
+    a line per load stage, up to --wait seconds.
 
     The prompt is PROMPT, the file given with --file, or stdin (no PROMPT, or -). While
     the request waits in the server's queue and while the prompt is prefilled, it shows
@@ -128,7 +140,7 @@ def chat(
     try:
         text = _read_prompt(prompt, prompt_file)
         key = api_key or _env_api_key(api_name)
-        code = _chat(text, system, model, max_tokens, temperature, api_name, key, url, timeout, plain)
+        code = _chat(text, system, model, max_tokens, temperature, api_name, key, url, timeout, plain, wait_s)
     except BrokenPipeError:
         # The reader of stdout went away (| head): stop quietly; the stream was closed on the way out.
         _silence_stdout()
@@ -150,6 +162,7 @@ def _chat(
     base_url: str,
     timeout: float,
     plain: bool,
+    wait_s: float = 0.0,
 ) -> int:
     # Imported here, not at the top: `exl3-sidecar serve` and `proxy` load this module to
     # register the command and never need the HTTP client or rich.
@@ -171,6 +184,10 @@ def _chat(
         view = TerminalView(Console(), Console(stderr=True))
     try:
         with open_client(base_url, api.headers(api_key), timeout) as client:
+            if wait_s > 0:
+                from launcher.wait import wait_until_ready
+
+                wait_until_ready(client, lambda line: click.echo(line, err=True), within=wait_s)
             request = ChatRequest(model or first_model_id(client), text, system, max_tokens, temperature)
             run_turn(client, api, request, view)
     except ChatError as e:

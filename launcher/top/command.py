@@ -47,6 +47,14 @@ DEFAULT_INTERVAL_S = 1.0
     show_default=True,
     help="Seconds the server may send nothing before the client gives up.",
 )
+@click.option(
+    "--wait",
+    "wait_s",
+    type=click.FloatRange(min=0),
+    default=300.0,
+    show_default=True,
+    help="Seconds to wait for a server that is still loading (GET /ready), a line per stage; 0: not at all.",
+)
 def top(
     base_url: str | None,
     port: int | None,
@@ -56,6 +64,7 @@ def top(
     once: bool,
     plain: bool,
     timeout: float,
+    wait_s: float,
 ) -> None:
     """Watch an exl3-sidecar server: the worker's load and every request in flight.
 
@@ -81,6 +90,10 @@ def top(
         key = api_key or _env_api_key("chat")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         with open_client(url, headers, timeout + interval) as client:
+            if wait_s > 0:
+                from launcher.wait import wait_until_ready
+
+                wait_until_ready(client, lambda line: click.echo(line, err=True), within=wait_s)
             if once:
                 PlainView(sys.stdout, sort_by).show(fetch_status(client))
             elif plain or not _is_terminal():

@@ -52,6 +52,7 @@ from protocol.messages import (
     Finished,
     Heartbeat,
     Hello,
+    Loading,
     ProxyMessage,
     Ready,
     RequestError,
@@ -101,6 +102,12 @@ class EngineClient(Protocol):
 
     @property
     def worker(self) -> Ready | None: ...
+
+    @property
+    def loading(self) -> Loading | None:
+        """The latest ``Loading`` of a worker that is loading its model (its stage),
+        while not ready and heard from within ``heartbeat_timeout``; else ``None``."""
+        ...
 
     @property
     def worker_active_requests(self) -> int | None:
@@ -171,6 +178,8 @@ class ZmqEngineClient:
         self._worker: Ready | None = None
         self._heartbeat: Heartbeat | None = None
         self._heartbeat_at = 0.0
+        self._loading: Loading | None = None
+        self._loading_at = 0.0
         self._worker_since = 0.0
         self._orphans_aborted: set[str] = set()
         self._routes: dict[str, RequestStream] = {}
@@ -193,6 +202,14 @@ class ZmqEngineClient:
     @property
     def worker(self) -> Ready | None:
         return self._worker
+
+    @property
+    def loading(self) -> Loading | None:
+        if self._ready or self._loading is None:
+            return None
+        if time.monotonic() - self._loading_at > self._settings.heartbeat_timeout:
+            return None  # the loading worker went silent: gone, or restarting
+        return self._loading
 
     @property
     def worker_active_requests(self) -> int | None:
@@ -398,6 +415,7 @@ class ZmqEngineClient:
             self._worker_since = time.monotonic()
         self._worker = msg
         self._ready = True
+        self._loading = None
 
     def _route(self, events: list[Event]) -> None:
         orphans: list[str] = []
@@ -483,6 +501,9 @@ class ZmqEngineClient:
             self._route(msg.events)
         elif isinstance(msg, Ready):
             self._on_ready(msg)
+        elif isinstance(msg, Loading):
+            if not self._ready:  # one sent just before the Ready may arrive after it
+                self._loading, self._loading_at = msg, self._last_rx
         elif isinstance(msg, Heartbeat):
             if msg.worker_id == self._worker_id():
                 self._heartbeat = msg

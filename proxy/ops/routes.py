@@ -19,7 +19,7 @@ from aiohttp import web
 from proxy.errors import EngineNotReady
 from proxy.ops.metrics import CONTENT_TYPE
 from proxy.ops.request_log import METRICS
-from proxy.server.bodies import HealthStatus, ModelCard, ModelList, ReadyStatus, encode
+from proxy.server.bodies import HealthStatus, LoadingStage, ModelCard, ModelList, ReadyStatus, encode
 from proxy.server.state import STATE, ProxyState
 
 log = logging.getLogger(__name__)
@@ -38,14 +38,22 @@ async def ready(request: web.Request) -> web.Response:
     """Readiness: 200 ``{"status": "ready", "model": str, "worker_active_requests":
     int | null, "worker_waiting_requests": int | null, "worker_kv_cache_usage":
     float | null}`` once the worker is ready (the worker fields from its latest
-    heartbeat, ``null`` before one); 503 ``{"status": "not_ready" | "draining"}``
-    otherwise."""
+    heartbeat, ``null`` before one); 503 ``{"status": "loading", "loading": {"stage",
+    "label", "done", "total", "elapsed_s", "load_s"}}`` while the worker says it
+    loads its model (``protocol.messages.Loading``), 503 ``{"status": "not_ready" |
+    "draining"}`` otherwise."""
     state = request.app[STATE]
     if state.draining:
         return _json(ReadyStatus("draining"), 503)
     engine = state.engine
     if not engine.ready:
-        return _json(ReadyStatus("not_ready"), 503)
+        ld = engine.loading
+        if ld is None:
+            return _json(ReadyStatus("not_ready"), 503)
+        stage = LoadingStage(
+            ld.stage, ld.label, ld.done, ld.total, round(ld.elapsed_ms / 1000, 1), round(ld.load_ms / 1000, 1)
+        )
+        return _json(ReadyStatus("loading", loading=stage), 503)
     hb = engine.heartbeat
     return _json(
         ReadyStatus(

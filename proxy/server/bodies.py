@@ -50,12 +50,27 @@ class HealthStatus(msgspec.Struct, gc=False):
     status: Literal["ok"] = "ok"
 
 
+class LoadingStage(msgspec.Struct, gc=False):
+    """``/ready``'s ``loading``: the worker's load stage (``protocol.messages.Loading``):
+    ``stage`` and its ``label``, ``done`` of ``total`` (``total`` 0: not counted),
+    seconds in the stage (``elapsed_s``) and since the load began (``load_s``)."""
+
+    stage: str
+    label: str
+    done: int
+    total: int
+    elapsed_s: float
+    load_s: float
+
+
 class ReadyStatus(msgspec.Struct, gc=False):
     """``/ready``: ``model`` and the worker's load (its latest heartbeat: running
-    and waiting requests, KV cache usage 0..1) only when ready."""
+    and waiting requests, KV cache usage 0..1) only when ready; ``loading`` (the
+    stage) while a worker loads its model."""
 
-    status: Literal["ready", "not_ready", "draining"]
+    status: Literal["ready", "not_ready", "loading", "draining"]
     model: str | UnsetType | None = UNSET
     worker_active_requests: int | UnsetType | None = UNSET
     worker_waiting_requests: int | UnsetType | None = UNSET
     worker_kv_cache_usage: float | UnsetType | None = UNSET
+    loading: LoadingStage | UnsetType = UNSET

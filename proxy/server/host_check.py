@@ -13,7 +13,9 @@ listening on a loopback address answers only loopback names:
   compared without the port and case; ``*`` accepts any).
 
 An ``Origin`` header, when present, must name one of those hosts too (``null``
-does not). Anything else is 403 ``host_not_allowed``, naming the host.
+does not), or be one of ``ProxySettings.allowed_origins`` (``proxy.server.cors``:
+pages the operator lets call). Anything else is 403 ``host_not_allowed``,
+naming the host.
 
 The check applies when no API key is configured and either ``allowed_hosts``
 is set or the listener (``ProxySettings.host``) is a loopback address. A proxy
@@ -36,6 +38,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from proxy.errors import ProxyError
+from proxy.server.cors import CorsPolicy
 from proxy.server.probes import PROBE_PATHS
 from proxy.settings import ProxySettings
 
@@ -77,6 +80,8 @@ class HostPolicy:
     (lower case, no port)."""
 
     allowed: frozenset[str]
+    origins: CorsPolicy | None = None
+    """``--allowed-origins``: their ``Origin`` passes too."""
 
     @classmethod
     def from_settings(cls, settings: ProxySettings, has_keys: bool) -> HostPolicy | None:
@@ -85,12 +90,13 @@ class HostPolicy:
         unset and the listener is not a loopback address)."""
         if has_keys:
             return None
+        origins = CorsPolicy.from_settings(settings)
         if settings.allowed_hosts is None:
-            return cls(frozenset()) if is_loopback(_hostname(settings.host)) else None
+            return cls(frozenset(), origins) if is_loopback(_hostname(settings.host)) else None
         names = frozenset(_hostname(h) for h in settings.allowed_hosts.split(",") if h.strip())
         if "*" in names:
             return None
-        return cls(names)
+        return cls(names, origins)
 
     def allows(self, host: str) -> bool:
         """Whether ``host`` (without port) is answered."""
@@ -106,7 +112,7 @@ class HostPolicy:
                 "loopback names and --allowed-hosts"
             )
         origin = request.headers.get("Origin")
-        if origin is not None:
+        if origin is not None and not (self.origins is not None and self.origins.allows(origin)):
             try:
                 origin_host = urlsplit(origin.strip()).hostname
             except ValueError:
@@ -114,7 +120,7 @@ class HostPolicy:
             if not origin_host or not self.allows(origin_host.rstrip(".")):
                 raise HostNotAllowed(
                     f"Origin {_shown(origin)} is not allowed: this server without an API key answers "
-                    "loopback names and --allowed-hosts"
+                    "loopback names, --allowed-hosts and --allowed-origins"
                 )
 
 

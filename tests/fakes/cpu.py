@@ -113,9 +113,14 @@ class ScriptedRunner(LlamaRunner):
     """The engine's forward pass, then the script of the model it was built from."""
 
     def __init__(
-        self, model: ScriptedLlama, quantization: Quantization, max_positions: int, dense_prefill: bool = True
+        self,
+        model: ScriptedLlama,
+        quantization: Quantization,
+        max_positions: int,
+        dense_prefill: bool = True,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(model, quantization, max_positions, dense_prefill)
+        super().__init__(model, quantization, max_positions, dense_prefill, **kwargs)
         self.script = model
 
     def forward(self, segments: Any) -> list[Any]:

@@ -18,6 +18,7 @@ from protocol import (
     Finished,
     FinishReason,
     Heartbeat,
+    Loading,
     PrefillProgress,
     Ready,
     Started,
@@ -151,6 +152,7 @@ class FakeEngineClient:
     script: Script = field(default_factory=lambda: static_script(["Hello", " world"]))
     is_ready: bool = True
     worker_ready: Ready | None = WORKER
+    loading: Loading | None = None
     queue_max: int = 256
     max_merged_bytes: int = DEFAULT_MAX_MERGED_BYTES
     waiting_requests: int = 0

@@ -1,6 +1,6 @@
 """``exl3-sidecar serve`` as a process: supervision of a real worker child and
-signal handling, with a worker that cannot load its model (no model is loaded,
-so this runs in seconds)."""
+signal handling, with the synthetic engine or a worker that cannot load its model
+(no model is loaded, so this runs in seconds)."""
 
 from __future__ import annotations
 
@@ -64,16 +64,27 @@ def _serve(log: Path, *args: str, **env_extra: str) -> tuple[subprocess.Popen[by
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env), port
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_serve_restarts_a_failing_worker_and_stops_cleanly(tmp_path: Path, sig: signal.Signals) -> None:
-    log = tmp_path / "serve.log"
-    proc, port = _serve(log, "--model-dir", str(tmp_path / "no-such-model"))
+def _ready(port: int) -> bool:
     try:
-        _wait_for(lambda: "restarting in 4 s" in log.read_text(), 60, "a second restart", log)
-        text = log.read_text()
-        assert text.count("cannot load the model") >= 2 and "restarting in 2 s" in text
+        return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_serve_restarts_a_worker_that_died_after_serving_and_stops_cleanly(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    log = tmp_path / "serve.log"
+    proc, port = _serve(log, "--backend", "synthetic")
+    try:
+        for delay in ("2", "4"):  # it keeps dying soon after each start: the backoff doubles
+            _wait_for(lambda: _ready(port), 60, "readiness", log)
+            (worker,) = _children(proc.pid)
+            os.kill(worker, signal.SIGKILL)
+            _wait_for(lambda d=delay: f"restarting in {d} s" in log.read_text(), 30, "a restart", log)  # type: ignore[misc]
         r = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5)
-        assert r.status_code == 503 and r.json() == {"status": "not_ready"}
+        assert r.status_code == 503
         proc.send_signal(sig)
         assert proc.wait(20) == 0
         assert _children(proc.pid) == []
@@ -83,20 +94,52 @@ def test_serve_restarts_a_failing_worker_and_stops_cleanly(tmp_path: Path, sig: 
             proc.wait()
 
 
+@pytest.mark.parametrize("kind", ["missing", "gguf", "no-config"])
+def test_serve_with_a_bad_model_path_exits_2_at_once(tmp_path: Path, kind: str) -> None:
+    model = {"missing": tmp_path / "no-such-model", "gguf": tmp_path / "m.gguf", "no-config": tmp_path}[kind]
+    if kind == "gguf":
+        model.write_bytes(b"GGUF")
+    log = tmp_path / "serve.log"
+    started = time.monotonic()
+    proc, _port = _serve(log, "--model-dir", str(model))
+    try:
+        assert proc.wait(30) == 2
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert f"--model-dir {model}" in text and "Usage: exl3-sidecar serve" in text, text
+    assert "restarting in" not in text and "proxy listening" not in text
+    assert time.monotonic() - started < 30
+
+
+def test_serve_stops_when_its_worker_cannot_load_before_it_ever_served(tmp_path: Path) -> None:
+    # Passes the checks on disk (config.json, a weights file), fails inside transformers.
+    model = tmp_path / "broken"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "model.safetensors").write_bytes(b"not safetensors")
+    log = tmp_path / "serve.log"
+    proc, _port = _serve(log, "--model-dir", str(model))
+    try:
+        assert proc.wait(120) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert text.count("cannot load the model") == 1 and "before it served" in text, text
+    assert "restarting in" not in text and _children(proc.pid) == []
+
+
 def test_sigkill_of_serve_leaves_no_worker_and_no_socket_dir(tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
     # ipc:// paths must stay under ~107 bytes: a short runtime dir of our own.
     run = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))
     proc, port = _serve(log, "--backend", "synthetic", XDG_RUNTIME_DIR=str(run))
     try:
-
-        def ready() -> bool:
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        _wait_for(ready, 60, "readiness", log)
+        _wait_for(lambda: _ready(port), 60, "readiness", log)
         (worker,) = _children(proc.pid)
         sockets = list((run / "exl3-sidecar").glob("serve-*"))
         assert len(sockets) == 1 and (sockets[0] / "input.sock").exists()

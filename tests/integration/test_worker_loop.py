@@ -260,6 +260,39 @@ def test_hello_of_other_version_gets_no_ready(running: tuple[ScriptedBackend, Pe
     assert readies == 1
 
 
+def test_hellos_queued_while_the_model_loaded_get_one_ready(tmp_path: Path) -> None:
+    # The sockets are bound before the model loads; a proxy sends Hello every
+    # handshake_interval meanwhile, and the loop finds them all queued when it starts.
+    addrs = f"ipc://{tmp_path}/in.sock", f"ipc://{tmp_path}/out.sock"
+    sockets = WorkerSockets(*addrs)
+    peer = Peer(*addrs)
+    loop = EngineLoop(
+        ScriptedBackend(ModelInfo("scripted", 1000, None)), sockets, heartbeat_interval=0.05, max_queue=4
+    )
+    stop = threading.Event()
+    t = threading.Thread(target=loop.run, args=(stop,), name="engine-loop")
+    try:
+        time.sleep(0.2)  # both pipes attached before the Hellos and the Ready
+        for _ in range(20):
+            peer.send(Hello(PROTOCOL_VERSION, "p"))
+        time.sleep(0.2)  # all queued, as after a load
+        t.start()
+        readies = 0
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            try:
+                readies += isinstance(peer.recv(0.1), Ready)
+            except TimeoutError:
+                continue
+        assert readies == 1
+    finally:
+        stop.set()
+        if t.is_alive():
+            t.join(5)
+        sockets.close()
+        peer.close()
+
+
 # ---------------------------------------------------------------- admission, queue, liveness
 
 

@@ -22,6 +22,7 @@ from protocol import (
     FinishReason,
     Heartbeat,
     Hello,
+    Loading,
     Ready,
     RequestError,
     SamplingParams,
@@ -365,5 +366,28 @@ async def test_a_crashed_reader_fails_requests_and_never_claims_ready(
         assert any(
             r.levelno == logging.CRITICAL and "engine-reader" in r.getMessage() for r in caplog.records
         )
+    finally:
+        await client.close()
+
+
+async def test_loading_messages_say_the_stage_until_ready(worker: FakeWorker, addrs: tuple[str, str]) -> None:
+    client = make_client(addrs, heartbeat_timeout=0.5)
+    await client.start()
+    try:
+        await worker.recv_until(Hello)  # connected; the loading worker does not answer yet
+        assert client.loading is None
+        loading = Loading("w1", "quantize", "quantize weights (int4)", 12, 30, 1500, 4200)
+        await worker.send(loading)
+        await eventually(lambda: client.loading == loading)
+        assert not client.ready
+        await asyncio.sleep(0.6)  # no word for heartbeat_timeout: not known to be loading any more
+        assert client.loading is None
+        await worker.send(loading)
+        await eventually(lambda: client.loading is not None)
+        await handshake(client, worker)
+        assert client.loading is None
+        await worker.send(loading)  # one the worker queued before its Ready, arriving after it
+        await asyncio.sleep(0.05)
+        assert client.loading is None and client.ready
     finally:
         await client.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import tomllib
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -114,10 +115,23 @@ def test_cpu_worker_image_installs_what_the_readme_serve_command_installs() -> N
     _our_install(cpu)
     project = PYPROJECT["project"]
     _pins_satisfy("worker-cpu.txt", [*project["dependencies"], *project["optional-dependencies"]["cpu"]])
-    (model,) = [reqs for reqs, opts in readme if "--no-deps" in opts]
+    (model,) = [reqs for reqs, opts in readme if "--no-deps" in opts and not any("torch" in r for r in reqs)]
     (pin,) = model
     name, _, version = pin.partition("==")
     assert _lock_pins("worker-cpu-model.txt") == {canonicalize_name(name): version}
+
+
+@pytest.mark.parametrize("block", ["serve-command", "test-command"])
+def test_the_readme_installs_torchs_cpu_build_first_at_the_projects_pin(block: str) -> None:
+    """On a machine without a GPU the quick start must not pull the CUDA build (issue 32):
+    torch alone first, from PyTorch's CPU index as an extra index (the package index
+    stays the fallback), pinned as the cpu extra pins it; then the project."""
+    installs = pip_installs(_readme_block(block))
+    first_reqs, first_opts = installs[0]
+    (pin,) = first_reqs
+    assert pin in PYPROJECT["project"]["optional-dependencies"]["cpu"], pin
+    assert first_opts == {"--no-deps", "--extra-index-url=https://download.pytorch.org/whl/cpu"}
+    assert not any("--index-url" in o for _, opts in installs for o in opts)  # never the only index
 
 
 def test_exllamav3_lock_holds_the_base_install_and_its_extra() -> None:

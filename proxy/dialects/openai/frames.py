@@ -23,7 +23,7 @@ class ChunkFrames:
     ``data: [DONE]``; an error after the headers is one ``data: {"error": ...}``
     event and ``[DONE]``. Subclasses give the ``object`` name and the choices."""
 
-    __slots__ = ("_continuous", "_include_usage", "_object", "_timings", "gen", "header")
+    __slots__ = ("_continuous", "_include_usage", "_last_timings", "_object", "_timings", "gen", "header")
 
     ping = sse.PING
     progress_choice: ClassVar[StreamChoice]
@@ -45,20 +45,45 @@ class ChunkFrames:
         self._include_usage = include_usage
         self._continuous = continuous_usage
         self._timings = timings
+        self._last_timings: Timings | None = None
 
     def timings_now(self) -> Timings:
-        """Final ``timings`` once the response is done, running ones before."""
+        """Final ``timings`` once the response is done, running ones before, as
+        llama.cpp's server reports them (``get_timings``: ``prompt_n`` is
+        ``n_prompt_tokens_processed``, the prompt tokens processed so far, and each
+        rate is over what was processed in the time so far): during prefill
+        ``prompt_n`` is the latest progress' ``processed - cached``, 0 before it.
+        No time goes backwards from one chunk to the next: the final numbers are
+        the worker's, which can be a little lower than the running ones the
+        proxy measured (they include the trip to the proxy), so each of
+        ``prompt_ms`` and ``predicted_ms`` is at least the one sent before."""
         gen = self.gen
         if gen.done:
-            return Timings.final(gen.final_counts())
-        c = gen.running_counts()
-        return Timings.of(
-            c.cached_tokens,
-            c.prompt_tokens - c.cached_tokens,
-            gen.prefill_seconds(),
-            c.completion_tokens,
-            gen.decode_seconds(),
-        )
+            t = Timings.final(gen.final_counts())
+        else:
+            c = gen.running_counts()
+            last = gen.last_progress
+            if gen.first_token_at is not None or last is None:
+                cached = c.cached_tokens
+                prompt_n = c.prompt_tokens - c.cached_tokens if gen.first_token_at is not None else 0
+            else:  # prefilling: what has been processed so far
+                cached, prompt_n = last.cached, max(0, last.processed - last.cached)
+            t = Timings.of(cached, prompt_n, gen.prefill_seconds(), c.completion_tokens, gen.decode_seconds())
+        before = self._last_timings
+        if before is not None and (t.prompt_ms < before.prompt_ms or t.predicted_ms < before.predicted_ms):
+            draft = None
+            if isinstance(t.draft_n, int) and isinstance(t.draft_n_accepted, int):
+                draft = (t.draft_n_accepted, t.draft_n - t.draft_n_accepted)
+            t = Timings.of(
+                t.cache_n,
+                t.prompt_n,
+                max(t.prompt_ms, before.prompt_ms) / 1000,
+                t.predicted_n,
+                max(t.predicted_ms, before.predicted_ms) / 1000,
+                draft,
+            )
+        self._last_timings = t
+        return t
 
     def chunk(self, choice: StreamChoice) -> StreamChunk:
         usage: Usage | UnsetType | None = UNSET

@@ -128,3 +128,51 @@ def test_queue_and_batch_defaults() -> None:
     cpu = parse()
     assert (cpu.max_batch_size, cpu.max_queue, cpu.kv_cache_mb, cpu.parent_pid) == (16, 256, 4096, None)
     assert parse("--backend", "exllamav3", "--model-dir", "/m").max_batch_size is None  # the loader's
+
+
+@pytest.mark.parametrize(
+    ("args", "field", "value"),
+    [
+        (["-c", "4096"], "max_seq_len", 4096),  # llama.cpp
+        (["--ctx-size", "4096"], "max_seq_len", 4096),  # llama.cpp
+        (["--max-model-len", "2048"], "max_seq_len", 2048),  # vLLM
+        (["-np", "4"], "max_batch_size", 4),  # llama.cpp
+        (["--parallel", "4"], "max_batch_size", 4),  # llama.cpp
+        (["--max-num-seqs", "8"], "max_batch_size", 8),  # vLLM
+        (["-t", "2"], "threads", 2),  # llama.cpp
+        (["-m", "/m"], "model_dir", Path("/m")),  # llama.cpp (a GGUF there is refused on disk)
+        (["--model", "/m"], "model_dir", Path("/m")),  # vLLM, llama.cpp
+        (["-ngl", "0"], "n_gpu_layers", "0"),
+    ],
+)
+def test_other_servers_names_set_the_same_option(args: list[str], field: str, value: object) -> None:
+    assert getattr(parse(*args), field) == value
+
+
+def test_help_lists_the_aliases_beside_the_option() -> None:
+    help_text = " ".join(CliRunner().invoke(main, ["--help"]).output.split())
+    assert "-c, --max-seq-len, --ctx-size, --max-model-len INTEGER" in help_text
+    assert "-m, --model-dir, --model PATH" in help_text
+    assert "-np, --max-batch-size, --parallel, --max-num-seqs" in help_text
+    assert "-ngl, --n-gpu-layers, --gpu-layers" in help_text
+
+
+@pytest.mark.parametrize(
+    ("flag_", "hint"),
+    [
+        ("--gpu-memory-utilization", "--cache-size"),
+        ("--tensor-parallel-size", "--tensor-parallel"),
+        ("--kv-cache-dtype", "--cache-mode"),
+        ("--port", "a proxy option"),
+    ],
+)
+def test_other_servers_flags_without_a_counterpart_are_refused_with_a_hint(flag_: str, hint: str) -> None:
+    r = CliRunner().invoke(main, ["--check", flag_, "1"])
+    assert r.exit_code == 2 and f"{flag_}: " in r.output and hint in r.output, r.output
+    r = CliRunner().invoke(main, ["--check", f"{flag_}=1"])
+    assert r.exit_code == 2 and hint in r.output
+
+
+def test_a_misspelt_flag_suggests_the_option_an_alias_stands_for() -> None:
+    r = CliRunner().invoke(main, ["--check", "--ctx-sise", "4096"])
+    assert r.exit_code == 2 and "--ctx-size (= --max-seq-len)" in r.output

@@ -482,11 +482,16 @@ async def test_connection_refused_is_one_line_and_exit_1() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # Closed without listen: nothing accepts on that port now.
-    r = await run_cli(["chat", "--base-url", f"http://127.0.0.1:{port}/v1", "hi"])
+    r = await run_cli(["chat", "--base-url", f"http://127.0.0.1:{port}/v1", "--wait", "0", "hi"])
     assert r.exit_code == 1
     (line,) = r.stderr.splitlines()
     assert line.startswith(f"error: cannot connect to http://127.0.0.1:{port}/v1: ")
     assert "Traceback" not in r.output
+    # By default a server not listening yet (serve just started) gets a few seconds first.
+    r = await run_cli(["chat", "--base-url", f"http://127.0.0.1:{port}/v1", "--wait", "0.5", "hi"])
+    assert r.exit_code == 1
+    waiting, error = r.stderr.splitlines()
+    assert waiting == "waiting for the server to listen" and error.startswith("error: cannot connect")
 
 
 @pytest.mark.parametrize("source", ["file", "stdin", "dash"])

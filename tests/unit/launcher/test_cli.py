@@ -39,6 +39,19 @@ def test_serve_checks_worker_options_before_starting_anything() -> None:
     )
     assert r.returncode == 2 and "draft_mode=mtp needs backend=exllamav3" in r.stderr
     assert "proxy listening" not in r.stderr
+    # The usage line names the command the user typed, not the worker's module.
+    assert "Usage: exl3-sidecar serve" in r.stderr and "engine_worker" not in r.stderr
+
+
+def test_serve_takes_llama_cpp_and_vllm_flags_for_the_worker() -> None:
+    r = subprocess.run(
+        [*EXL3_SIDECAR, "serve", "--port", "1", "-c", "1", "--parallel", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    # Both reached the worker's own option (its range check names the alias as typed).
+    assert r.returncode == 2 and "'-c'" in r.stderr and "x>=2" in r.stderr, r.stderr
 
 
 def test_serve_refuses_a_bad_proxy_option() -> None:

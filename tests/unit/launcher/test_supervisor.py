@@ -120,3 +120,47 @@ async def test_the_child_has_a_session_of_its_own(tmp_path: Path) -> None:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+def _beating_child(tmp_path: Path, beat: Path, then: str) -> list[str]:
+    """A child that writes one heartbeat of its own pid to ``beat`` (what a worker does
+    once its model is loaded and it serves), then runs ``then``."""
+    body = (
+        "import json\n"
+        f"open({str(beat)!r}, 'w').write(json.dumps({{'pid': os.getpid(), 'worker_id': 'w', "
+        "'at': time.time()}))\n" + then
+    )
+    return _child(tmp_path, body)
+
+
+async def test_a_child_that_exits_before_it_served_is_not_restarted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from launcher.supervisor import WorkerNeverServed
+
+    sup = WorkerSupervisor(
+        _child(tmp_path, "sys.exit(1)\n"),
+        backoff=Backoff(first=0.05, most=0.2),
+        heartbeat_file=tmp_path / "beat",
+    )
+    with pytest.raises(WorkerNeverServed) as e:
+        await asyncio.wait_for(sup.run(), 20)
+    assert e.value.returncode == 1 and sup.starts == 1 and len(_log(tmp_path)) == 1
+    assert any("before it served" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_child_that_served_and_then_died_is_restarted(tmp_path: Path) -> None:
+    beat = tmp_path / "beat"
+    sup = WorkerSupervisor(
+        _beating_child(tmp_path, beat, "sys.exit(3)\n"),
+        backoff=Backoff(first=0.05, most=0.2),
+        heartbeat_file=beat,
+    )
+    task = asyncio.create_task(sup.run())
+    try:
+        await _until(lambda: len(_log(tmp_path)) >= 3)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert sup.served and sup.starts >= 3

@@ -12,7 +12,16 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from protocol.settings import check_ranges, cli_args, click_options, env_var, flag, from_options, setting
+from protocol.settings import (
+    HintedCommand,
+    check_ranges,
+    cli_args,
+    click_options,
+    env_var,
+    flag,
+    from_options,
+    setting,
+)
 
 
 class Colour(enum.StrEnum):
@@ -153,3 +162,38 @@ def test_json_logs_turn_progress_bars_off(monkeypatch: pytest.MonkeyPatch) -> No
     finally:
         root.handlers[:] = saved[0]
         root.setLevel(saved[1])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WithAliases:
+    size: int = setting(8, "A size, tokens.", ge=1, aliases=("-s", "--ctx-size"))
+
+
+@click.command(cls=HintedCommand, hints={"--gpu-fraction": "use --size (tokens) instead"})
+@click_options(WithAliases)
+def aliased(**values: Any) -> None:
+    click.echo(repr(from_options(WithAliases, values)))
+
+
+def test_aliases_set_the_same_field_and_share_its_checks() -> None:
+    for args in (["--size", "3"], ["-s", "3"], ["--ctx-size", "3"]):
+        r = CliRunner().invoke(aliased, args)
+        assert r.exit_code == 0 and r.output.strip() == "WithAliases(size=3)", args
+    r = CliRunner().invoke(aliased, ["--ctx-size", "0"])
+    assert r.exit_code == 2 and "--ctx-size" in r.output  # the range, named as typed
+
+
+def test_a_hinted_foreign_flag_is_a_usage_error_with_its_hint() -> None:
+    r = CliRunner().invoke(aliased, ["--gpu-fraction", "0.9"])
+    assert r.exit_code == 2 and "--gpu-fraction: use --size (tokens) instead" in r.output
+    r = CliRunner().invoke(aliased, ["--ctx-sise", "3"])
+    assert r.exit_code == 2 and "did you mean --ctx-size (= --size)" in r.output
+
+
+def test_a_boolean_option_takes_no_aliases() -> None:
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class Bad:
+        on: bool = setting(True, "A switch.", aliases=("-o",))
+
+    with pytest.raises(AssertionError, match="no aliases"):
+        click_options(Bad)

@@ -22,7 +22,7 @@ from protocol import (
     TokenLogprob,
     TopLogprob,
 )
-from tests.fakes.engine_client import FakeEngineClient, Step
+from tests.fakes.engine_client import FakeEngineClient, Pause, Step, completion_events, static_script
 from tests.unit.proxy.conftest import MakeClient
 
 # (token text, logprob) per generated token; "" is a token that ends inside a
@@ -150,3 +150,56 @@ async def test_timings_on_every_chunk_and_the_response_only_when_asked(
     ).json()
     assert "timings" not in plain
     assert math.isclose(plain["usage"]["prompt_time"], TIMES[1])
+
+
+def _stream_timings(text: str) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+    """Each chunk's ``timings`` and its ``prompt_progress`` (``None`` on others)."""
+    chunks = [orjson.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    return [(c["timings"], c.get("prompt_progress")) for c in chunks]
+
+
+async def test_timings_during_prefill_count_what_was_processed_so_far(
+    make_client: MakeClient, fake: FakeEngineClient
+) -> None:
+    # llama.cpp's get_timings: prompt_n = n_prompt_tokens_processed, the rates over it.
+    fake.script = static_script(["a", "b"], prompt_tokens=40, cached_tokens=8, chunk=8)
+    client = await make_client()
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "return_progress": True,
+        "timings_per_token": True,
+    }
+    seen = _stream_timings(await (await client.post("/v1/chat/completions", json=body)).text())
+    during = [(t, p) for t, p in seen if p is not None]
+    assert [t["prompt_n"] for t, _ in during] == [0, 8, 16, 24, 32]  # processed - cached, chunk by chunk
+    for t, p in during:
+        assert t["cache_n"] == 8 and t["prompt_n"] == p["processed"] - p["cache"]
+        assert t["prompt_ms"] == p["time_ms"]
+        if t["prompt_n"]:
+            assert t["prompt_per_second"] == pytest.approx(t["prompt_n"] / p["time_ms"] * 1000, rel=1e-3)
+            assert t["prompt_per_token_ms"] == pytest.approx(p["time_ms"] / t["prompt_n"], rel=1e-3)
+    rates = [t["prompt_per_second"] for t, _ in during if t["prompt_n"]]
+    assert len(set(rates)) == 1  # 8 tokens per 10 ms each chunk: one rate, not a falling one
+
+
+async def test_no_time_in_timings_goes_backwards_to_the_last_chunk(
+    make_client: MakeClient, fake: FakeEngineClient
+) -> None:
+    # The worker's final decode time (1 µs here) can be below what the proxy measured
+    # since the first token; the last chunk must not report less than the one before.
+    def script(submit: Submit) -> list[Step]:
+        events = completion_events(submit.request_id, ["a", "b", "c"], times=(0.0, 0.0001, 0.000001))
+        return [*events[:-2], Pause(0.02), *events[-2:]]
+
+    fake.script = script
+    client = await make_client()
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    seen = _stream_timings(
+        await (await client.post("/v1/chat/completions", json={**body, "timings_per_token": True})).text()
+    )
+    for key in ("prompt_ms", "predicted_ms"):
+        values = [t[key] for t, _ in seen]
+        assert values == sorted(values), (key, values)
+    assert seen[-1][0]["predicted_ms"] >= 20  # the proxy's 20 ms, not the worker's 0.001

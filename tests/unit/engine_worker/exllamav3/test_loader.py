@@ -556,3 +556,21 @@ def test_unset_sizes_are_resolved_for_the_model(
     s = _sizes(mpe, caps, drafter, **cfg)
     assert (s.max_seq_len, s.max_batch_size, s.draft_tokens, s.cache_size) == expected
     assert s.max_position_embeddings == mpe
+
+
+def test_the_load_reports_its_stages_with_module_progress(
+    tmp_path: Path, fake_exl3: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from engine_worker.load_stages import LoadReporter, LoadStatus, Stage
+
+    heard: list[LoadStatus] = []
+    cfg = WorkerSettings(backend="exllamav3", model_dir=_model_dir(tmp_path, "m"))
+    with caplog.at_level(logging.INFO, logger="engine_worker.load"):
+        loader.build_backend(cfg, LoadReporter(heard.append, every=0.0))
+    stages = [h.stage for h in heard]
+    order = [Stage.IMPORT, Stage.LOAD_WEIGHTS, Stage.WARM_UP]
+    assert [s for i, s in enumerate(stages) if i == 0 or stages[i - 1] != s] == order
+    weights = [h for h in heard if h.label.startswith("loading m")]
+    assert weights and weights[-1].total > 0 and weights[-1].done == weights[-1].total
