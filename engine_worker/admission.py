@@ -16,7 +16,7 @@ import math
 from typing import TYPE_CHECKING
 
 from engine_worker.backend import ModelInfo, Prepared, RequestRejected
-from protocol.messages import ErrorCode, SamplingParams, Submit
+from protocol.messages import MAX_STOP_CHARS, MAX_STOP_STRINGS, ErrorCode, SamplingParams, Submit
 
 if TYPE_CHECKING:
     from engine_worker.backend import Backend
@@ -69,9 +69,11 @@ def validate_sampling(p: SamplingParams, vocab_size: int) -> None:
     for a value no engine can honour: non-positive ``max_tokens``, a negative or
     non-finite temperature, ``top_p`` outside (0, 1], a negative ``top_k``,
     ``min_p`` outside [0, 1], a non-positive repetition penalty, non-finite
-    presence/frequency penalties outside [-2, 2], ``min_tokens`` outside [0, max_tokens], or a
-    token id (``stop_token_ids``, ``logit_bias`` keys) outside the vocabulary
-    (``0 .. vocab_size - 1``; not checked when ``vocab_size`` is 0)."""
+    presence/frequency penalties outside [-2, 2], ``min_tokens`` outside [0, max_tokens], more
+    than ``MAX_STOP_STRINGS`` stop strings or one longer than ``MAX_STOP_CHARS`` (the stop
+    automaton each sequence carries is bounded by them), or a token id (``stop_token_ids``,
+    ``logit_bias`` keys) outside the vocabulary (``0 .. vocab_size - 1``; not checked when
+    ``vocab_size`` is 0)."""
     if p.max_tokens < 1:
         raise _reject("max_tokens", f"max_tokens must be >= 1, got {p.max_tokens}")
     if not (p.temperature >= 0.0 and math.isfinite(p.temperature)):
@@ -89,6 +91,18 @@ def validate_sampling(p: SamplingParams, vocab_size: int) -> None:
             raise _reject(name, f"{name} must be in [-2, 2], got {value}")
     if not 0 <= p.min_tokens <= p.max_tokens:
         raise _reject("min_tokens", f"min_tokens must be in [0, max_tokens], got {p.min_tokens}")
+    if len(p.stop) > MAX_STOP_STRINGS:
+        raise _reject("stop", f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(p.stop)}")
+    for i, stop in enumerate(p.stop):
+        if len(stop) > MAX_STOP_CHARS:
+            raise _reject(
+                "stop",
+                f"stop: stop strings are at most {MAX_STOP_CHARS} characters, stop[{i}] has {len(stop)}",
+            )
+    if len(p.stop_token_ids) > MAX_STOP_STRINGS:
+        raise _reject(
+            "stop_token_ids", f"stop_token_ids: at most {MAX_STOP_STRINGS} ids, got {len(p.stop_token_ids)}"
+        )
     for param, ids in (("stop_token_ids", p.stop_token_ids), ("logit_bias", (p.logit_bias or {}).keys())):
         for token_id in ids:
             if vocab_size and not 0 <= token_id < vocab_size:

@@ -65,7 +65,7 @@ from engine_worker.admission import full_reservation
 from engine_worker.backend import Backend, ModelInfo, Prepared, RequestRejected, check_token_ids
 from engine_worker.client_text import ControlTokens, control_tokens
 from engine_worker.constraints import GrammarUnsupported, TokenConstraint, Vocabulary, compile_grammar
-from engine_worker.cpu.detokenize import IncrementalDetokenizer, StopStringMatcher
+from engine_worker.cpu.detokenize import IncrementalDetokenizer
 from engine_worker.cpu.kv_cache import SequenceKV
 from engine_worker.cpu.llama import LlamaRunner, Quantization, Segment
 from engine_worker.cpu.logprobs import LogprobTrail
@@ -74,6 +74,7 @@ from engine_worker.cpu.ngram import NgramDrafter
 from engine_worker.cpu.prefix_cache import PrefixCache
 from engine_worker.cpu.sampling import Scored, TokenSampler
 from engine_worker.settings import DraftMode, WorkerSettings
+from engine_worker.stops import StopMatcher
 from protocol.messages import (
     ErrorCode,
     Event,
@@ -122,7 +123,7 @@ class _Request:
     t_added: float
     sampler: TokenSampler
     detokenizer: IncrementalDetokenizer
-    stopper: StopStringMatcher
+    stopper: StopMatcher
     drafter: NgramDrafter | None
     stop_ids: frozenset[int]
     reservation: int  # KV tokens reserved for it out of kv_cache_mb
@@ -332,7 +333,7 @@ class CpuBackend:
             t_added=time.perf_counter(),
             sampler=TokenSampler(params, prompt_ids, self._vocab_size, stop_ids),
             detokenizer=IncrementalDetokenizer(self._tokenizer, prompt_ids[-_DETOKENIZER_CONTEXT:]),
-            stopper=StopStringMatcher(params.stop),
+            stopper=StopMatcher(params.stop),
             drafter=drafter,
             stop_ids=stop_ids,
             reservation=self.reservation(prepared),

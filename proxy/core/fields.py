@@ -24,10 +24,11 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
-from typing import Annotated, TypeVar
+from typing import Annotated, ClassVar, TypeVar
 
 import msgspec
 
+from protocol.messages import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from proxy.core.task import JsonOutput, Sampling
 from proxy.errors import InvalidRequest
 from proxy.grammar.check import ANY_JSON_OBJECT
@@ -154,9 +155,31 @@ def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
-def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
-    """``stop`` as a string or a list, as a tuple."""
-    return (stop,) if isinstance(stop, str) else tuple(stop or ())
+OPENAI_MAX_STOPS = 4
+"""OpenAI's limit of ``stop`` ("Up to 4 sequences", the chat and completions
+references), held by the dialects that follow its API."""
+
+MESSAGES_MAX_STOPS = MAX_STOP_STRINGS
+"""Anthropic's Messages reference gives ``stop_sequences`` no count limit;
+this server takes up to ``protocol.messages.MAX_STOP_STRINGS`` (64)."""
+
+
+def stop_strings(stop: str | list[str] | None, limit: int = MAX_STOP_STRINGS) -> tuple[str, ...]:
+    """``stop`` as a string or a list, as a tuple: at most ``limit`` strings
+    (at most ``protocol.messages.MAX_STOP_STRINGS``), each at most
+    ``MAX_STOP_CHARS`` characters. Raises ``InvalidRequest`` naming ``stop``
+    (the core renames it into the dialect's term: ``stop_sequences``)."""
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    limit = min(limit, MAX_STOP_STRINGS)
+    if len(stops) > limit:
+        raise InvalidRequest(f"'stop' takes at most {limit} sequences, got {len(stops)}", param="stop")
+    for i, s in enumerate(stops):
+        if len(s) > MAX_STOP_CHARS:
+            where = "stop" if isinstance(stop, str) else f"stop[{i}]"
+            raise InvalidRequest(
+                f"'stop' sequences are at most {MAX_STOP_CHARS} characters; number {i} has {len(s)}", param=where
+            )
+    return stops
 
 
 def json_output(
@@ -196,7 +219,11 @@ class SamplerFields(msgspec.Struct, kw_only=True):
     struct inherits them and adds its own limit, stop and structured-output
     fields. ``return_progress`` (this server's, llama.cpp's name) asks for
     ``prompt_progress``/``queue_progress`` on a stream; the core decides it
-    once (``proxy.core.dialect.Job.return_progress``)."""
+    once (``proxy.core.dialect.Job.return_progress``). ``MAX_STOPS`` is the
+    dialect's limit of stop strings (``stop_strings``): OpenAI's 4 unless the
+    dialect's struct says otherwise."""
+
+    MAX_STOPS: ClassVar[int] = OPENAI_MAX_STOPS
 
     model: str | None = None
     stream: bool = False
@@ -208,7 +235,7 @@ class SamplerFields(msgspec.Struct, kw_only=True):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     seed: Seed | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_STRINGS)] | None = None
     ignore_eos: bool = False
     min_tokens: MinTokens = 0
     logit_bias: dict[str, Bias] | None = None
@@ -221,7 +248,8 @@ class SamplerFields(msgspec.Struct, kw_only=True):
         """The neutral sampling of this request with the dialect's completion
         limit (``None``: up to the end of the context), stop strings and
         logprobs (alternatives per token, ``None`` for none). Raises
-        ``InvalidRequest`` for a ``logit_bias`` key that is not a token id."""
+        ``InvalidRequest`` for a ``logit_bias`` key that is not a token id and
+        for stop strings beyond ``MAX_STOPS`` or ``MAX_STOP_CHARS``."""
         return Sampling(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -232,7 +260,7 @@ class SamplerFields(msgspec.Struct, kw_only=True):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             seed=self.seed,
-            stop=stop_strings(stop),
+            stop=stop_strings(stop, self.MAX_STOPS),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,

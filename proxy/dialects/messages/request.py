@@ -31,11 +31,12 @@ documents, server tools, MCP servers) is a 400 naming it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 import msgspec
 
 from proxy.core.fields import (
+    MESSAGES_MAX_STOPS,
     Count,
     Refusals,
     SamplerFields,
@@ -91,7 +92,9 @@ class MessagesRequest(SamplerFields, kw_only=True):
     """``POST /v1/messages`` body (module docstring), with the sampler fields
     every dialect takes (``proxy.core.fields.SamplerFields``: ``min_p``,
     ``seed``, penalties, ``return_progress``, ...); ``temperature`` in
-    Anthropic's range, 0 to 1."""
+    Anthropic's range, 0 to 1; up to ``MESSAGES_MAX_STOPS`` stop sequences."""
+
+    MAX_STOPS: ClassVar[int] = MESSAGES_MAX_STOPS
 
     max_tokens: Count
     messages: list[MessageIn]
