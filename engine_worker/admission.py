@@ -31,9 +31,10 @@ def _reject(param: str, message: str) -> RequestRejected:
 
 def validate_request(submit: Submit, info: ModelInfo) -> None:
     """Raises ``RequestRejected`` (``INVALID_REQUEST``, ``param`` = the field) for
-    sampling ``info``'s backend cannot honour: ``validate_sampling``, a
+    sampling ``info``'s backend cannot honour: ``check_prompt_size``, ``validate_sampling``, a
     ``logit_bias`` value beyond ``±info.max_logit_bias`` (``-inf`` only where
     ``info.logit_bias_ban``), ``logprobs`` outside ``[0, MAX_LOGPROBS]``."""
+    check_prompt_size(submit, info)
     p = submit.params
     validate_sampling(p, info.vocab_size)
     for token_id, bias in (p.logit_bias or {}).items():
@@ -45,6 +46,37 @@ def validate_request(submit: Submit, info: ModelInfo) -> None:
             raise _reject("logit_bias", f"logit_bias: bias {bias} for token {token_id} is outside {allowed}")
     if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
         raise _reject("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}")
+
+
+def check_prompt_size(submit: Submit, info: ModelInfo) -> None:
+    """Raises ``RequestRejected`` (``CONTEXT_LENGTH_EXCEEDED``) for a prompt that
+    cannot fit the context whatever it tokenizes to, before any tokenizing: more
+    turns than context tokens (a template writes at least one token per turn),
+    or more characters than ``max_context_tokens * longest_token_chars`` (tools
+    and tool calls counted). The proxy refuses these first; this holds the
+    bound for any client of the socket, lookups (``Tokenize``) included."""
+    context = info.max_context_tokens
+    if len(submit.messages) > context:
+        raise RequestRejected(
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            f"{len(submit.messages)} messages cannot fit a context of {context} tokens",
+            param="messages",
+        )
+    if info.longest_token_chars <= 0:
+        return
+    if submit.prompt is not None:
+        chars, param = len(submit.prompt), "prompt"
+    else:
+        chars = sum(len(m.content) + len(m.tool_calls_json or "") for m in submit.messages)
+        chars, param = chars + len(submit.tools_json or ""), "messages"
+    most = context * info.longest_token_chars
+    if chars > most:
+        raise RequestRejected(
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            f"The prompt has {chars} characters; no text over {most} characters fits a context of "
+            f"{context} tokens",
+            param=param,
+        )
 
 
 def budget(prepared: Prepared, info: ModelInfo) -> Prepared:

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import msgspec
 
-from engine_worker.admission import budget, validate_request
+from engine_worker.admission import budget, check_prompt_size, validate_request
 from engine_worker.backend import (
     ENGINE_FAILED_EXIT_STATUS,
     Backend,
@@ -360,11 +360,17 @@ class EngineLoop:
             self._preparing_ids[rid] = entry
 
     def _tokenize(self, submit: Submit) -> Event:
-        """``Tokenize``'s answer: the prompt exactly as ``prepare`` makes it for generation."""
+        """``Tokenize``'s answer: the prompt exactly as ``prepare`` makes it for generation
+        (a prompt generation refuses untokenized is refused here too)."""
+        check_prompt_size(submit, self._backend.info)
         prepared = self._backend.prepare(submit)
         return Tokens(submit.request_id, tuple(self._backend.prompt_ids(prepared)))
 
     def _detokenize(self, msg: Detokenize) -> Event:
+        context = self._backend.info.max_context_tokens
+        if len(msg.token_ids) > context:
+            message = f"{len(msg.token_ids)} token ids: a sequence of this model holds at most {context}"
+            raise RequestRejected(ErrorCode.CONTEXT_LENGTH_EXCEEDED, message, param="tokens")
         return Detokenized(msg.request_id, self._backend.detokenize(list(msg.token_ids)))
 
     def _collect_lookups(self, pending: list[Event]) -> None:

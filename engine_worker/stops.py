@@ -42,7 +42,7 @@ class StopAutomaton:
     match nothing). States are ints, 0 the root (nothing matched). Immutable
     once built; share one between streams of the same stops."""
 
-    __slots__ = ("_fail", "_goto", "_match", "_depth", "stops")
+    __slots__ = ("_depth", "_fail", "_goto", "_match", "stops")
 
     def __init__(self, stops: Iterable[str]) -> None:
         self.stops: tuple[str, ...] = tuple(dict.fromkeys(s for s in stops if s))
@@ -112,7 +112,7 @@ class StopMatcher:
     on a match the text before the stop string is returned and the stop string
     and everything after it are dropped (``matched`` names it)."""
 
-    __slots__ = ("_auto", "_state", "_held", "stopped", "matched")
+    __slots__ = ("_auto", "_held", "_state", "matched", "stopped")
 
     def __init__(self, stops: Iterable[str] | StopAutomaton) -> None:
         self._auto = stops if isinstance(stops, StopAutomaton) else StopAutomaton(stops)

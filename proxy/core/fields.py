@@ -176,9 +176,8 @@ def stop_strings(stop: str | list[str] | None, limit: int = MAX_STOP_STRINGS) ->
     for i, s in enumerate(stops):
         if len(s) > MAX_STOP_CHARS:
             where = "stop" if isinstance(stop, str) else f"stop[{i}]"
-            raise InvalidRequest(
-                f"'stop' sequences are at most {MAX_STOP_CHARS} characters; number {i} has {len(s)}", param=where
-            )
+            message = f"'stop' sequences are at most {MAX_STOP_CHARS} characters; number {i} has {len(s)}"
+            raise InvalidRequest(message, param=where)
     return stops
 
 
@@ -269,6 +268,11 @@ class SamplerFields(msgspec.Struct, kw_only=True):
         )
 
 
+MAX_TOOLS = 128
+"""Most tools of one request: OpenAI's limit ("A max of 128 functions are
+supported", the chat reference's ``tools``), held by every dialect."""
+
+
 def function_tool(
     name: str | None,
     description: str | None,
@@ -290,7 +294,10 @@ def tool_config(
     tools: list[ToolIn] | None, choice: ToolChoiceIn | None, parallel: bool | None
 ) -> ToolConfig | None:
     """``proxy.tools.resolve_tools`` with its errors as ``InvalidRequest``
-    naming the field (``tools[i].function.parameters``, ``tool_choice``)."""
+    naming the field (``tools[i].function.parameters``, ``tool_choice``); at
+    most ``MAX_TOOLS`` tools."""
+    if tools is not None and len(tools) > MAX_TOOLS:
+        raise InvalidRequest(f"'tools' takes at most {MAX_TOOLS} tools, got {len(tools)}", param="tools")
     try:
         return resolve_tools(tools, choice, parallel)
     except ToolSpecError as e:

@@ -213,8 +213,7 @@ def salted(submit: Submit, key_digest: bytes) -> Submit:
 
 def check_limits(submits: list[Submit], max_n: int, worker: Ready) -> None:
     """This server's limits on a valid request: ``max_n`` choices (over all
-    prompts of a prompt list), and prompt texts no longer than the context can
-    hold (refused without being sent)."""
+    prompts of a prompt list), then ``check_prompt`` for each prompt."""
     choices = sum(s.n for s in submits)
     if choices > max_n:
         what = f"'n' is {submits[0].n}" + (f" for each of {len(submits)} prompts" if len(submits) > 1 else "")
@@ -222,17 +221,35 @@ def check_limits(submits: list[Submit], max_n: int, worker: Ready) -> None:
             f"{what}; this server runs at most max_n={max_n} choices per request",
             param="n" if len(submits) == 1 else "prompt",
         )
+    for i, submit in enumerate(submits):
+        check_prompt(submit, worker, f"prompt[{i}]" if len(submits) > 1 else None)
+
+
+def check_prompt(submit: Submit, worker: Ready, param: str | None = None) -> None:
+    """What is known of a prompt before it is tokenized, held against the
+    context of ``worker``: no more turns than it has tokens (every chat
+    template writes at least one token per turn: a role header or separator),
+    and no more characters than its tokens can hold (at most
+    ``Ready.longest_token_chars`` each; tools and tool calls counted, as the
+    template writes them). Generation and the lookups (``/tokenize``,
+    ``count_tokens``) refuse the same prompts, before the worker sees them.
+    ``param`` overrides the field named (``prompt[i]`` of a prompt list).
+    Raises ``ContextLengthExceeded``."""
+    context = worker.max_context_tokens
+    if len(submit.messages) > context:
+        raise ContextLengthExceeded(
+            f"The conversation has {len(submit.messages)} messages; no more than {context} fit this "
+            f"model's context of {context} tokens (each message takes at least one token)",
+            param="messages",
+        )
     most = max_prompt_chars(worker)
     if most is None:
         return
-    for i, submit in enumerate(submits):
-        chars, param = prompt_chars(submit)
-        if len(submits) > 1:
-            param = f"prompt[{i}]"
-        if chars > most:
-            raise ContextLengthExceeded(
-                f"The prompt has {chars} characters; no text over {most} characters fits this "
-                f"model's context of {worker.max_context_tokens} tokens (a token is at most "
-                f"{worker.longest_token_chars} characters)",
-                param=param,
-            )
+    chars, own = prompt_chars(submit)
+    if chars > most:
+        raise ContextLengthExceeded(
+            f"The prompt has {chars} characters; no text over {most} characters fits this "
+            f"model's context of {context} tokens (a token is at most "
+            f"{worker.longest_token_chars} characters)",
+            param=param or own,
+        )

@@ -91,3 +91,22 @@ def test_stop_strings_are_bounded_for_any_client_of_the_socket() -> None:
             validate_sampling(msgspec.structs.replace(OK, **change), vocab_size=100)
         assert e.value.code is ErrorCode.INVALID_REQUEST
         assert e.value.param == next(iter(change))
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing() -> None:
+    from engine_worker.admission import check_prompt_size
+    from protocol import ChatMessage
+
+    info = ModelInfo("m", 100, None, longest_token_chars=2)
+    ok = Submit("r", OK, messages=tuple(ChatMessage("user", "x") for _ in range(100)))
+    check_prompt_size(ok, info)
+    cases = [
+        (Submit("r", OK, messages=tuple(ChatMessage("user", "x") for _ in range(101))), "messages"),
+        (Submit("r", OK, prompt="x" * 201), "prompt"),
+        (Submit("r", OK, messages=(ChatMessage("user", "x"),), tools_json="t" * 200), "messages"),
+    ]
+    for submit, param in cases:
+        with pytest.raises(RequestRejected) as e:
+            validate_request(submit, info)
+        assert (e.value.code, e.value.param) == (ErrorCode.CONTEXT_LENGTH_EXCEEDED, param)
+    check_prompt_size(Submit("r", OK, prompt="x" * 10_000), ModelInfo("m", 100, None))  # length unknown
