@@ -12,8 +12,11 @@ costs about a millisecond of the proxy's loop (``benchmarks/tracing_cost.py``,
 ``interval`` seconds (default 1, from ``MIN_INTERVAL_S`` to ``MAX_INTERVAL_S``)
 until the client leaves or the proxy starts draining. At most
 ``MAX_STATUS_STREAMS`` at once; one more is 429 ``too_many_requests``. A
-reader that does not keep up holds the next snapshot back (``await write``),
-never a growing backlog.
+reader that does not keep up holds the next snapshot back, never a growing
+backlog, and one that takes nothing for ``stalled_client_timeout`` seconds is
+cut (``proxy.server.sse.TransportWriter.drain_or_cut``, the rule of every
+stream), freeing its slot. ``HEAD`` answers the headers alone (RFC 9110
+§9.3.2), without a slot.
 
 Behind the API key when keys are configured (not one of
 ``proxy.server.probes.PROBE_PATHS``): it shows request ids and counts, not content.
@@ -23,13 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 
 import msgspec
 from aiohttp import web
 
-from proxy.errors import InvalidRequest, TooManyRequests
+from proxy.errors import InvalidRequest, StalledClient, TooManyRequests
 from proxy.ops.inflight import INFLIGHT, InFlight, Stage, Tracked, View
 from proxy.ops.status_types import (
     PrefillStatus,
@@ -42,6 +46,8 @@ from proxy.ops.status_types import (
 )
 from proxy.server import sse
 from proxy.server.state import STATE, ProxyState
+
+log = logging.getLogger(__name__)
 
 PATH = "/v1/status"
 
@@ -232,18 +238,31 @@ async def status(request: web.Request) -> web.StreamResponse:
             f"{streams.open} status streams are open; this server allows {MAX_STATUS_STREAMS} at once "
             "(GET /v1/status without stream=true is not limited)"
         )
+    if request.method == "HEAD":
+        # RFC 9110 section 9.3.2: the headers a GET would get, no body; no stream slot.
+        return web.Response(headers=sse.HEADERS)
     streams.open += 1
     try:
         resp = web.StreamResponse(headers=sse.HEADERS)
-        await resp.prepare(request)
+        writer = await resp.prepare(request)
+        assert writer is not None
+        stalled_s = state.settings.stalled_client_timeout
         try:
+            out = sse.TransportWriter(request, resp, writer)
             while True:
                 data = sse.escape_line_separators(_encode(snapshot(state, inflight, streams.open)))
-                await resp.write(b"data: " + data + b"\n\n")
+                if not out.write([b"data: " + data + b"\n\n"]):
+                    raise ConnectionResetError("the client went away")
+                if out.congested:
+                    # A follower that reads nothing is cut like any stalled reader.
+                    await out.drain_or_cut(stalled_s)
                 if state.draining:
                     break
                 await asyncio.sleep(interval)
             await resp.write_eof()
+        except StalledClient as e:
+            log.warning("cut a status stream: %s", e.message)
+            out.abort()
         except ConnectionResetError:
             pass
         return resp

@@ -295,6 +295,66 @@ async def test_status_streams_are_bounded(make_client: MakeClient) -> None:
     again.close()
 
 
+async def test_a_follower_that_reads_nothing_is_cut_and_frees_its_slot(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stalled-client rule of every stream: a status follower that takes
+    nothing for ``stalled_client_timeout`` is cut, and its slot is free again."""
+    import socket
+
+    monkeypatch.setattr(status_module, "MIN_INTERVAL_S", 0.001)
+    # Snapshots as large as a busy server's (64 KiB), so the socket buffers fill quickly.
+    encode = status_module._encode
+    monkeypatch.setattr(status_module, "_encode", lambda st: encode(st) + b" " * 65536)
+    client = await make_client(stalled_client_timeout=1.0)
+    loop = asyncio.get_running_loop()
+    socks = []
+    try:
+        for _ in range(status_module.MAX_STATUS_STREAMS):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, ("127.0.0.1", client.server.port))
+            request = b"GET /v1/status?stream=true&interval=0.001 HTTP/1.1\r\nHost: localhost\r\n\r\n"
+            await loop.sock_sendall(sock, request)
+            socks.append(sock)
+        await until(client, lambda s: s.proxy.status_streams == status_module.MAX_STATUS_STREAMS)
+        started = time.monotonic()
+        await until(client, lambda s: s.proxy.status_streams == 0)
+        assert time.monotonic() - started < 15
+        again = await client.get("/v1/status?stream=true&interval=60")
+        assert again.status == 200
+        again.close()
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+async def test_head_gets_the_headers_alone_and_holds_no_slot(make_client: MakeClient) -> None:
+    """RFC 9110 section 9.3.2; a request pipelined after a HEAD is answered."""
+    client = await make_client()
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    try:
+        head = b"HEAD /v1/status?stream=true HTTP/1.1\r\nHost: localhost\r\n\r\n"
+        writer.write(
+            head * status_module.MAX_STATUS_STREAMS + b"GET /v1/status HTTP/1.1\r\nHost: localhost\r\n\r\n"
+        )
+        async with asyncio.timeout(10):
+            for _ in range(status_module.MAX_STATUS_STREAMS):
+                status_line = await reader.readline()
+                assert status_line.startswith(b"HTTP/1.1 200")
+                headers = (await reader.readuntil(b"\r\n\r\n")).decode().lower()
+                assert "text/event-stream" in headers
+            status_line = await reader.readline()
+            assert status_line.startswith(b"HTTP/1.1 200")  # the GET after them: answered
+            headers = (await reader.readuntil(b"\r\n\r\n")).decode().lower()
+            length = int(headers.split("content-length:")[1].split("\r\n")[0])
+            body = await reader.readexactly(length)
+        assert msgspec.json.decode(body)["proxy"]["status_streams"] == 0
+    finally:
+        writer.close()
+
+
 async def test_draining_ends_a_stream(make_client: MakeClient) -> None:
     client = await make_client()
     state = client.app[STATE]  # type: ignore[index]
