@@ -14,8 +14,9 @@ until the client leaves or the proxy starts draining. At most
 ``MAX_STATUS_STREAMS`` at once; one more is 429 ``too_many_requests``. A
 reader that does not keep up holds the next snapshot back, never a growing
 backlog, and one that takes nothing for ``stalled_client_timeout`` seconds is
-cut (``proxy.server.sse.TransportWriter.drain_or_cut``, the rule of every
-stream), freeing its slot. ``HEAD`` answers the headers alone (RFC 9110
+cut (``proxy.server.sse.TransportWriter.take_or_cut``, the rule of every
+stream, counting the bytes the kernel holds too: ``STATUS_BACKLOG_BYTES``),
+freeing its slot. ``HEAD`` answers the headers alone (RFC 9110
 §9.3.2), without a slot.
 
 Behind the API key when keys are configured (not one of
@@ -57,6 +58,12 @@ MIN_INTERVAL_S = 0.25
 every 250 ms (``protocol.messages.QUEUE_PROGRESS_INTERVAL_S``) and heartbeats
 slower; faster snapshots would show nothing new."""
 MAX_INTERVAL_S = 60.0
+STATUS_BACKLOG_BYTES = 64 * 1024
+"""Unsent bytes a status stream may have (``sse.TransportWriter.backlog``,
+the kernel's queue included) before it waits for its reader: a few dozen
+snapshots; a reader that takes none of them within ``stalled_client_timeout``
+is cut."""
+
 MAX_STATUS_STREAMS = 8
 """``?stream=true`` readers at once (a terminal or two per operator); beyond it, 429."""
 
@@ -253,9 +260,9 @@ async def status(request: web.Request) -> web.StreamResponse:
                 data = sse.escape_line_separators(_encode(snapshot(state, inflight, streams.open)))
                 if not out.write([b"data: " + data + b"\n\n"]):
                     raise ConnectionResetError("the client went away")
-                if out.congested:
+                if out.congested or out.backlog() > STATUS_BACKLOG_BYTES:
                     # A follower that reads nothing is cut like any stalled reader.
-                    await out.drain_or_cut(stalled_s)
+                    await out.take_or_cut(STATUS_BACKLOG_BYTES, stalled_s)
                 if state.draining:
                     break
                 await asyncio.sleep(interval)

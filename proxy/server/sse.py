@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import math
 import socket
 import struct
+import termios
 from collections.abc import Callable
 from typing import Any
 
@@ -182,8 +184,7 @@ class TransportWriter:
                     check()
                 slice_s = min(STALL_CHECK_S, deadline - loop.time())
                 if slice_s <= 0:
-                    took = f"The client took nothing for {stalled_s:g} s (stalled_client_timeout)"
-                    raise StalledClient(took)
+                    raise _stalled(stalled_s)
                 done, _ = await asyncio.wait((drained,), timeout=slice_s)
                 if done:
                     drained.result()
@@ -191,6 +192,42 @@ class TransportWriter:
         finally:
             drained.cancel()  # only while still waiting: then the connection is cut
 
+    def backlog(self) -> int:
+        """Bytes written that the client has not taken: the transport's buffer
+        plus the kernel's send queue (``SIOCOUTQ``, tcp(7): unsent and unacked
+        bytes; not counted where it cannot be read)."""
+        n = self._transport.get_write_buffer_size()
+        sock = self._transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError, ValueError):
+                raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+                n += struct.unpack("i", raw)[0]
+        return n
+
+    async def take_or_cut(self, below: int, stalled_s: float) -> None:
+        """``drain_or_cut``'s rule for a stream that writes little at a time
+        (``/v1/status``), whose bytes the kernel's buffers (megabytes on
+        loopback) would hold for minutes before the transport ever looked
+        congested: wait until ``backlog`` is at most ``below`` bytes. Raises
+        ``StalledClient`` when it is not within ``stalled_s`` seconds (0: no
+        limit)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (stalled_s or math.inf)
+        if self.congested:
+            await self.drain_or_cut(stalled_s)
+        while self.backlog() > below:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise _stalled(stalled_s)
+            await asyncio.sleep(min(BACKLOG_POLL_S, left))
+
+
+def _stalled(stalled_s: float) -> StalledClient:
+    return StalledClient(f"The client took nothing for {stalled_s:g} s (stalled_client_timeout)")
+
 
 STALL_CHECK_S = 1.0
 """How often a wait for a stalled client calls its ``check``."""
+
+BACKLOG_POLL_S = 0.25
+"""How often ``take_or_cut`` looks at the backlog."""
