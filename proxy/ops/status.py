@@ -20,7 +20,11 @@ freeing its slot. ``HEAD`` answers the headers alone (RFC 9110
 §9.3.2), without a slot.
 
 Behind the API key when keys are configured (not one of
-``proxy.server.probes.PROBE_PATHS``): it shows request ids and counts, not content.
+``proxy.server.probes.PROBE_PATHS``): it shows request ids and counts, not
+content, and with keys only the asking key's requests (the others counted by
+stage, ``Status.others``): their prompt and cached counts, prefill progress and
+first-token times would tell one tenant what another's prompts share with its
+own, the side channel ``cache_isolation: key`` closes.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from aiohttp import web
 from proxy.errors import InvalidRequest, StalledClient, TooManyRequests
 from proxy.ops.inflight import INFLIGHT, InFlight, Stage, Tracked, View
 from proxy.ops.status_types import (
+    OthersStatus,
     PrefillStatus,
     ProxyStatus,
     QueueStatus,
@@ -46,6 +51,7 @@ from proxy.ops.status_types import (
     WorkerStatus,
 )
 from proxy.server import sse
+from proxy.server.intake import KEY_DIGEST
 from proxy.server.state import STATE, ProxyState
 
 log = logging.getLogger(__name__)
@@ -177,16 +183,25 @@ def worker_status(state: ProxyState, now: float) -> WorkerStatus | None:
     )
 
 
-def snapshot(state: ProxyState, inflight: InFlight, streams: int = 0) -> Status:
+def snapshot(state: ProxyState, inflight: InFlight, streams: int = 0, viewer: bytes | None = None) -> Status:
     """The server's state now (module docstring); requests by stage (decode,
-    prefill, queued by position, submitted), oldest first within one."""
+    prefill, queued by position, submitted), oldest first within one. With a
+    ``viewer`` (the digest of the API key asking), only that key's requests
+    are listed, the others' counted by stage (``Status.others``)."""
     now = time.monotonic()
     totals = dataclasses.replace(inflight.totals)  # closed requests, plus those in flight so far
     requests: list[RequestStatus] = []
+    others = OthersStatus() if viewer is not None else None
     for t in inflight.requests.values():
         v = t.view()
-        requests.append(request_status(t, v, now))
         totals.add_tokens(v)
+        if others is not None and t.key != viewer:
+            others.requests += 1
+            stage = str(v.stage)
+            if stage in ("decode", "prefill", "queued", "submitted"):
+                setattr(others, stage, getattr(others, stage) + 1)
+            continue
+        requests.append(request_status(t, v, now))
     requests.sort(
         key=lambda r: (
             _ORDER[Stage(r.stage)],
@@ -206,6 +221,7 @@ def snapshot(state: ProxyState, inflight: InFlight, streams: int = 0) -> Status:
         worker=worker_status(state, now),
         totals=TotalsStatus(**dataclasses.asdict(totals)),
         requests=requests,
+        others=others,
     )
 
 
@@ -237,8 +253,9 @@ async def status(request: web.Request) -> web.StreamResponse:
     inflight = request.app[INFLIGHT]
     streams = request.app[_STREAMS]
     stream, interval = _query(request)
+    viewer = request.get(KEY_DIGEST)
     if not stream:
-        body = _encode(snapshot(state, inflight, streams.open))
+        body = _encode(snapshot(state, inflight, streams.open, viewer))
         return web.Response(body=body, content_type="application/json")
     if streams.open >= MAX_STATUS_STREAMS:
         raise TooManyRequests(
@@ -257,7 +274,7 @@ async def status(request: web.Request) -> web.StreamResponse:
         try:
             out = sse.TransportWriter(request, resp, writer)
             while True:
-                data = sse.escape_line_separators(_encode(snapshot(state, inflight, streams.open)))
+                data = sse.escape_line_separators(_encode(snapshot(state, inflight, streams.open, viewer)))
                 if not out.write([b"data: " + data + b"\n\n"]):
                     raise ConnectionResetError("the client went away")
                 if out.congested or out.backlog() > STATUS_BACKLOG_BYTES:

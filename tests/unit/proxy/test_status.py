@@ -389,3 +389,52 @@ def test_a_request_that_succeeds_is_not_failed_whatever_is_handled_up_the_stack(
     except KeyError:
         status = asyncio.run(scenario())
     assert (status["totals"]["requests"], status["totals"]["failed"]) == (1, 0)
+
+
+async def test_with_api_keys_each_key_sees_its_own_requests_and_counts_of_the_rest(
+    make_client: MakeClient, fake: FakeEngineClient
+) -> None:
+    """Per tenant: another key's ids, token counts, progress and timings would
+    reopen the side channel cache isolation closes; they are counted only."""
+    held = Held()
+    fake.script = held
+    client = await make_client(api_key="k1,k2", max_in_flight=16)
+
+    async def post(key: str, content: str) -> Any:
+        resp = await client.post(
+            "/v1/chat/completions", json=chat(content), headers={"Authorization": f"Bearer {key}"}
+        )
+        return resp.status
+
+    tasks = [
+        asyncio.create_task(post("k1", "decode")),
+        asyncio.create_task(post("k2", "prefill")),
+        asyncio.create_task(post("k2", "q1")),
+    ]
+    try:
+        k1, k2 = {"Authorization": "Bearer k1"}, {"Authorization": "Bearer k2"}
+        mine = await get_status(client, **k1)
+        async with asyncio.timeout(10):
+            while len(mine.requests) + (mine.others.requests if mine.others else 0) < 3 or by_stage(mine) != [
+                "decode"
+            ]:
+                await asyncio.sleep(0.01)
+                mine = await get_status(client, **k1)
+        assert mine.others is not None
+        assert (mine.others.requests, mine.others.prefill, mine.others.queued) == (2, 1, 1)
+        theirs = await get_status(client, **k2)
+        assert by_stage(theirs) == ["prefill", "queued"]
+        assert theirs.others is not None and (theirs.others.requests, theirs.others.decode) == (1, 1)
+        assert {r.id for r in mine.requests}.isdisjoint({r.id for r in theirs.requests})
+        raw = await (await client.get("/v1/status", headers=k1)).text()
+        for r in theirs.requests:
+            assert r.id not in raw
+    finally:
+        held.release.set()
+        await asyncio.gather(*tasks)
+
+
+async def test_without_api_keys_every_request_is_listed(make_client: MakeClient) -> None:
+    client = await make_client()
+    st = await get_status(client)
+    assert st.others is None
