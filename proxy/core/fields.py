@@ -30,7 +30,7 @@ import msgspec
 
 from protocol.messages import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from proxy.core.task import JsonOutput, Sampling
-from proxy.errors import InvalidRequest
+from proxy.errors import InvalidRequest, quoted
 from proxy.grammar.check import ANY_JSON_OBJECT
 from proxy.tools import (
     FunctionIn,
@@ -65,6 +65,9 @@ Salt = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
 
 _S = TypeVar("_S", bound=msgspec.Struct)
+
+_LONE_HIGH_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})")
+"""A JSON ``\\uD800``-``\\uDBFF`` escape not followed by a low surrogate's (RFC 8259 §7)."""
 
 _PATH_RE = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 _MISSING_RE = re.compile(r"missing required field `(?P<field>[^`]+)`")
@@ -108,6 +111,14 @@ def decode(body: bytes, cls: type[_S], refusals: Refusals, where: str) -> _S:
     try:
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as e:
+        lone = _LONE_HIGH_SURROGATE.search(body)
+        if lone is not None and "truncated" in str(e):
+            # msgspec reads a high surrogate escape as the start of a pair and, finding
+            # no low one after it, reports the input as truncated.
+            raise InvalidRequest(
+                "Request body is not valid JSON: a lone UTF-16 surrogate escape "
+                f"({lone.group(0).decode()} without a low surrogate after it) at byte {lone.start()}"
+            ) from None
         raise InvalidRequest(f"Request body is not valid JSON: {e}") from None
     except RecursionError:
         raise InvalidRequest("Request body is not valid JSON: nested too deeply") from None
@@ -144,7 +155,8 @@ def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
         # int() also takes " 1", "1_0" and non-ASCII digits: only plain digits are ids.
         if not (key.isascii() and key.isdigit()):
             raise InvalidRequest(
-                f"'logit_bias' keys must be token ids (integers as strings), got {key!r}", param="logit_bias"
+                f"'logit_bias' keys must be token ids (integers as strings), got {quoted(key)}",
+                param="logit_bias",
             )
         token = int(key)
         if not 0 <= token <= INT32_MAX:
@@ -204,7 +216,7 @@ def json_output(
         return None
     if kind not in kinds:
         expected = ", ".join(repr(k) for k in kinds)
-        raise InvalidRequest(f"'{param}.type' is {kind!r}; expected {expected}", param=f"{param}.type")
+        raise InvalidRequest(f"'{param}.type' is {quoted(kind)}; expected {expected}", param=f"{param}.type")
     if kind == "json_object":
         return JsonOutput(ANY_JSON_OBJECT, param)
     if schema is None:

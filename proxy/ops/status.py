@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import msgspec
 from aiohttp import web
 
-from proxy.errors import InvalidRequest, StalledClient, TooManyRequests
+from proxy.errors import InvalidRequest, StalledClient, TooManyRequests, quoted
 from proxy.ops.inflight import INFLIGHT, InFlight, Stage, Tracked, View
 from proxy.ops.status_types import (
     OthersStatus,
@@ -229,7 +229,7 @@ def _query(request: web.Request) -> tuple[bool, float]:
     q = request.query
     raw = q.get("stream", "false").lower()
     if raw not in ("true", "1", "false", "0"):
-        raise InvalidRequest(f"'stream' must be true or false, not {raw!r}", param="stream")
+        raise InvalidRequest(f"'stream' must be true or false, not {quoted(raw)}", param="stream")
     stream = raw in ("true", "1")
     interval = DEFAULT_INTERVAL_S
     if "interval" in q:
