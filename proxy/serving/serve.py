@@ -48,11 +48,12 @@ from proxy.errors import (
     FieldNames,
     InvalidRequest,
     ProxyError,
+    error_response,
 )
 from proxy.grammar.check import validate
 from proxy.ops.inflight import INFLIGHT
 from proxy.ops.request_log import record_of
-from proxy.server.intake import KEY_DIGEST, check_json_body, max_prompt_chars, read_body
+from proxy.server.intake import KEY_DIGEST, check_json_body, max_prompt_chars, read_body, too_large
 from proxy.server.state import STATE, ProxyState
 from proxy.serving.delivery import complete_response, send_body, stream_response
 
@@ -60,6 +61,30 @@ from proxy.serving.delivery import complete_response, send_body, stream_response
 def context_of(state: ProxyState, worker: Ready) -> Context:
     """What a dialect's conversion needs from the server now."""
     return Context(worker.max_context_tokens, state.tool_format(), state.model_name() or worker.model_id)
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """The ``expect_handler`` of every route that reads a body: ``Expect:
+    100-continue`` is answered ``100 Continue`` only for a body this server would
+    read; a ``Content-Length`` over the body limit gets its 413 at once, in the
+    route's error shape, before the client sends it (RFC 9110 §10.1.1: a server
+    may answer with a final status instead). aiohttp runs this before the
+    middlewares and the handler; a response returned here is the answer."""
+    expect = request.headers.get("Expect", "")
+    if request.version != (1, 1):
+        return None  # HTTP/1.0 has no interim responses: the body just comes
+    if expect.lower() != "100-continue":
+        return web.Response(status=417, text=f"Unknown Expect: {expect[:64]}")
+    state = request.app[STATE]
+    limit = state.settings.body_limit_bytes(max_prompt_chars(state.engine.worker))
+    length = request.content_length
+    if length is not None and length > limit:
+        resp = error_response(too_large(limit, state.settings), error_shape(request))
+        resp.force_close()  # the body it announced is not read
+        return resp
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the interim response is not the response's size
+    return None
 
 
 async def read_request(request: web.Request) -> bytes:
@@ -92,10 +117,12 @@ def add_dialect_routes(app: web.Application, routes: Sequence[tuple[str, Dialect
     renamed by its ``Generation`` (``Options.fields``)."""
     shapes: dict[str, ErrorShape] = {}
     for path, dialect in routes:
-        app.router.add_post(path, renaming(endpoint(dialect), dialect.fields))
+        app.router.add_post(path, renaming(endpoint(dialect), dialect.fields), expect_handler=expect_continue)
         shapes[path] = dialect.errors
         for method, extra, handler in dialect.extra_routes:
-            app.router.add_route(method, extra, renaming(handler, dialect.fields))
+            app.router.add_route(
+                method, extra, renaming(handler, dialect.fields), expect_handler=expect_continue
+            )
             shapes[extra] = dialect.errors
     app[ERROR_SHAPES] = shapes
 

@@ -437,3 +437,26 @@ async def test_ready_reports_the_worker_load(make_client: MakeClient, fake: Fake
         "worker_waiting_requests": 3,
         "worker_kv_cache_usage": 0.1235,
     }
+
+
+@pytest.mark.parametrize("path", [URL, "/v1/messages", "/tokenize", "/v1/messages/count_tokens"])
+async def test_expect_continue_over_the_limit_gets_413_not_100(
+    make_client: MakeClient, fake: FakeEngineClient, path: str
+) -> None:
+    """As nginx does: the 413 comes instead of ``100 Continue``, so the client
+    never sends the gigabyte it announced."""
+    client = await make_client(max_body_mb=1)
+    async with raw_connection(client) as (reader, writer):
+        writer.write(head(path, 2**30, extra="Expect: 100-continue\r\n"))
+        async with asyncio.timeout(GUARD_S):
+            first = await reader.readline()
+    assert first.startswith(b"HTTP/1.1 413"), first
+    # Within the limit: 100 Continue, then the answer.
+    data = orjson.dumps(body())
+    async with raw_connection(client) as (reader, writer):
+        writer.write(head(URL, len(data), extra="Expect: 100-continue\r\n"))
+        async with asyncio.timeout(GUARD_S):
+            assert (await reader.readline()).startswith(b"HTTP/1.1 100")
+            await reader.readline()  # the blank line after it
+            writer.write(data)
+            assert (await reader.readline()).startswith(b"HTTP/1.1 200")
