@@ -10,7 +10,9 @@ Admission: a ``Submit`` is validated at once (``admission.validate_request``:
 sampling and limits, by the backend's ``ModelInfo``; the one place they are
 checked), then prepared (templated, tokenized once for its ``n`` choices) on a
 thread of its own, so a long prompt never stalls the token flow of the running
-sequences, then checked against the context and given its completion budget
+sequences (``Tokenize``/``Detokenize`` lookups run on another, so a generation
+request's preparation never waits behind them; both refuse at once a prompt
+that cannot fit whatever it tokenizes to: ``admission.check_prompt_size``), then checked against the context and given its completion budget
 (``admission.budget``). So a request that would fail never shows queue
 progress. Then, in arrival order, it waits in a
 bounded queue until all its choices fit together: running sequences plus
@@ -161,9 +163,12 @@ class EngineLoop:
         self._queued_ids: dict[str, _Queued] = {}
         self._preparing: deque[_Preparing] = deque()
         self._preparing_ids: dict[str, _Preparing] = {}
-        # Tokenize / Detokenize answers being computed on the prepare thread, in arrival order.
+        # Tokenize / Detokenize answers being computed on the lookup thread, in arrival order.
         self._lookups: deque[tuple[str, Future[Event]]] = deque()
         self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="worker-prepare")
+        # Lookups have a thread of their own: a generation request's preparation never
+        # waits behind them (each is bounded like a generation prompt: check_prompt_size).
+        self._lookup_pool = ThreadPoolExecutor(1, thread_name_prefix="worker-lookup")
         self._queue_rate = QueueRate()
         # Seconds each running sequence spent from arrival to start (_add_wait).
         self._waited: dict[str, float] = {}
@@ -234,6 +239,7 @@ class EngineLoop:
                 self._sockets.send(EventBatch(dropped))
         finally:
             self._prepare_pool.shutdown(wait=True, cancel_futures=True)
+            self._lookup_pool.shutdown(wait=True, cancel_futures=True)
             done.set()
             beats.join(5)
 
@@ -287,10 +293,10 @@ class EngineLoop:
             self._submit(msg, pending)
         elif isinstance(msg, Tokenize):
             self._lookups.append(
-                (msg.submit.request_id, self._prepare_pool.submit(self._tokenize, msg.submit))
+                (msg.submit.request_id, self._lookup_pool.submit(self._tokenize, msg.submit))
             )
         elif isinstance(msg, Detokenize):
-            self._lookups.append((msg.request_id, self._prepare_pool.submit(self._detokenize, msg)))
+            self._lookups.append((msg.request_id, self._lookup_pool.submit(self._detokenize, msg)))
         elif isinstance(msg, Abort):
             self._abort(msg.request_ids, pending)
         elif msg.protocol_version == PROTOCOL_VERSION:
@@ -363,7 +369,10 @@ class EngineLoop:
         """``Tokenize``'s answer: the prompt exactly as ``prepare`` makes it for generation
         (a prompt generation refuses untokenized is refused here too)."""
         check_prompt_size(submit, self._backend.info)
-        prepared = self._backend.prepare(submit)
+        # The prompt alone: a grammar or logprobs do not change it, and compiling one (or
+        # building the vocabulary) here would race the prepare thread's.
+        params = msgspec.structs.replace(submit.params, grammar=None, grammar_param=None, logprobs=None)
+        prepared = self._backend.prepare(msgspec.structs.replace(submit, params=params))
         return Tokens(submit.request_id, tuple(self._backend.prompt_ids(prepared)))
 
     def _detokenize(self, msg: Detokenize) -> Event:

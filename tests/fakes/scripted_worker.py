@@ -68,6 +68,10 @@ class ScriptedBackend:
             raise KeyError("tokenizer bug")
         return Prepared(submit, submit.prompt, 4, "prompt")
 
+    def prompt_ids(self, prepared: Prepared) -> list[int]:
+        """As many ids as ``prepare`` counts prompt tokens."""
+        return [0] * prepared.prompt_tokens
+
     def reservation(self, prepared: Prepared) -> int:
         return 4 + prepared.submit.params.max_tokens
 

@@ -29,7 +29,10 @@ async def test_a_huge_tool_name_gives_a_small_error(make_client: MakeClient, fak
         "messages": [{"role": "user", "content": "x"}],
         "tools": [{"type": "function", "function": {"name": name}}],
     }
-    for path, payload in ((URL, body), ("/v1/messages", {**body, "max_tokens": 5, "tools": [{"name": name}]})):
+    for path, payload in (
+        (URL, body),
+        ("/v1/messages", {**body, "max_tokens": 5, "tools": [{"name": name}]}),
+    ):
         r = await client.post(path, json=payload)
         assert r.status == 400
         text = await r.text()
