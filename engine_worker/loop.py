@@ -12,7 +12,8 @@ checked), then prepared (templated, tokenized once for its ``n`` choices) on a
 thread of its own, so a long prompt never stalls the token flow of the running
 sequences (``Tokenize``/``Detokenize`` lookups run on another, so a generation
 request's preparation never waits behind them; both refuse at once a prompt
-that cannot fit whatever it tokenizes to: ``admission.check_prompt_size``), then checked against the context and given its completion budget
+that cannot fit whatever it tokenizes to: ``admission.check_prompt_size``), then
+checked against the context and given its completion budget
 (``admission.budget``). So a request that would fail never shows queue
 progress. Then, in arrival order, it waits in a
 bounded queue until all its choices fit together: running sequences plus
