@@ -58,6 +58,24 @@ Only ``127.0.0.1`` URLs are accepted for those four cases.
   prints each probe's ``cached_tokens`` and ``prompt_time`` (with a shared prefix
   cache the right guess is found, and prefills faster than the wrong one).
 
+Issue 33's cases: one client stalling the worker. The first four run while a victim
+stream decodes and send a newcomer's 3-token chat 0.3 s in; each prints how long the
+attack took and what it got, the victim's median gap before and its median and
+largest gap during, and the newcomer's time to first token:
+
+- **stops-none**, **stops**, **stops-allowed**: ``--stop-requests`` (8) Messages requests
+  with no stops (the baseline of the same requests), with ``--stop-count`` (50,000)
+  ``stop_sequences`` each, and with 64 of 256 characters (the limit);
+- **lookup**: ``--lookup-requests`` (4) ``count_tokens`` of ``--lookup-mb`` (4.7) MB;
+- **turns**: ``--turns-requests`` (4) Messages requests of ``--turns`` (100,000)
+  one-character messages;
+- **status-streams**: 8 ``/v1/status?stream=true`` sockets that never read: whether a
+  follower is served within ``--stalled-client-timeout`` (the server's) + 30 s and how
+  the 8 sockets ended; then 8 ``HEAD`` with a ``GET`` pipelined: how many got answers
+  and the body bytes that came where none should;
+- **grammar-fault** (``--serve-pid``): a valid schema (an enum of 30,000) whose checker
+  child is SIGKILLed mid-check: the status and code it gets.
+
 RSS figures read ``/proc`` (Linux); the worker is the child process of ``serve``.
 """
 
@@ -654,9 +672,10 @@ async def _disturbed(url: str, name: str, attack: Callable[[httpx.AsyncClient], 
     during = _gaps(times, t0, t1 + 0.5)
     median = statistics.median(before) if before else float("nan")
     largest = max(during, default=float("nan"))
+    typical = statistics.median(during) if during else float("nan")
     print(
         f"{name}: attack {t1 - t0:.2f} s ({outcome}); victim stream median gap before "
-        f"{median * 1000:.0f} ms, largest gap during {largest * 1000:.0f} ms "
+        f"{median * 1000:.0f} ms, during: median {typical * 1000:.0f} ms, largest {largest * 1000:.0f} ms "
         f"({largest / median:.1f}x); newcomer TTFT {ttft}"
     )
 
@@ -765,17 +784,19 @@ async def status_streams(url: str, stalled_s: float, wait_s: float) -> None:
 
 async def grammar_fault(url: str, serve_pid: int) -> None:
     """A valid schema (an enum of 30,000) whose checker child is killed mid-check:
-    the status and error code it gets."""
+    the status and error code it gets. Two checks first start both children, so
+    the one killed is checking (running), not starting."""
     schema = {"type": "string", "enum": [f"value-{i}" for i in range(30_000)]}
     rf = {"type": "json_schema", "json_schema": {"name": "e", "schema": schema}}
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": rf}
     async with httpx.AsyncClient(timeout=60) as client:
-        r0 = await client.post(url + "/v1/chat/completions", json=body)
+        warm = await asyncio.gather(*(client.post(url + "/v1/chat/completions", json=body) for _ in range(2)))
+        started = set(_children_running(serve_pid, "proxy.grammar.child", running=False))
         task = asyncio.create_task(client.post(url + "/v1/chat/completions", json=body))
         killed = 0
         deadline = time.monotonic() + 10
         while not task.done() and not killed and time.monotonic() < deadline:
-            for pid in _children_running(serve_pid, "proxy.grammar.child"):
+            for pid in set(_children_running(serve_pid, "proxy.grammar.child")) & started:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                     killed += 1
@@ -783,13 +804,15 @@ async def grammar_fault(url: str, serve_pid: int) -> None:
         r = await task
     err = r.json().get("error", {}) if r.status_code != 200 else {}
     print(
-        f"grammar child killed mid-check (enum of 30,000; alone: HTTP {r0.status_code}): {killed} killed, "
-        f"HTTP {r.status_code} {err.get('code')} Retry-After {r.headers.get('retry-after')}"
+        f"grammar child killed mid-check (enum of 30,000; alone: HTTP {[w.status_code for w in warm]}): "
+        f"{killed} killed, HTTP {r.status_code} {err.get('code')} {err.get('message', '')[:60]!r} "
+        f"Retry-After {r.headers.get('retry-after')}"
     )
 
 
-def _children_running(pid: int, needle: str) -> list[int]:
-    """Children of ``pid`` whose command line holds ``needle`` and that are using the CPU (state R)."""
+def _children_running(pid: int, needle: str, running: bool = True) -> list[int]:
+    """Children of ``pid`` whose command line holds ``needle`` (and, with ``running``,
+    that are using the CPU: state R)."""
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -797,7 +820,7 @@ def _children_running(pid: int, needle: str) -> list[int]:
             cmdline = (stat.parent / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(fields[1]) == pid and fields[0] == "R" and needle.encode() in cmdline:
+        if int(fields[1]) == pid and (fields[0] == "R" or not running) and needle.encode() in cmdline:
             out.append(int(stat.parent.name))
     return out
 
