@@ -12,14 +12,13 @@ import zmq
 
 from engine_worker.backend import ModelInfo, Prepared, RequestRejected
 from protocol import (
-    Abort,
     ErrorCode,
     Event,
     EventBatch,
     Finished,
     FinishReason,
-    Hello,
     PrefillProgress,
+    ProxyMessage,
     RequestError,
     SamplingParams,
     Started,
@@ -137,7 +136,7 @@ class Peer:
         self.pull = ctx.socket(zmq.PULL)
         self.pull.connect(output_addr)
 
-    def send(self, msg: Hello | Submit | Abort) -> None:
+    def send(self, msg: ProxyMessage) -> None:
         self.push.send_multipart(encode(msg))
 
     def recv(self, timeout_s: float = 5.0) -> WorkerMessage:
