@@ -68,7 +68,8 @@ def check_prompt_size(submit: Submit, info: ModelInfo) -> None:
         chars, param = len(submit.prompt), "prompt"
     else:
         chars = sum(len(m.content) + len(m.tool_calls_json or "") for m in submit.messages)
-        chars, param = chars + len(submit.tools_json or ""), "messages"
+        chars += len(submit.tools_json or "") + sum(len(p.text) for p in submit.forced_prefix)
+        param = "messages"
     most = context * info.longest_token_chars
     if chars > most:
         raise RequestRejected(

@@ -122,6 +122,18 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     grammar_param: str | None = None
 
 
+class PromptPiece(msgspec.Struct, array_like=True, frozen=True):
+    """A run of text the proxy writes after the chat template (``Submit.forced_prefix``).
+
+    ``control``: the piece is a tool-call format's marker (``[TOOL_CALLS]``,
+    ``<|python_tag|>``), encoded as its one token when the model's tokenizer has
+    it as a control token, else as text; any other piece is encoded with
+    special-token parsing off, so no text in it becomes a control token."""
+
+    text: str
+    control: bool = False
+
+
 class Hello(_Msg, frozen=True, tag="hello"):
     """Sent by the proxy on connect and while not ready; answered by ``Ready``."""
 
@@ -154,6 +166,13 @@ class Submit(_Msg, frozen=True, tag="submit"):
     requests of the same salt (``None`` is a salt too: the shared one), so a
     tenant cannot learn from cache hits what another one sent. A worker whose
     engine cannot keep salts apart refuses a salted request."""
+    forced_prefix: tuple[PromptPiece, ...] = ()
+    """Chat only: text the worker appends to the prompt after the chat template
+    (its generation prompt included), as if the model had already written it;
+    the output, its grammar and its token counts start after it. The proxy
+    writes it for a named ``tool_choice``: the call's opening markup and the
+    function's name (``proxy.tools.grammar.named_call_prefix``), so the model
+    generates only the arguments, as vLLM does."""
 
 
 def choice_ids(request_id: str, n: int) -> list[str]:
@@ -252,6 +271,10 @@ class Heartbeat(_Msg, frozen=True, tag="heartbeat"):
     running_requests: int | None = None
     """Requests running (a request with ``n`` choices counts once; ``active_requests``
     counts its ``n`` sequences); ``None`` from a worker that does not say."""
+    kv_events_dropped: int = 0
+    """KV-cache event batches (``--kv-events-endpoint``) this worker process dropped
+    because its publishing queue was full, since it started (a counter that a worker
+    restart resets); 0 when it publishes none."""
 
 
 class QueueProgress(_Msg, frozen=True, tag="queued"):

@@ -73,6 +73,7 @@ from engine_worker.cpu.model_store import LoadedModel, load_embedded, load_model
 from engine_worker.cpu.ngram import NgramDrafter
 from engine_worker.cpu.prefix_cache import PrefixCache
 from engine_worker.cpu.sampling import Scored, TokenSampler
+from engine_worker.kv_events import MEDIUM_CPU, BatchSink, KvEvents
 from engine_worker.settings import DraftMode, WorkerSettings
 from engine_worker.stops import StopMatcher
 from protocol.messages import (
@@ -259,6 +260,16 @@ class CpuBackend:
     @property
     def info(self) -> ModelInfo:
         return self._info
+
+    def attach_kv_events(self, sink: BatchSink) -> KvEvents:
+        """Publish the prefix cache's entries as blocks of ``info.kv_block_tokens`` (its
+        entries end at multiples of it, ``_reusable``), medium ``CPU``."""
+        events = KvEvents(sink, block_size=self._info.kv_block_tokens, medium=MEDIUM_CPU)
+        self._prefix_cache.listen(
+            lambda tokens, salt: events.store_tokens(tokens.tolist(), salt),
+            lambda tokens, salt: events.evict_tokens(tokens.tolist(), salt),
+        )
+        return events
 
     @property
     def prefix_cache(self) -> PrefixCache:
@@ -554,8 +565,11 @@ class CpuBackend:
             raise RequestRejected(
                 ErrorCode.INVALID_REQUEST, f"the chat template rejected the messages: {exc}", param="messages"
             ) from exc
-        # Control tokens only where the template wrote them; the rest, client text
-        # included, with special-token parsing off (engine_worker.client_text).
+        # The call's opening the proxy wrote for a named tool (Submit.forced_prefix).
+        pieces += self._control_tokens.prefix_pieces(submit.forced_prefix)
+        # Control tokens only where the template (or the proxy's prefix) wrote them;
+        # the rest, client text included, with special-token parsing off
+        # (engine_worker.client_text).
         texts = [p.text for p in pieces if not p.control]
         encoded = iter(
             self._prompt_tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]

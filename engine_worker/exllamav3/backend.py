@@ -132,7 +132,9 @@ from engine_worker.exllamav3 import logprobs as lp
 from engine_worker.exllamav3.config import PAGE_SIZE
 from engine_worker.exllamav3.engine import EngineHandle, GeneratorLike, id_list
 from engine_worker.exllamav3.grammar import compile_filter, failure_of
+from engine_worker.exllamav3.kv_pages import PageTableEvents
 from engine_worker.exllamav3.sampling import FLOAT32_MAX, job_settings
+from engine_worker.kv_events import MEDIUM_GPU, BatchSink, KvEvents
 from engine_worker.settings import WorkerSettings
 from protocol.messages import (
     ErrorCode,
@@ -292,11 +294,24 @@ class ExLlamaV3Backend:
         self._held: list[_Request] = []  # later choices waiting for their first choice's prefill
         self._faults: deque[float] = deque()
         self._owner: int | None = None
+        self._pages: PageTableEvents | None = None
         self.longest_step_s = 0.0
 
     @property
     def info(self) -> ModelInfo:
         return self._info
+
+    def attach_kv_events(self, sink: BatchSink) -> KvEvents:
+        """Publish the page table's complete pages (``kv_pages``), blocks of ``PAGE_SIZE``
+        tokens, medium ``GPU``. Salted requests are refused by this backend
+        (``ModelInfo.cache_salt`` is off), so no page is a salted one."""
+        events = KvEvents(sink, block_size=PAGE_SIZE, medium=MEDIUM_GPU)
+        self._pages = PageTableEvents(events)
+        return events
+
+    def _sync_pages(self) -> None:
+        if self._pages is not None:
+            self._pages.sync(self._gen.pagetable)
 
     def active_ids(self) -> Collection[str]:
         return self._requests.keys()
@@ -320,7 +335,8 @@ class ExLlamaV3Backend:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, "messages must not be empty", "messages")
         messages = _template_messages(submit)
         tools = _template_tools(submit)
-        return self._h.encode_chat(messages, submit.add_generation_prompt, tools), "messages"
+        ids = self._h.encode_chat(messages, submit.add_generation_prompt, tools, submit.forced_prefix)
+        return ids, "messages"
 
     def prepare(self, submit: Submit) -> Prepared:
         """Tokenize (chat template for ``messages``, with ``tools_json`` and the turns'
@@ -516,6 +532,7 @@ class ExLlamaV3Backend:
         self._finish(req)
         if req.serial >= 0:
             self._gen.cancel(req.job)
+            self._sync_pages()  # released reservations may give pages their old content back
 
     # ------------------------------------------------------------------ stepping
 
@@ -532,6 +549,7 @@ class ExLlamaV3Backend:
             return self._recover(e)
         finally:
             self.longest_step_s = max(self.longest_step_s, time.monotonic() - t0)
+        self._sync_pages()
         now = time.monotonic()
         events: list[Event] = []
         self._fail_broken_grammars(events)
@@ -609,6 +627,8 @@ class ExLlamaV3Backend:
             raise EngineFailed(
                 f"rebuilding the generator after {what} failed: {type(e).__name__}: {e}"
             ) from e
+        if self._pages is not None:
+            self._pages.reset()  # a new generator, a new, empty page table
 
         out_of_memory = "out of memory" in str(error).lower()
         code = ErrorCode.OVERLOADED if out_of_memory else ErrorCode.INTERNAL

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine_worker.settings import EXLLAMAV3_MAX_BATCH_SIZE
+from protocol.messages import PromptPiece
 
 
 class IdTensor(Protocol):
@@ -54,6 +55,11 @@ class GeneratorLike(Protocol):
 
     def num_remaining_jobs(self) -> int: ...
 
+    @property
+    def pagetable(self) -> Any:
+        """The ``PageTable`` (``generator/generator.py:242``), read by ``kv_pages`` after ``iterate``."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class EngineHandle:
@@ -62,11 +68,11 @@ class EngineHandle:
     - ``generator``: the one ``Generator`` over the model's cache.
     - ``new_job(**kwargs)`` / ``new_sampler(**kwargs)``: ``Job`` / ``ComboSampler`` constructors.
     - ``encode(text, add_bos)``: raw prompt -> ``(1, n)`` ids, special tokens in the text parsed.
-    - ``encode_chat(messages, add_generation_prompt, tools)``: the model's chat template applied
+    - ``encode_chat(messages, add_generation_prompt, tools, prefix)``: the model's chat template applied
       and tokenized (``Tokenizer.hf_chat_template``); ``messages`` are ``{"role", "content"}``
       dicts, with ``tool_calls`` (a list of call objects), ``tool_call_id`` and ``name`` where a
       turn has them; ``tools`` (OpenAI's ``tools`` array) goes to the template as its ``tools``
-      variable, ``None`` passes nothing.
+      variable, ``None`` passes nothing; ``prefix`` (``Submit.forced_prefix``) is tokenized after it.
     - ``decode(ids)``: token ids -> text, special tokens as their text (``Tokenizer.decode`` with
       ``decode_special_tokens=True``, as jobs decode).
     - ``pieces``: token id -> the text ``Job`` appends for it (``get_id_to_piece_list`` with
@@ -103,7 +109,7 @@ class EngineHandle:
     new_job: Callable[..., Any]
     new_sampler: Callable[..., Any]
     encode: Callable[[str, bool], IdTensor]
-    encode_chat: Callable[[list[dict[str, Any]], bool, list[Any] | None], IdTensor]
+    encode_chat: Callable[[list[dict[str, Any]], bool, list[Any] | None, Sequence[PromptPiece]], IdTensor]
     decode: Callable[[list[int]], str]
     pieces: Sequence[str]
     eos_token_ids: tuple[int, ...]

@@ -51,7 +51,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,7 @@ from engine_worker.exllamav3.config import PAGE_SIZE, CacheMode, parse_split
 from engine_worker.exllamav3.engine import EngineHandle, id_list
 from engine_worker.exllamav3.grammar import contained_filter_class, filter_factory
 from engine_worker.settings import DraftMode, WorkerSettings
+from protocol.messages import PromptPiece
 
 log = logging.getLogger(__name__)
 
@@ -425,10 +426,15 @@ class LoadedEngine:
         return self.text.tokenizer.encode(text, add_bos=bos, encode_special_tokens=True)
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[Any] | None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[Any] | None,
+        prefix: Sequence[PromptPiece] = (),
     ) -> Any:
-        # Client text tokenized as text, control tokens only where the template wrote them.
-        return self._encode_chat(messages, add_generation_prompt, tools)
+        # Client text tokenized as text, control tokens only where the template
+        # (or the proxy's prefix, Submit.forced_prefix) wrote them.
+        return self._encode_chat(messages, add_generation_prompt, tools, prefix)
 
     def decode(self, ids: list[int]) -> str:
         import torch

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from protocol.messages import ChatMessage, SamplingParams, Submit
+from protocol.messages import ChatMessage, PromptPiece, SamplingParams, Submit
 from proxy.errors import InvalidRequest
 from proxy.grammar.check import json_schema_grammar
 from proxy.tools import (
@@ -34,7 +34,7 @@ from proxy.tools import (
     tool_call_grammar,
     tools_or_answer_grammar,
 )
-from proxy.tools.grammar import json_rule_schema
+from proxy.tools.grammar import json_rule_schema, named_call_grammar, named_call_prefix
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 """Temperatures below this sample greedily: dividing logits by them overflows."""
@@ -112,11 +112,20 @@ class ToolPlan:
     parallel calls), the call ``format`` the output is parsed in, and whether
     the model's chat template renders the tools itself (``native``: they go to
     the worker as ``Submit.tools_json`` with structured tool turns) or the
-    generic tools prompt does (``proxy.tools.render_fallback``)."""
+    generic tools prompt does (``proxy.tools.render_fallback``). ``prefix``:
+    for a named function, the call's opening the server writes after the
+    template (``proxy.tools.grammar.named_call_prefix``; the model generates
+    only the arguments), else empty."""
 
     config: ToolConfig
     format: ToolCallFormat
     native: bool = False
+    prefix: tuple[PromptPiece, ...] = ()
+
+    @property
+    def primer(self) -> str:
+        """``prefix`` as the text the output parser reads first."""
+        return "".join(p.text for p in self.prefix)
 
     def tools_json(self) -> str:
         """OpenAI's ``tools`` array for the template: the callable functions."""
@@ -143,7 +152,10 @@ def tool_plan(task: ChatTask, choice: FormatChoice) -> ToolPlan | None:
     asked for explicitly. A forced call is one call: always for a named function (as
     OpenAI's), and for ``required`` unless the client asked for parallel calls
     explicitly; otherwise a grammar that allows "another call" lets a small
-    model repeat calls until ``max_tokens``."""
+    model repeat calls until ``max_tokens``. A named function's call is opened
+    by the server (``ToolPlan.prefix``) when the prompt ends with the
+    generation prompt (``add_generation_prompt``), as it does unless the
+    client continues a turn of its own."""
     config = task.tools
     if config is None:
         return None
@@ -164,7 +176,10 @@ def tool_plan(task: ChatTask, choice: FormatChoice) -> ToolPlan | None:
             "'logprobs' cannot be combined with tool calls ('tool_choice' is not 'none')",
             param="logprobs",
         )
-    return ToolPlan(config, choice.format, choice.native)
+    prefix: tuple[PromptPiece, ...] = ()
+    if config.mode == "function" and task.add_generation_prompt:
+        prefix = named_call_prefix(choice.format, config)
+    return ToolPlan(config, choice.format, choice.native, prefix)
 
 
 def _temperature(t: float | None) -> float:
@@ -183,13 +198,17 @@ def sampling_params(
     ``max_context_tokens`` (the worker stops at the end of the context);
     ``top_k == -1`` (vLLM's "disabled") becomes 0; a temperature below
     ``GREEDY_BELOW_TEMPERATURE`` becomes 0 (greedy); empty stop strings are
-    dropped. The grammar: a forced call's (the JSON output does not apply),
+    dropped. The grammar: a forced call's (the JSON output does not apply;
+    for a named function opened by the server, only its arguments and close),
     else with tools a call or the JSON output, else that JSON; not checked here
     (``proxy.grammar.check.validate``, awaited by the request path)."""
     grammar: str | None = None
     grammar_param: str | None = None
     # Not lenient: a keyword llguidance cannot enforce is a 400, not ignored.
-    if tools is not None and tools.config.forced:
+    if tools is not None and tools.prefix:
+        # The server wrote the call up to its arguments: the model writes the rest.
+        grammar, grammar_param = named_call_grammar(tools.format, tools.config, lenient=False), "tool_choice"
+    elif tools is not None and tools.config.forced:
         grammar, grammar_param = tool_call_grammar(tools.format, tools.config, lenient=False), "tool_choice"
     elif json_output is not None:
         if tools is not None and tools.config.active:
@@ -285,6 +304,7 @@ def chat_submit(task: ChatTask, request_id: str, max_context_tokens: int, tools:
         add_generation_prompt=task.add_generation_prompt,
         n=task.n,
         cache_salt=task.cache_salt,
+        forced_prefix=tools.prefix if tools is not None else (),
     )
 
 
@@ -308,5 +328,6 @@ def prompt_chars(submit: Submit) -> tuple[int, str]:
     without the template's own text) and the parameter holding it."""
     if submit.prompt is not None:
         return len(submit.prompt), "prompt"
+    prefix = sum(len(p.text) for p in submit.forced_prefix)
     chars = sum(len(m.content) + len(m.tool_calls_json or "") for m in submit.messages)
-    return chars + len(submit.tools_json or ""), "messages"
+    return chars + len(submit.tools_json or "") + prefix, "messages"

@@ -111,10 +111,12 @@ rates are the fake model's, not a real one's.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import json
 import math
 import os
+import struct
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -771,14 +773,32 @@ class ComboSampler:
 # ---------------------------------------------------------------- paging
 
 
+_unique_hashes = 0
+
+
+def _random_hash() -> bytes:
+    """``_randomhash`` (``pagetable.py:30-34``): a process-wide counter, 16 bytes big-endian, so
+    its first 8 bytes are zero."""
+    global _unique_hashes
+    _unique_hashes += 1
+    return _unique_hashes.to_bytes(16, "big")
+
+
+def _is_content_hash(h: bytes) -> bool:
+    """``is_content_hash`` (``pagetable.py:39-42``)."""
+    return h[:8] != bytes(8)
+
+
 class _Page:
     """One cache page (``pagetable.py:45-81``). ``*_revert`` and ``can_revert`` keep what the
     page held before a job reserved it for new tokens, so that a reservation the job never
-    writes gives the page back unchanged (``pagetable.py:112-127``)."""
+    writes gives the page back unchanged (``pagetable.py:112-127``). ``sequence`` is the
+    ``(1, n)`` tensor of its tokens (1.6.5's is ``(1, PAGE_SIZE)``, valid up to
+    ``kv_position``, ``pagetable.py:390``)."""
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.phash: Any = ("unique", index, 0)
+        self.phash: bytes = _random_hash()
         self.prev_hash: Any = None
         self.tokens: list[int] = []
         self.kv_position = 0
@@ -793,7 +813,11 @@ class _Page:
 
     @property
     def content_hashed(self) -> bool:
-        return bool(self.phash[0] == "content")
+        return _is_content_hash(self.phash)
+
+    @property
+    def sequence(self) -> FakeTensor:
+        return FakeTensor(self.tokens)
 
     def backup(self) -> None:
         """``CachePage.backup`` (``pagetable.py:112-118``)."""
@@ -803,8 +827,15 @@ class _Page:
         self.can_revert = True
 
 
-def _chain_hash(prev: Any, tokens: Sequence[int]) -> tuple[str, int]:
-    return ("content", hash((prev, tuple(tokens))))
+def _chain_hash(prev: bytes | None, tokens: Sequence[int]) -> bytes:
+    """``_tensor_blake2b_checksum`` (``pagetable.py:23-28``): blake2b, 16 bytes, of the previous
+    page's hash and the page's ``torch.long`` tokens as ``numpy().tobytes()`` (int64,
+    little-endian on the x86 and ARM hosts CUDA runs on)."""
+    h = hashlib.blake2b(digest_size=16)
+    if prev is not None:
+        h.update(prev)
+    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    return h.digest()
 
 
 class _PageTable:
@@ -822,11 +853,15 @@ class _PageTable:
         self.pages = [_Page(i) for i in range(max_pages)]
         self.by_hash: dict[Any, _Page] = {}
         self.serial = 0
-        self.unique = 0
 
     @property
     def max_pages(self) -> int:
         return len(self.pages)
+
+    @property
+    def all_pages(self) -> list[_Page]:
+        """``PageTable.all_pages`` (``pagetable.py:380-399``, ``reset_page_table``)."""
+        return self.pages
 
     def num_unreferenced_pages(self) -> int:
         return sum(1 for p in self.pages if p.ref_count == 0)
@@ -899,13 +934,12 @@ class _PageTable:
         if self.by_hash.get(page.phash) is page:
             del self.by_hash[page.phash]
         page.phash = h
-        if h[0] == "content":
+        if _is_content_hash(h):
             assert self.by_hash.get(h) in (None, page), "two pages with one content hash"
             self.by_hash[h] = page
 
     def make_unique(self, page: _Page) -> None:
-        self.unique += 1
-        self.set_hash(page, ("unique", page.index, self.unique))
+        self.set_hash(page, _random_hash())
 
     def clear(self, page: _Page) -> None:
         """``CachePage.clear`` (``pagetable.py:178-188``): an unreferenced page loses its content."""

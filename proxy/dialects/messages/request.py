@@ -25,7 +25,8 @@ sees, as Anthropic's API leaves it out of the context until it is loaded (a
 block in a tool result is). What changes nothing here (``thinking``,
 ``context_management``, ``cache_control``, ``metadata``, ``service_tier``) is
 accepted; what would change the answer and cannot be honoured (images,
-documents, server tools, MCP servers) is a 400 naming it.
+documents, server tools, MCP servers) is a 400 naming it. Claude Code's billing
+line at the start of ``system`` never reaches the prompt (``claude_code``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from proxy.core.fields import (
     tool_config,
 )
 from proxy.core.task import ChatTask, JsonOutput, Sampling
+from proxy.dialects.messages.claude_code import without_billing_header
 from proxy.errors import FieldNames, InvalidRequest, quoted
 from proxy.tools import FunctionCall, HistoryMessage, ToolCall, ToolChoiceIn, ToolIn
 
@@ -186,8 +188,9 @@ _DROPPED = frozenset({"thinking", "redacted_thinking"})
 def history(system: object, messages: list[MessageIn]) -> tuple[HistoryMessage, ...]:
     """``system`` and ``messages`` as chat turns (module docstring). Raises
     ``InvalidRequest`` naming ``messages[i].content[j]``, also where Anthropic's
-    API refuses a conversation (``_check_turn``)."""
+    API refuses a conversation (``_check_result``, empty content)."""
     turns: list[HistoryMessage] = []
+    system = without_billing_header(system)
     if system:
         turns.append(HistoryMessage(role="system", content=_text_blocks(system, "system")))
     seen_ids: set[str] = set()
