@@ -58,6 +58,24 @@ Only ``127.0.0.1`` URLs are accepted for those four cases.
   prints each probe's ``cached_tokens`` and ``prompt_time`` (with a shared prefix
   cache the right guess is found, and prefills faster than the wrong one).
 
+Issue 33's cases: one client stalling the worker. The first four run while a victim
+stream decodes and send a newcomer's 3-token chat 0.3 s in; each prints how long the
+attack took and what it got, the victim's median gap before and its median and
+largest gap during, and the newcomer's time to first token:
+
+- **stops-none**, **stops**, **stops-allowed**: ``--stop-requests`` (8) Messages requests
+  with no stops (the baseline of the same requests), with ``--stop-count`` (50,000)
+  ``stop_sequences`` each, and with 64 of 256 characters (the limit);
+- **lookup**: ``--lookup-requests`` (4) ``count_tokens`` of ``--lookup-mb`` (4.7) MB;
+- **turns**: ``--turns-requests`` (4) Messages requests of ``--turns`` (100,000)
+  one-character messages;
+- **status-streams**: 8 ``/v1/status?stream=true`` sockets that never read: whether a
+  follower is served within ``--stalled-client-timeout`` (the server's) + 30 s and how
+  the 8 sockets ended; then 8 ``HEAD`` with a ``GET`` pipelined: how many got answers
+  and the body bytes that came where none should;
+- **grammar-fault** (``--serve-pid``): a valid schema (an enum of 30,000) whose checker
+  child is SIGKILLed mid-check: the status and code it gets.
+
 RSS figures read ``/proc`` (Linux); the worker is the child process of ``serve``.
 """
 
@@ -68,10 +86,13 @@ import asyncio
 import contextlib
 import gzip
 import itertools
+import os
 import random
+import signal
 import socket
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -98,10 +119,12 @@ def _child(pid: int) -> int:
     raise LookupError("no worker child")
 
 
-async def _normal_stream(client: httpx.AsyncClient, url: str, times: list[float]) -> str:
+async def _normal_stream(
+    client: httpx.AsyncClient, url: str, times: list[float], max_tokens: int = 150
+) -> str:
     body = {
         "messages": [{"role": "user", "content": "Count from one to one hundred in words."}],
-        "max_tokens": 150,
+        "max_tokens": max_tokens,
         "ignore_eos": True,  # decode the whole time the hostile request runs
         "temperature": 0,
         "stream": True,
@@ -606,7 +629,218 @@ async def cache_probe(url: str, keys: list[str], doc_chars: int, guess_chars: in
     )
 
 
-CASES = ("huge", "n", "gzip", "idle", "slowloris", "inject", "host", "stalled", "starve", "cache")
+# ---------------------------------------------------------------- issue 33: one client stalling the worker
+
+SHORT = {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 3, "stream": True}
+
+
+def _gaps(times: list[float], start: float, end: float) -> list[float]:
+    return [b - a for a, b in itertools.pairwise(times) if start <= b <= end]
+
+
+async def _disturbed(url: str, name: str, attack: Callable[[httpx.AsyncClient], Awaitable[str]]) -> None:
+    """Run ``attack`` while a victim stream decodes, and send a newcomer's 3-token
+    request 0.3 s into it; print the victim's median gap before, its largest gap
+    while the attack ran, the newcomer's time to first token, and what the attack
+    got. Bounded: the attack and the newcomer at 180 s each."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=10)) as client:
+        times: list[float] = []
+        victim = asyncio.create_task(_normal_stream(client, url, times, max_tokens=1500))
+        async with asyncio.timeout(60):
+            while len(times) < 20:  # noqa: ASYNC110 (polled: the stream is decoding)
+                await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        hostile = asyncio.ensure_future(attack(client))
+        await asyncio.sleep(0.3)
+        try:
+            async with asyncio.timeout(180):
+                first, _, _ = await _first_token(client, url, SHORT)
+            ttft = f"{first:.2f} s" if first is not None else "no token"
+        except TimeoutError:
+            ttft = "no token in 180 s"
+        try:
+            async with asyncio.timeout(180):
+                outcome = await hostile
+        except TimeoutError:
+            hostile.cancel()
+            outcome = "still running after 180 s (cancelled)"
+        t1 = time.monotonic()
+        victim.cancel()
+        with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+            await victim
+    before = _gaps(times, 0, t0)
+    during = _gaps(times, t0, t1 + 0.5)
+    median = statistics.median(before) if before else float("nan")
+    largest = max(during, default=float("nan"))
+    typical = statistics.median(during) if during else float("nan")
+    print(
+        f"{name}: attack {t1 - t0:.2f} s ({outcome}); victim stream median gap before "
+        f"{median * 1000:.0f} ms, during: median {typical * 1000:.0f} ms, largest {largest * 1000:.0f} ms "
+        f"({largest / median:.1f}x); newcomer TTFT {ttft}"
+    )
+
+
+async def _statuses(posts: list[Awaitable[httpx.Response]]) -> str:
+    got = await asyncio.gather(*posts, return_exceptions=True)
+    counts: dict[str, int] = {}
+    for r in got:
+        key = str(r.status_code) if isinstance(r, httpx.Response) else type(r).__name__
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(f"{n} x {k}" for k, n in sorted(counts.items()))
+
+
+def _posts(path: str, body: bytes, requests: int) -> Callable[[httpx.AsyncClient], Awaitable[str]]:
+    """An attack of ``requests`` concurrent POSTs of ``body`` (built before it starts,
+    so that building it costs the measured streams nothing)."""
+    headers = {"content-type": "application/json"}
+
+    async def attack(client: httpx.AsyncClient) -> str:
+        return await _statuses([client.post(path, content=body, headers=headers) for _ in range(requests)])
+
+    return attack
+
+
+def stop_attack(count: int, chars: int, requests: int) -> Callable[[httpx.AsyncClient], Awaitable[str]]:
+    """``requests`` Messages requests with ``count`` stop sequences of ``chars`` characters each
+    (0: none, the baseline of the same requests)."""
+    body: dict[str, object] = {
+        "max_tokens": 40,
+        "messages": [{"role": "user", "content": "Write a long story."}],
+    }
+    if count:
+        body["stop_sequences"] = [f"zq{i:07d}".ljust(chars, "q") for i in range(count)]
+    return _posts("/v1/messages", orjson.dumps(body), requests)
+
+
+def lookup_attack(mb: float, requests: int) -> Callable[[httpx.AsyncClient], Awaitable[str]]:
+    """``requests`` ``count_tokens`` of ``mb`` MB of text each."""
+    text = ("lorem ipsum dolor sit amet " * int(mb * 2**20 / 27 + 1))[: int(mb * 2**20)]
+    body = orjson.dumps({"messages": [{"role": "user", "content": text}]})
+    return _posts("/v1/messages/count_tokens", body, requests)
+
+
+def turns_attack(turns: int, requests: int) -> Callable[[httpx.AsyncClient], Awaitable[str]]:
+    """``requests`` Messages requests of ``turns`` one-character messages each."""
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": "x"} for i in range(turns)]
+    messages[-1]["role"] = "user"
+    return _posts("/v1/messages", orjson.dumps({"max_tokens": 4, "messages": messages}), requests)
+
+
+async def status_streams(url: str, stalled_s: float, wait_s: float) -> None:
+    """8 ``/v1/status?stream=true`` sockets that never read, then 8 HEAD requests
+    with a GET pipelined after them: whether a follower is served after
+    ``wait_s`` seconds (the server's ``--stalled-client-timeout`` is ``stalled_s``),
+    and whether the GET after the HEADs is answered."""
+    host, port = _hostport(url)
+    loop = asyncio.get_running_loop()
+    socks = []
+    request = b"GET /v1/status?stream=true&interval=0.25 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    for _ in range(8):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await loop.sock_connect(sock, (host, port))
+        await loop.sock_sendall(sock, request)
+        socks.append(sock)
+    try:
+        t0 = time.monotonic()
+        follower = "no answer"
+        async with httpx.AsyncClient(timeout=10) as client:
+            while time.monotonic() - t0 < wait_s:
+                async with client.stream("GET", url + "/v1/status?stream=true") as r:
+                    follower = str(r.status_code)
+                if follower == "200":
+                    break
+                await asyncio.sleep(1.0)
+        took = time.monotonic() - t0
+        states = [_tcp_state(s) for s in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+    head = b"HEAD /v1/status?stream=true HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    get = b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    reader, writer = await asyncio.open_connection(host, port)
+    answered = 0
+    body_bytes = 0
+    try:
+        writer.write(head * 8 + get)
+        with contextlib.suppress(TimeoutError, asyncio.IncompleteReadError):
+            async with asyncio.timeout(5):
+                for _ in range(9):
+                    line = await reader.readline()
+                    if not line.startswith(b"HTTP/1.1"):
+                        body_bytes += len(line)
+                        break
+                    answered += 1
+                    await reader.readuntil(b"\r\n\r\n")
+    finally:
+        writer.close()
+    print(
+        f"status streams (8 that never read, --stalled-client-timeout {stalled_s:g}): a follower got "
+        f"{follower} after {took:.1f} s; the 8 sockets: {', '.join(sorted(set(states)))}; "
+        f"8 HEAD + 1 GET pipelined: {answered} of 9 answered, {body_bytes} stray body bytes"
+    )
+
+
+async def grammar_fault(url: str, serve_pid: int) -> None:
+    """A valid schema (an enum of 30,000) whose checker child is killed mid-check:
+    the status and error code it gets. Two checks first start both children, so
+    the one killed is checking (running), not starting."""
+    schema = {"type": "string", "enum": [f"value-{i}" for i in range(30_000)]}
+    rf = {"type": "json_schema", "json_schema": {"name": "e", "schema": schema}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "response_format": rf}
+    async with httpx.AsyncClient(timeout=60) as client:
+        warm = await asyncio.gather(*(client.post(url + "/v1/chat/completions", json=body) for _ in range(2)))
+        started = set(_children_running(serve_pid, "proxy.grammar.child", running=False))
+        task = asyncio.create_task(client.post(url + "/v1/chat/completions", json=body))
+        killed = 0
+        deadline = time.monotonic() + 10
+        while not task.done() and not killed and time.monotonic() < deadline:
+            for pid in set(_children_running(serve_pid, "proxy.grammar.child")) & started:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                    killed += 1
+            await asyncio.sleep(0.005)
+        r = await task
+    err = r.json().get("error", {}) if r.status_code != 200 else {}
+    print(
+        f"grammar child killed mid-check (enum of 30,000; alone: HTTP {[w.status_code for w in warm]}): "
+        f"{killed} killed, HTTP {r.status_code} {err.get('code')} {err.get('message', '')[:60]!r} "
+        f"Retry-After {r.headers.get('retry-after')}"
+    )
+
+
+def _children_running(pid: int, needle: str, running: bool = True) -> list[int]:
+    """Children of ``pid`` whose command line holds ``needle`` (and, with ``running``,
+    that are using the CPU: state R)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and (fields[0] == "R" or not running) and needle.encode() in cmdline:
+            out.append(int(stat.parent.name))
+    return out
+
+
+STALL_CASES = ("stops-none", "stops", "stops-allowed", "lookup", "turns")
+CASES = (
+    "huge",
+    "n",
+    "gzip",
+    "idle",
+    "slowloris",
+    "inject",
+    "host",
+    "stalled",
+    "starve",
+    "cache",
+    *STALL_CASES,
+    "status-streams",
+    "grammar-fault",
+)
 
 
 def bomb_schema(n: int, contains: bool = False) -> dict[str, object]:
@@ -673,6 +907,15 @@ def main() -> None:
     parser.add_argument("--starve-wait", type=float, default=40.0)
     parser.add_argument("--cache-doc-chars", type=int, default=3000)
     parser.add_argument("--cache-guess-chars", type=int, default=2400)
+    parser.add_argument("--stop-count", type=int, default=50_000, help="case stops: stop sequences each")
+    parser.add_argument("--stop-requests", type=int, default=8)
+    parser.add_argument("--lookup-mb", type=float, default=4.7)
+    parser.add_argument("--lookup-requests", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=100_000)
+    parser.add_argument("--turns-requests", type=int, default=4)
+    parser.add_argument(
+        "--stalled-client-timeout", type=float, default=30.0, help="the server's (status-streams)"
+    )
     args = parser.parse_args()
     for n in args.grammar_bomb:
         asyncio.run(grammar_bomb(args.url, args.serve_pid, n))
@@ -683,8 +926,8 @@ def main() -> None:
     cases = set(args.cases.split(","))
     if cases - set(CASES):
         parser.error(f"unknown case(s): {', '.join(sorted(cases - set(CASES)))}")
-    if cases & {"huge", "n", "gzip", "stalled"} and args.serve_pid is None:
-        parser.error("--serve-pid is required for the cases huge, n, gzip and stalled")
+    if cases & {"huge", "n", "gzip", "stalled", "grammar-fault"} and args.serve_pid is None:
+        parser.error("--serve-pid is required for the cases huge, n, gzip, stalled and grammar-fault")
     keys = [k for k in args.api_keys.split(",") if k]
     key = keys[0] if keys else None
     log = _Log(args.log_file)
@@ -708,6 +951,48 @@ def main() -> None:
         asyncio.run(starvation(args.url, args.starve_long, args.starve_wait, key))
     if "cache" in cases:
         asyncio.run(cache_probe(args.url, keys, args.cache_doc_chars, args.cache_guess_chars))
+    attacks = {
+        "stops-none": (
+            f"the same requests without stops ({args.stop_requests} Messages requests)",
+            stop_attack(0, 0, args.stop_requests),
+        ),
+        "stops": (
+            f"stop sequences ({args.stop_requests} Messages requests, {args.stop_count} stops each)",
+            stop_attack(args.stop_count, 8, args.stop_requests),
+        ),
+        "stops-allowed": (
+            f"stop sequences at the limit ({args.stop_requests} Messages requests, 64 of 256 characters)",
+            stop_attack(64, 256, args.stop_requests),
+        ),
+        "lookup": (
+            f"count_tokens ({args.lookup_requests} of {args.lookup_mb:g} MB)",
+            lookup_attack(args.lookup_mb, args.lookup_requests),
+        ),
+        "turns": (
+            f"one-character turns ({args.turns_requests} Messages requests of {args.turns} messages)",
+            turns_attack(args.turns, args.turns_requests),
+        ),
+    }
+    for case in STALL_CASES:
+        if case in cases:
+            name, attack = attacks[case]
+            asyncio.run(_disturbed(args.url, name, _based(args.url, attack)))
+    if "status-streams" in cases:
+        asyncio.run(status_streams(args.url, args.stalled_client_timeout, args.stalled_client_timeout + 30))
+    if "grammar-fault" in cases:
+        asyncio.run(grammar_fault(args.url, args.serve_pid))
+
+
+def _based(
+    url: str, attack: Callable[[httpx.AsyncClient], Awaitable[str]]
+) -> Callable[[httpx.AsyncClient], Awaitable[str]]:
+    """``attack`` with its relative paths against ``url``, on a client of its own."""
+
+    async def run(_: httpx.AsyncClient) -> str:
+        async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(300, connect=10)) as own:
+            return await attack(own)
+
+    return run
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import math
 from typing import TYPE_CHECKING
 
 from engine_worker.backend import ModelInfo, Prepared, RequestRejected
-from protocol.messages import ErrorCode, SamplingParams, Submit
+from protocol.messages import MAX_STOP_CHARS, MAX_STOP_STRINGS, ErrorCode, SamplingParams, Submit
 
 if TYPE_CHECKING:
     from engine_worker.backend import Backend
@@ -34,11 +34,12 @@ def _reject(param: str, message: str) -> RequestRejected:
 
 def validate_request(submit: Submit, info: ModelInfo) -> None:
     """Raises ``RequestRejected`` (``INVALID_REQUEST``, ``param`` = the field) for
-    sampling ``info``'s backend cannot honour: ``validate_sampling``, a
+    sampling ``info``'s backend cannot honour: ``check_prompt_size``, ``validate_sampling``, a
     ``logit_bias`` value beyond ``±info.max_logit_bias`` (``-inf`` only where
     ``info.logit_bias_ban``), ``logprobs`` outside ``[0, MAX_LOGPROBS]``, ``banned_strings`` where
     ``info.banned_strings`` is false, ``add_bos``
     with ``messages`` (named ``add_bos_token``, the request field)."""
+    check_prompt_size(submit, info)
     p = submit.params
     validate_sampling(p, info.vocab_size)
     if p.banned_strings and not info.banned_strings:
@@ -57,6 +58,38 @@ def validate_request(submit: Submit, info: ModelInfo) -> None:
             raise _reject("logit_bias", f"logit_bias: bias {bias} for token {token_id} is outside {allowed}")
     if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
         raise _reject("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}")
+
+
+def check_prompt_size(submit: Submit, info: ModelInfo) -> None:
+    """Raises ``RequestRejected`` (``CONTEXT_LENGTH_EXCEEDED``) for a prompt that
+    cannot fit the context whatever it tokenizes to, before any tokenizing: more
+    turns than context tokens (a template writes at least one token per turn),
+    or more characters than ``max_context_tokens * longest_token_chars`` (tools
+    and tool calls counted). The proxy refuses these first; this holds the
+    bound for any client of the socket, lookups (``Tokenize``) included."""
+    context = info.max_context_tokens
+    if len(submit.messages) > context:
+        raise RequestRejected(
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            f"{len(submit.messages)} messages cannot fit a context of {context} tokens",
+            param="messages",
+        )
+    if info.longest_token_chars <= 0:
+        return
+    if submit.prompt is not None:
+        chars, param = len(submit.prompt), "prompt"
+    else:
+        chars = sum(len(m.content) + len(m.tool_calls_json or "") for m in submit.messages)
+        chars += len(submit.tools_json or "") + sum(len(p.text) for p in submit.forced_prefix)
+        param = "messages"
+    most = context * info.longest_token_chars
+    if chars > most:
+        raise RequestRejected(
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            f"The prompt has {chars} characters; no text over {most} characters fits a context of "
+            f"{context} tokens",
+            param=param,
+        )
 
 
 def budget(prepared: Prepared, info: ModelInfo) -> Prepared:
@@ -82,10 +115,12 @@ def validate_sampling(p: SamplingParams, vocab_size: int) -> None:
     non-finite temperature, ``top_p`` outside (0, 1], a negative ``top_k``,
     ``min_p`` outside [0, 1], a non-positive repetition penalty, non-finite
     presence/frequency penalties outside [-2, 2], ``min_tokens`` outside [0, max_tokens],
-    ``penalty_range`` below -1, a negative ``repetition_decay``, XTC's probability or
-    threshold outside [0, 1], more than ``MAX_BANNED_TOKENS`` banned tokens, or a
-    token id (``stop_token_ids``, ``logit_bias`` keys, ``banned_tokens``) outside the vocabulary
-    (``0 .. vocab_size - 1``; not checked when ``vocab_size`` is 0)."""
+    more than ``MAX_STOP_STRINGS`` stop strings or one longer than ``MAX_STOP_CHARS`` (the
+    stop automaton each sequence carries is bounded by them), ``penalty_range`` below -1,
+    a negative ``repetition_decay``, XTC's probability or threshold outside [0, 1], more
+    than ``MAX_BANNED_TOKENS`` banned tokens, or a token id (``stop_token_ids``,
+    ``logit_bias`` keys, ``banned_tokens``) outside the vocabulary (``0 .. vocab_size - 1``;
+    not checked when ``vocab_size`` is 0)."""
     if p.max_tokens < 1:
         raise _reject("max_tokens", f"max_tokens must be >= 1, got {p.max_tokens}")
     if not (p.temperature >= 0.0 and math.isfinite(p.temperature)):
@@ -103,6 +138,18 @@ def validate_sampling(p: SamplingParams, vocab_size: int) -> None:
             raise _reject(name, f"{name} must be in [-2, 2], got {value}")
     if not 0 <= p.min_tokens <= p.max_tokens:
         raise _reject("min_tokens", f"min_tokens must be in [0, max_tokens], got {p.min_tokens}")
+    if len(p.stop) > MAX_STOP_STRINGS:
+        raise _reject("stop", f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(p.stop)}")
+    for i, stop in enumerate(p.stop):
+        if len(stop) > MAX_STOP_CHARS:
+            raise _reject(
+                "stop",
+                f"stop: stop strings are at most {MAX_STOP_CHARS} characters, stop[{i}] has {len(stop)}",
+            )
+    if len(p.stop_token_ids) > MAX_STOP_STRINGS:
+        raise _reject(
+            "stop_token_ids", f"stop_token_ids: at most {MAX_STOP_STRINGS} ids, got {len(p.stop_token_ids)}"
+        )
     if p.penalty_range < -1:
         raise _reject(
             "penalty_range", f"penalty_range must be >= -1 (-1: the whole context), got {p.penalty_range}"

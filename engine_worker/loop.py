@@ -10,7 +10,10 @@ Admission: a ``Submit`` is validated at once (``admission.validate_request``:
 sampling and limits, by the backend's ``ModelInfo``; the one place they are
 checked), then prepared (templated, tokenized once for its ``n`` choices) on a
 thread of its own, so a long prompt never stalls the token flow of the running
-sequences, then checked against the context and given its completion budget
+sequences (``Tokenize``/``Detokenize`` lookups run on another, so a generation
+request's preparation never waits behind them; both refuse at once a prompt
+that cannot fit whatever it tokenizes to: ``admission.check_prompt_size``), then
+checked against the context and given its completion budget
 (``admission.budget``). So a request that would fail never shows queue
 progress. Then, in arrival order, it waits in a
 bounded queue until all its choices fit together: running sequences plus
@@ -45,7 +48,7 @@ from pathlib import Path
 
 import msgspec
 
-from engine_worker.admission import budget, validate_request
+from engine_worker.admission import budget, check_prompt_size, validate_request
 from engine_worker.backend import (
     ENGINE_FAILED_EXIT_STATUS,
     Backend,
@@ -172,9 +175,12 @@ class EngineLoop:
         self._queued_ids: dict[str, _Queued] = {}
         self._preparing: deque[_Preparing] = deque()
         self._preparing_ids: dict[str, _Preparing] = {}
-        # Tokenize / Detokenize answers being computed on the prepare thread, in arrival order.
+        # Tokenize / Detokenize answers being computed on the lookup thread, in arrival order.
         self._lookups: deque[tuple[str, Future[Event]]] = deque()
         self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="worker-prepare")
+        # Lookups have a thread of their own: a generation request's preparation never
+        # waits behind them (each is bounded like a generation prompt: check_prompt_size).
+        self._lookup_pool = ThreadPoolExecutor(1, thread_name_prefix="worker-lookup")
         self._queue_rate = QueueRate()
         # Seconds each running sequence spent from arrival to start (_add_wait).
         self._waited: dict[str, float] = {}
@@ -254,6 +260,7 @@ class EngineLoop:
                 self._sockets.send(EventBatch(dropped))
         finally:
             self._prepare_pool.shutdown(wait=True, cancel_futures=True)
+            self._lookup_pool.shutdown(wait=True, cancel_futures=True)
             done.set()
             beats.join(5)
 
@@ -314,10 +321,10 @@ class EngineLoop:
             self._submit(msg, pending)
         elif isinstance(msg, Tokenize):
             self._lookups.append(
-                (msg.submit.request_id, self._prepare_pool.submit(self._tokenize, msg.submit))
+                (msg.submit.request_id, self._lookup_pool.submit(self._tokenize, msg.submit))
             )
         elif isinstance(msg, Detokenize):
-            self._lookups.append((msg.request_id, self._prepare_pool.submit(self._detokenize, msg)))
+            self._lookups.append((msg.request_id, self._lookup_pool.submit(self._detokenize, msg)))
         elif isinstance(msg, Abort):
             self._abort(msg.request_ids, pending)
         elif msg.protocol_version == PROTOCOL_VERSION:
@@ -389,11 +396,20 @@ class EngineLoop:
             self._preparing_ids[rid] = entry
 
     def _tokenize(self, submit: Submit) -> Event:
-        """``Tokenize``'s answer: the prompt exactly as ``prepare`` makes it for generation."""
-        prepared = self._backend.prepare(submit)
+        """``Tokenize``'s answer: the prompt exactly as ``prepare`` makes it for generation
+        (a prompt generation refuses untokenized is refused here too)."""
+        check_prompt_size(submit, self._backend.info)
+        # The prompt alone: a grammar or logprobs do not change it, and compiling one (or
+        # building the vocabulary) here would race the prepare thread's.
+        params = msgspec.structs.replace(submit.params, grammar=None, grammar_param=None, logprobs=None)
+        prepared = self._backend.prepare(msgspec.structs.replace(submit, params=params))
         return Tokens(submit.request_id, tuple(self._backend.prompt_ids(prepared)))
 
     def _detokenize(self, msg: Detokenize) -> Event:
+        context = self._backend.info.max_context_tokens
+        if len(msg.token_ids) > context:
+            message = f"{len(msg.token_ids)} token ids: a sequence of this model holds at most {context}"
+            raise RequestRejected(ErrorCode.CONTEXT_LENGTH_EXCEEDED, message, param="tokens")
         return Detokenized(msg.request_id, self._backend.detokenize(list(msg.token_ids)))
 
     def _collect_lookups(self, pending: list[Event]) -> None:

@@ -70,6 +70,17 @@ class ChatMessage(msgspec.Struct, array_like=True, frozen=True):
     name: str | None = None
 
 
+MAX_STOP_STRINGS = 64
+"""Most stop strings of one request the worker takes (``SamplingParams.stop``);
+each dialect of the proxy allows at most this many (``proxy.core.fields``).
+Bounding them bounds the stop automaton every sequence carries
+(``engine_worker.stops``) and, on ExLlamaV3, its own per-token scan."""
+
+MAX_STOP_CHARS = 256
+"""Most characters of one stop string (``SamplingParams.stop``): what a stream
+holds back while it may still become one is at most this long."""
+
+
 class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     """Sampling and stopping controls for one sequence.
 

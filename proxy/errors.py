@@ -62,8 +62,34 @@ RETRY_ABSENT_S = 5
 """``Retry-After`` while the worker is not there, or the proxy is draining."""
 
 
+QUOTED_CHARS = 64
+"""Most characters of a client's value an error message quotes (``quoted``)."""
+
+MAX_MESSAGE_CHARS = 2000
+"""Longest error message sent; a longer one (a validator quoting a whole value)
+is cut, so an error body never grows with what the client sent."""
+
+
+def quoted(value: object, limit: int = QUOTED_CHARS) -> str:
+    """``value`` as an error message quotes it: its ``repr`` when a string of at
+    most ``limit`` characters, else its first ``limit`` characters and how many
+    there were (a 1 MB tool name gives a short error, not a 1 MB one)."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} characters)"
+    text = repr(value)
+    return text if len(text) <= limit + 2 else text[: limit + 2] + "..."
+
+
+def _bounded(message: str) -> str:
+    if len(message) <= MAX_MESSAGE_CHARS:
+        return message
+    return message[:MAX_MESSAGE_CHARS] + f"... ({len(message)} characters)"
+
+
 class ProxyError(Exception):
-    """Base: a failure reported to the client as ``status`` + envelope."""
+    """Base: a failure reported to the client as ``status`` + envelope. The
+    message is at most ``MAX_MESSAGE_CHARS`` long; messages quote client values
+    with ``quoted``."""
 
     status: int = 500
     type: str = "server_error"
@@ -72,6 +98,7 @@ class ProxyError(Exception):
     close: ClassVar[bool] = False
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        message = _bounded(message)
         super().__init__(message)
         self.message = message
         self.param = param

@@ -1,4 +1,4 @@
-"""Incremental, UTF-8-safe detokenization and stop-string matching.
+"""Incremental, UTF-8-safe detokenization.
 
 ``IncrementalDetokenizer`` decodes only a short window of recent tokens per step
 (the offsets scheme used by text-generation-inference and vLLM): the text of
@@ -9,13 +9,12 @@ character split across tokens, as byte-level BPE does), it is held back until th
 character completes, so no client ever sees a replacement character that the
 full text would not contain.
 
-``StopStringMatcher`` finds stop strings in the emitted text stream, holding back
-any tail that could still become the start of a stop string.
+Stop strings are matched on the emitted text by ``engine_worker.stops.StopMatcher``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
@@ -88,61 +87,3 @@ class IncrementalDetokenizer:
         self._prefix = self._read = 0
         self._prefix_text = ""
         return new
-
-
-class StopStringMatcher:
-    """Cuts a text stream at the first stop string.
-
-    ``feed`` returns the text that is safe to emit and whether a stop string was
-    found; on a match the text before the stop string is returned and the stop
-    string and everything after it are dropped.
-    """
-
-    def __init__(self, stops: Iterable[str]) -> None:
-        self._stops = tuple(s for s in stops if s)
-        self._held = ""
-        self.stopped = False
-
-    @property
-    def held(self) -> str:
-        """Text held back because it may start a stop string."""
-        return self._held
-
-    def feed(self, text: str, check: bool = True) -> tuple[str, bool]:
-        """Append ``text``; returns ``(emit, stopped)``. With ``check=False``
-        (before ``min_tokens``) stop strings are not searched and nothing is held."""
-        if self.stopped:
-            return "", True
-        if not self._stops:
-            return text, False
-        buf = self._held + text
-        if not check:
-            self._held = ""
-            return buf, False
-        first = -1
-        for stop in self._stops:
-            i = buf.find(stop)
-            if i != -1 and (first == -1 or i < first):
-                first = i
-        if first != -1:
-            self._held = ""
-            self.stopped = True
-            return buf[:first], True
-        keep = self._partial_tail(buf)
-        self._held = buf[len(buf) - keep :] if keep else ""
-        return buf[: len(buf) - keep], False
-
-    def _partial_tail(self, buf: str) -> int:
-        """Length of the longest suffix of ``buf`` that is a proper prefix of a stop string."""
-        best = 0
-        for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(buf)), best, -1):
-                if buf.endswith(stop[:n]):
-                    best = n
-                    break
-        return best
-
-    def flush(self) -> str:
-        """The held text, at the end of generation without a stop string."""
-        held, self._held = self._held, ""
-        return held

@@ -67,7 +67,7 @@ from engine_worker.client_text import ControlTokens, control_tokens
 from engine_worker.constraints import GrammarUnsupported, TokenConstraint, Vocabulary, compile_grammar
 from engine_worker.cpu import weight_cache
 from engine_worker.cpu.banned import BannedStrings
-from engine_worker.cpu.detokenize import IncrementalDetokenizer, StopStringMatcher
+from engine_worker.cpu.detokenize import IncrementalDetokenizer
 from engine_worker.cpu.kv_cache import SequenceKV
 from engine_worker.cpu.llama import BLOCK_TOKENS, LlamaRunner, Quantization, Segment
 from engine_worker.cpu.logprobs import LogprobTrail
@@ -78,6 +78,7 @@ from engine_worker.cpu.sampling import Scored, TokenSampler
 from engine_worker.kv_events import MEDIUM_CPU, BatchSink, KvEvents
 from engine_worker.load_stages import LoadReporter, Stage
 from engine_worker.settings import DraftMode, WorkerSettings
+from engine_worker.stops import StopMatcher
 from protocol.messages import (
     ErrorCode,
     Event,
@@ -126,7 +127,7 @@ class _Request:
     t_added: float
     sampler: TokenSampler
     detokenizer: IncrementalDetokenizer
-    stopper: StopStringMatcher
+    stopper: StopMatcher
     drafter: NgramDrafter | None
     stop_ids: frozenset[int]
     reservation: int  # KV tokens reserved for it out of kv_cache_mb
@@ -419,7 +420,7 @@ class CpuBackend:
                 prompt_ids[-_DETOKENIZER_CONTEXT:],
                 skip_special_tokens=params.skip_special_tokens is not False,
             ),
-            stopper=StopStringMatcher(params.stop),
+            stopper=StopMatcher(params.stop),
             drafter=drafter,
             stop_ids=stop_ids,
             reservation=self.reservation(prepared),

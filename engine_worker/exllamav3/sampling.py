@@ -43,6 +43,13 @@ Semantics that differ from OpenAI's, documented rather than hidden:
 - ``min_tokens`` maps to ``min_new_tokens``: stop *tokens* (EOS, ``stop_token_ids``)
   are masked until then, but a stop *string* can still end the completion earlier
   (``generator/job.py:461-462``).
+- stop strings are matched by 1.6.5 itself, not by ``engine_worker.stops``: ``Job``
+  packs them once into one UTF-32 buffer (``_strings_to_utf32``, ``generator/job.py:28-50``,
+  ``252-253``) and after every token scans its held text against all of them in C++
+  (``ext.partial_strings_match``, ``generator/job.py:1162-1166``), a cost that grows with
+  the number and length of the stops. The worker bounds both (``MAX_STOP_STRINGS`` 64,
+  ``MAX_STOP_CHARS`` 256, ``engine_worker.admission``), which bounds that scan; matching
+  outside ``Job`` would mean holding back text (and its logprobs) here as well.
 - ``seed`` seeds the job's own RNG; ExLlamaV3 does not promise bitwise determinism.
 - special tokens the model emits that are not stop conditions (``<think>``, tool-call
   markers) are streamed as their text: ``decode_special_tokens=True``, as TabbyAPI does.

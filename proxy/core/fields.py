@@ -26,13 +26,14 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable
-from typing import Annotated, TypeVar
+from typing import Annotated, ClassVar, TypeVar
 
 import msgspec
 
+from protocol.messages import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from proxy.core import samplers
 from proxy.core.task import JsonOutput, Sampling
-from proxy.errors import InvalidRequest
+from proxy.errors import InvalidRequest, quoted
 from proxy.grammar.check import ANY_JSON_OBJECT
 from proxy.tools import (
     FunctionIn,
@@ -76,6 +77,9 @@ Salt = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
 _S = TypeVar("_S", bound=msgspec.Struct)
 
+_LONE_HIGH_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})")
+"""A JSON ``\\uD800``-``\\uDBFF`` escape not followed by a low surrogate's (RFC 8259 §7)."""
+
 _PATH_RE = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 _MISSING_RE = re.compile(r"missing required field `(?P<field>[^`]+)`")
 
@@ -118,6 +122,14 @@ def decode(body: bytes, cls: type[_S], refusals: Refusals, where: str) -> _S:
     try:
         raw = msgspec.json.decode(body)
     except msgspec.DecodeError as e:
+        lone = _LONE_HIGH_SURROGATE.search(body)
+        if lone is not None and "truncated" in str(e):
+            # msgspec reads a high surrogate escape as the start of a pair and, finding
+            # no low one after it, reports the input as truncated.
+            raise InvalidRequest(
+                "Request body is not valid JSON: a lone UTF-16 surrogate escape "
+                f"({lone.group(0).decode()} without a low surrogate after it) at byte {lone.start()}"
+            ) from None
         raise InvalidRequest(f"Request body is not valid JSON: {e}") from None
     except RecursionError:
         raise InvalidRequest("Request body is not valid JSON: nested too deeply") from None
@@ -156,7 +168,8 @@ def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
         # int() also takes " 1", "1_0" and non-ASCII digits: only plain digits are ids.
         if not (key.isascii() and key.isdigit()):
             raise InvalidRequest(
-                f"'logit_bias' keys must be token ids (integers as strings), got {key!r}", param="logit_bias"
+                f"'logit_bias' keys must be token ids (integers as strings), got {quoted(key)}",
+                param="logit_bias",
             )
         token = int(key)
         if not 0 <= token <= INT32_MAX:
@@ -167,9 +180,30 @@ def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
-def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
-    """``stop`` as a string or a list, as a tuple."""
-    return (stop,) if isinstance(stop, str) else tuple(stop or ())
+OPENAI_MAX_STOPS = 4
+"""OpenAI's limit of ``stop`` ("Up to 4 sequences", the chat and completions
+references), held by the dialects that follow its API."""
+
+MESSAGES_MAX_STOPS = MAX_STOP_STRINGS
+"""Anthropic's Messages reference gives ``stop_sequences`` no count limit;
+this server takes up to ``protocol.messages.MAX_STOP_STRINGS`` (64)."""
+
+
+def stop_strings(stop: str | list[str] | None, limit: int = MAX_STOP_STRINGS) -> tuple[str, ...]:
+    """``stop`` as a string or a list, as a tuple: at most ``limit`` strings
+    (at most ``protocol.messages.MAX_STOP_STRINGS``), each at most
+    ``MAX_STOP_CHARS`` characters. Raises ``InvalidRequest`` naming ``stop``
+    (the core renames it into the dialect's term: ``stop_sequences``)."""
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    limit = min(limit, MAX_STOP_STRINGS)
+    if len(stops) > limit:
+        raise InvalidRequest(f"'stop' takes at most {limit} sequences, got {len(stops)}", param="stop")
+    for i, s in enumerate(stops):
+        if len(s) > MAX_STOP_CHARS:
+            where = "stop" if isinstance(stop, str) else f"stop[{i}]"
+            message = f"'stop' sequences are at most {MAX_STOP_CHARS} characters; number {i} has {len(s)}"
+            raise InvalidRequest(message, param=where)
+    return stops
 
 
 def json_output(
@@ -195,7 +229,7 @@ def json_output(
         return None
     if kind not in kinds:
         expected = ", ".join(repr(k) for k in kinds)
-        raise InvalidRequest(f"'{param}.type' is {kind!r}; expected {expected}", param=f"{param}.type")
+        raise InvalidRequest(f"'{param}.type' is {quoted(kind)}; expected {expected}", param=f"{param}.type")
     if kind == "json_object":
         return JsonOutput(ANY_JSON_OBJECT, param)
     if schema is None:
@@ -209,7 +243,11 @@ class SamplerFields(msgspec.Struct, kw_only=True):
     struct inherits them and adds its own limit, stop and structured-output
     fields. ``return_progress`` (this server's, llama.cpp's name) asks for
     ``prompt_progress``/``queue_progress`` on a stream; the core decides it
-    once (``proxy.core.dialect.Job.return_progress``)."""
+    once (``proxy.core.dialect.Job.return_progress``). ``MAX_STOPS`` is the
+    dialect's limit of stop strings (``stop_strings``): OpenAI's 4 unless the
+    dialect's struct says otherwise."""
+
+    MAX_STOPS: ClassVar[int] = OPENAI_MAX_STOPS
 
     model: str | None = None
     stream: bool = False
@@ -221,7 +259,7 @@ class SamplerFields(msgspec.Struct, kw_only=True):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     seed: Seed | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_STRINGS)] | None = None
     ignore_eos: bool = False
     min_tokens: MinTokens = 0
     logit_bias: dict[str, Bias] | None = None
@@ -252,7 +290,8 @@ class SamplerFields(msgspec.Struct, kw_only=True):
         """The neutral sampling of this request with the dialect's completion
         limit (``None``: up to the end of the context), stop strings and
         logprobs (alternatives per token, ``None`` for none). Raises
-        ``InvalidRequest`` for a ``logit_bias`` key that is not a token id."""
+        ``InvalidRequest`` for a ``logit_bias`` key that is not a token id and
+        for stop strings beyond ``MAX_STOPS`` or ``MAX_STOP_CHARS``."""
         return Sampling(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -263,7 +302,7 @@ class SamplerFields(msgspec.Struct, kw_only=True):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             seed=self.seed,
-            stop=stop_strings(stop),
+            stop=stop_strings(stop, self.MAX_STOPS),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
@@ -289,6 +328,11 @@ class SamplerFields(msgspec.Struct, kw_only=True):
         )
 
 
+MAX_TOOLS = 128
+"""Most tools of one request: OpenAI's limit ("A max of 128 functions are
+supported", the chat reference's ``tools``), held by every dialect."""
+
+
 def function_tool(
     name: str | None,
     description: str | None,
@@ -310,7 +354,10 @@ def tool_config(
     tools: list[ToolIn] | None, choice: ToolChoiceIn | None, parallel: bool | None
 ) -> ToolConfig | None:
     """``proxy.tools.resolve_tools`` with its errors as ``InvalidRequest``
-    naming the field (``tools[i].function.parameters``, ``tool_choice``)."""
+    naming the field (``tools[i].function.parameters``, ``tool_choice``); at
+    most ``MAX_TOOLS`` tools."""
+    if tools is not None and len(tools) > MAX_TOOLS:
+        raise InvalidRequest(f"'tools' takes at most {MAX_TOOLS} tools, got {len(tools)}", param="tools")
     try:
         return resolve_tools(tools, choice, parallel)
     except ToolSpecError as e:

@@ -354,9 +354,11 @@ def text_submits(task: TextTask, request_id: str, max_context_tokens: int) -> li
 
 
 def prompt_chars(submit: Submit) -> tuple[int, str]:
-    """Characters of the prompt text (chat: the contents of every message,
-    without the template the worker adds) and the parameter holding it."""
+    """Characters of the prompt text (chat: the contents of every message, its
+    tool calls and the tools, all of which the template writes into the prompt,
+    without the template's own text) and the parameter holding it."""
     if submit.prompt is not None:
         return len(submit.prompt), "prompt"
     prefix = sum(len(p.text) for p in submit.forced_prefix)
-    return sum(len(m.content) for m in submit.messages) + prefix, "messages"
+    chars = sum(len(m.content) + len(m.tool_calls_json or "") for m in submit.messages)
+    return chars + len(submit.tools_json or "") + prefix, "messages"

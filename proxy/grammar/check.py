@@ -23,7 +23,10 @@ and doubles with each more):
 - each request's grammars are checked within ``CHECK_TIMEOUT_S`` in all, in a
   child whose address space is ``CHECK_MEMORY_MB``; past either the child is
   killed (and replaced) and the request refused: 400 naming the field whose
-  schema was being checked;
+  schema was being checked. Only what the grammar causes is a 400: a child
+  killed by another signal than an allocation failure's abort, or one that
+  used under 5% of its deadline in CPU time (stopped, starved), is the
+  checker's fault: 503 ``grammar_checker_fault`` with ``Retry-After``;
 - ``CHECK_PROCESSES`` children check at once; up to ``CHECK_MAX_WAITING``
   more requests wait, each at most ``CHECK_MAX_WAIT_S``; beyond, 503
   ``grammar_checks_busy`` with ``Retry-After``.
@@ -33,9 +36,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -48,6 +53,8 @@ import msgspec
 
 from proxy.errors import InvalidRequest, ServiceUnavailable
 from proxy.tools.grammar import json_rule_schema
+
+log = logging.getLogger(__name__)
 
 ANY_JSON_OBJECT: dict[str, object] = {"type": "object"}
 """The schema of ``json_object`` outputs: any JSON object."""
@@ -83,6 +90,37 @@ class GrammarTooComplex(Exception):
 
 class ChecksBusy(Exception):
     """Every checker was taken and the wait for one ran out (or the queue was full)."""
+
+
+class CheckerFault(Exception):
+    """The checker failed for a reason of its own, not the grammar's: its child
+    was killed by someone else (a signal other than the abort an allocation over
+    the cap ends in) or did not run while it had the grammar (stopped, or the
+    machine gave it no CPU). ``args[0]`` says which."""
+
+
+_SCHEMA_EXITS = frozenset({-signal.SIGABRT, 1})
+"""How a child ends when the grammar itself is at fault: Rust aborts when an
+allocation fails under ``RLIMIT_AS`` (``SIGABRT``), and a Rust panic or a
+``MemoryError`` surfaces as an uncaught Python exception (status 1)."""
+
+_RAN_FRACTION = 0.05
+"""A check that timed out while its child used less than this share of the
+deadline in CPU time was not slow: the child was not running (stopped, or
+starved by a loaded machine), and the grammar is not to blame."""
+
+
+def _cpu_s(pid: int) -> float | None:
+    """User plus system CPU seconds of process ``pid`` (``/proc/<pid>/stat``
+    fields 14 and 15, proc(5)); ``None`` where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) is in parentheses and may hold spaces: split after it.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,12 +289,17 @@ class GrammarChecker:
             child = self._child()
             child.send(grammars)
         deadline = time.monotonic() + self.timeout_s
+        cpu_before = _cpu_s(child.proc.pid)
         at = 0
         try:
             while True:
                 line = child.read_line(deadline)
-                if line is None:  # killed by its address-space cap (Rust aborts) or a panic
+                if line is None:
+                    status = child.proc.wait()
                     self._drop(child)
+                    if status not in _SCHEMA_EXITS:
+                        raise CheckerFault(f"the grammar checker ended with status {status}")
+                    # Its address-space cap (Rust aborts) or a panic.
                     raise GrammarTooComplex(at, f"needs over {self.memory_mb} MB to check")
                 reply = json.loads(line)
                 if "at" in reply:
@@ -266,7 +309,14 @@ class GrammarChecker:
                 else:
                     return CheckResult(int(reply["index"]), str(reply["error"]))
         except TimeoutError:
+            cpu_after = _cpu_s(child.proc.pid)
             self._drop(child)
+            if cpu_before is not None and cpu_after is not None:
+                ran = cpu_after - cpu_before
+                if ran < _RAN_FRACTION * self.timeout_s:
+                    raise CheckerFault(
+                        f"the grammar checker ran {ran:.2f} s of its {self.timeout_s:g} s deadline"
+                    ) from None
             raise GrammarTooComplex(at, f"takes over {self.timeout_s:g} s to check") from None
 
 
@@ -302,8 +352,10 @@ async def validate(grammar: str, param: str, *, using: GrammarChecker | None = N
 
     Raises ``InvalidRequest`` naming the field (``response_format.json_schema``,
     ``tools[i].function.parameters``, or ``param``) when llguidance refuses it
-    or it goes over a bound; ``ServiceUnavailable`` (503,
-    ``grammar_checks_busy``, ``Retry-After``) when the checkers are all taken."""
+    or it goes over a bound; ``ServiceUnavailable`` (503, ``Retry-After``):
+    ``grammar_checks_busy`` when the checkers are all taken,
+    ``grammar_checker_fault`` when the checker failed for a reason of its own
+    (``CheckerFault``)."""
     pieces = grammar_pieces(grammar, param)
     try:
         result = await (using or checker()).check([g for g, _ in pieces])
@@ -314,6 +366,12 @@ async def validate(grammar: str, param: str, *, using: GrammarChecker | None = N
     except ChecksBusy:
         raise ServiceUnavailable(
             "Too many grammars are being checked now; retry shortly", code="grammar_checks_busy"
+        ) from None
+    except CheckerFault as e:
+        log.warning("grammar check of '%s' failed for a reason of the checker's: %s", param, e.args[0])
+        raise ServiceUnavailable(
+            "The grammar checker failed (not because of this request); retry shortly",
+            code="grammar_checker_fault",
         ) from None
     if result.error is not None:
         field = pieces[result.index][1]

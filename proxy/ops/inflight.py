@@ -33,6 +33,7 @@ from protocol.messages import PrefillProgress, QueueProgress
 from proxy.core.generation import Generation
 from proxy.errors import ProxyError
 from proxy.ops.request_log import RequestRecord
+from proxy.server.intake import KEY_DIGEST
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,9 @@ class Tracked:
     place the worker's timings after it); ``headers``: the HTTP request's
     (``traceparent``); ``model``: the served model's name; set by
     ``InFlight.close``: ``closed_at`` (monotonic) and ``error`` (why it ended
-    without a whole answer: an error code, ``client_gone``; else ``None``)."""
+    without a whole answer: an error code, ``client_gone``; else ``None``);
+    ``key``: the digest of the API key it came with (``None`` without keys),
+    whose holder alone sees it in ``/v1/status``."""
 
     request_id: str
     model: str
@@ -93,6 +96,7 @@ class Tracked:
     submitted_ns: int = field(default_factory=time.time_ns)
     closed_at: float | None = None
     error: str | None = None
+    key: bytes | None = None
 
     def view(self) -> View:
         """The request's state now, read from its ``Generation``."""
@@ -201,6 +205,7 @@ class InFlight:
             gen,
             record,
             request.headers,
+            key=request.get(KEY_DIGEST),
         )
         self.requests[request_id] = t
         return t

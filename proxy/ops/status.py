@@ -12,26 +12,36 @@ costs about a millisecond of the proxy's loop (``benchmarks/tracing_cost.py``,
 ``interval`` seconds (default 1, from ``MIN_INTERVAL_S`` to ``MAX_INTERVAL_S``)
 until the client leaves or the proxy starts draining. At most
 ``MAX_STATUS_STREAMS`` at once; one more is 429 ``too_many_requests``. A
-reader that does not keep up holds the next snapshot back (``await write``),
-never a growing backlog.
+reader that does not keep up holds the next snapshot back, never a growing
+backlog, and one that takes nothing for ``stalled_client_timeout`` seconds is
+cut (``proxy.server.sse.TransportWriter.take_or_cut``, the rule of every
+stream, counting the bytes the kernel holds too: ``STATUS_BACKLOG_BYTES``),
+freeing its slot. ``HEAD`` answers the headers alone (RFC 9110
+§9.3.2), without a slot.
 
 Behind the API key when keys are configured (not one of
-``proxy.server.probes.PROBE_PATHS``): it shows request ids and counts, not content.
+``proxy.server.probes.PROBE_PATHS``): it shows request ids and counts, not
+content, and with keys only the asking key's requests (the others counted by
+stage, ``Status.others``): their prompt and cached counts, prefill progress and
+first-token times would tell one tenant what another's prompts share with its
+own, the side channel ``cache_isolation: key`` closes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 
 import msgspec
 from aiohttp import web
 
-from proxy.errors import InvalidRequest, TooManyRequests
+from proxy.errors import InvalidRequest, StalledClient, TooManyRequests, quoted
 from proxy.ops.inflight import INFLIGHT, InFlight, Stage, Tracked, View
 from proxy.ops.status_types import (
+    OthersStatus,
     PrefillStatus,
     ProxyStatus,
     QueueStatus,
@@ -41,7 +51,10 @@ from proxy.ops.status_types import (
     WorkerStatus,
 )
 from proxy.server import sse
+from proxy.server.intake import KEY_DIGEST
 from proxy.server.state import STATE, ProxyState
+
+log = logging.getLogger(__name__)
 
 PATH = "/v1/status"
 
@@ -51,6 +64,12 @@ MIN_INTERVAL_S = 0.25
 every 250 ms (``protocol.messages.QUEUE_PROGRESS_INTERVAL_S``) and heartbeats
 slower; faster snapshots would show nothing new."""
 MAX_INTERVAL_S = 60.0
+STATUS_BACKLOG_BYTES = 64 * 1024
+"""Unsent bytes a status stream may have (``sse.TransportWriter.backlog``,
+the kernel's queue included) before it waits for its reader: a few dozen
+snapshots; a reader that takes none of them within ``stalled_client_timeout``
+is cut."""
+
 MAX_STATUS_STREAMS = 8
 """``?stream=true`` readers at once (a terminal or two per operator); beyond it, 429."""
 
@@ -165,16 +184,25 @@ def worker_status(state: ProxyState, now: float) -> WorkerStatus | None:
     )
 
 
-def snapshot(state: ProxyState, inflight: InFlight, streams: int = 0) -> Status:
+def snapshot(state: ProxyState, inflight: InFlight, streams: int = 0, viewer: bytes | None = None) -> Status:
     """The server's state now (module docstring); requests by stage (decode,
-    prefill, queued by position, submitted), oldest first within one."""
+    prefill, queued by position, submitted), oldest first within one. With a
+    ``viewer`` (the digest of the API key asking), only that key's requests
+    are listed, the others' counted by stage (``Status.others``)."""
     now = time.monotonic()
     totals = dataclasses.replace(inflight.totals)  # closed requests, plus those in flight so far
     requests: list[RequestStatus] = []
+    others = OthersStatus() if viewer is not None else None
     for t in inflight.requests.values():
         v = t.view()
-        requests.append(request_status(t, v, now))
         totals.add_tokens(v)
+        if others is not None and t.key != viewer:
+            others.requests += 1
+            stage = str(v.stage)
+            if stage in ("decode", "prefill", "queued", "submitted"):
+                setattr(others, stage, getattr(others, stage) + 1)
+            continue
+        requests.append(request_status(t, v, now))
     requests.sort(
         key=lambda r: (
             _ORDER[Stage(r.stage)],
@@ -194,6 +222,7 @@ def snapshot(state: ProxyState, inflight: InFlight, streams: int = 0) -> Status:
         worker=worker_status(state, now),
         totals=TotalsStatus(**dataclasses.asdict(totals)),
         requests=requests,
+        others=others,
     )
 
 
@@ -201,7 +230,7 @@ def _query(request: web.Request) -> tuple[bool, float]:
     q = request.query
     raw = q.get("stream", "false").lower()
     if raw not in ("true", "1", "false", "0"):
-        raise InvalidRequest(f"'stream' must be true or false, not {raw!r}", param="stream")
+        raise InvalidRequest(f"'stream' must be true or false, not {quoted(raw)}", param="stream")
     stream = raw in ("true", "1")
     interval = DEFAULT_INTERVAL_S
     if "interval" in q:
@@ -225,26 +254,40 @@ async def status(request: web.Request) -> web.StreamResponse:
     inflight = request.app[INFLIGHT]
     streams = request.app[_STREAMS]
     stream, interval = _query(request)
+    viewer = request.get(KEY_DIGEST)
     if not stream:
-        body = _encode(snapshot(state, inflight, streams.open))
+        body = _encode(snapshot(state, inflight, streams.open, viewer))
         return web.Response(body=body, content_type="application/json")
     if streams.open >= MAX_STATUS_STREAMS:
         raise TooManyRequests(
             f"{streams.open} status streams are open; this server allows {MAX_STATUS_STREAMS} at once "
             "(GET /v1/status without stream=true is not limited)"
         )
+    if request.method == "HEAD":
+        # RFC 9110 section 9.3.2: the headers a GET would get, no body; no stream slot.
+        return web.Response(headers=sse.HEADERS)
     streams.open += 1
     try:
         resp = web.StreamResponse(headers=sse.HEADERS)
-        await resp.prepare(request)
+        writer = await resp.prepare(request)
+        assert writer is not None
+        stalled_s = state.settings.stalled_client_timeout
         try:
+            out = sse.TransportWriter(request, resp, writer)
             while True:
-                data = sse.escape_line_separators(_encode(snapshot(state, inflight, streams.open)))
-                await resp.write(b"data: " + data + b"\n\n")
+                data = sse.escape_line_separators(_encode(snapshot(state, inflight, streams.open, viewer)))
+                if not out.write([b"data: " + data + b"\n\n"]):
+                    raise ConnectionResetError("the client went away")
+                if out.congested or out.backlog() > STATUS_BACKLOG_BYTES:
+                    # A follower that reads nothing is cut like any stalled reader.
+                    await out.take_or_cut(STATUS_BACKLOG_BYTES, stalled_s)
                 if state.draining:
                     break
                 await asyncio.sleep(interval)
             await resp.write_eof()
+        except StalledClient as e:
+            log.warning("cut a status stream: %s", e.message)
+            out.abort()
         except ConnectionResetError:
             pass
         return resp

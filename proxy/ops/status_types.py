@@ -142,9 +142,22 @@ class RequestStatus(msgspec.Struct, kw_only=True, gc=False):
     correlation_id: str | None = None
 
 
+class OthersStatus(msgspec.Struct, kw_only=True, gc=False):
+    """Requests in flight of other API keys than the viewer's, counted by
+    stage (``STAGES``), nothing else of them: no ids, counts or timings."""
+
+    requests: int = 0
+    decode: int = 0
+    prefill: int = 0
+    queued: int = 0
+    submitted: int = 0
+
+
 class Status(msgspec.Struct, kw_only=True, gc=False):
     """One snapshot (module docstring). ``worker`` is ``None`` before the
-    worker's first handshake."""
+    worker's first handshake. With API keys, ``requests`` holds the viewing
+    key's own requests and ``others`` counts the rest (``None`` without keys:
+    every request is in ``requests``)."""
 
     object: Literal["status"] = "status"
     time: float
@@ -152,6 +165,7 @@ class Status(msgspec.Struct, kw_only=True, gc=False):
     worker: WorkerStatus | None
     totals: TotalsStatus
     requests: list[RequestStatus]
+    others: OthersStatus | None = None
 
 
 status_decoder = msgspec.json.Decoder(Status)

@@ -91,7 +91,8 @@ def max_prompt_chars(worker: Ready | None) -> int | None:
     return worker.max_context_tokens * worker.longest_token_chars
 
 
-def _too_large(limit: int, settings: ProxySettings) -> RequestTooLarge:
+def too_large(limit: int, settings: ProxySettings) -> RequestTooLarge:
+    """The 413 of a body over ``limit`` bytes, naming the setting."""
     how = "max_body_mb" if settings.max_body_mb is not None else "derived from the context; see max_body_mb"
     return RequestTooLarge(f"The request body is larger than {limit / MIB:.1f} MiB ({how})")
 
@@ -103,7 +104,7 @@ async def read_body(request: web.BaseRequest, limit: int, settings: ProxySetting
     cannot decode (broken chunked encoding)."""
     length = request.content_length
     if length is not None and length > limit:
-        raise _too_large(limit, settings)
+        raise too_large(limit, settings)
     chunks: list[bytes] = []
     size = 0
     content = request.content
@@ -112,7 +113,7 @@ async def read_body(request: web.BaseRequest, limit: int, settings: ProxySetting
             while chunk := await content.readany():
                 size += len(chunk)
                 if size > limit:
-                    raise _too_large(limit, settings)
+                    raise too_large(limit, settings)
                 chunks.append(chunk)
     except TimeoutError:
         raise RequestTimeout(

@@ -22,13 +22,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
+import math
 import socket
 import struct
+import termios
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
+
+from proxy.errors import StalledClient
 
 HEADERS: dict[str, str] = {
     "Content-Type": "text/event-stream",
@@ -156,3 +162,72 @@ class TransportWriter:
         """Wait until the transport is below its low-water mark again. Raises
         ``ConnectionResetError`` when the connection is lost meanwhile."""
         await self._writer.drain()
+
+    async def drain_or_cut(self, stalled_s: float, check: Callable[[], object] | None = None) -> None:
+        """The ``stalled_client_timeout`` rule, for every stream this server
+        sends (generation and ``/v1/status``): wait until the client took enough
+        to be below the low-water mark. Raises ``StalledClient`` when it took
+        nothing for ``stalled_s`` seconds (0: no limit); ``check`` is called
+        about every second meanwhile and may raise to end the wait (a
+        generation stream's backlog over its limit). The caller cuts the
+        connection (``abort``)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (stalled_s or math.inf)
+        # One drain, waited on in slices: cancelling a drain (wait_for's timeout)
+        # cancels aiohttp's shared drain waiter (base_protocol, 3.14: ``await
+        # waiter``, unshielded), and every later drain of the connection would then
+        # raise CancelledError at once, ending the handler as if cancelled.
+        drained = asyncio.ensure_future(self.drain())
+        try:
+            while True:
+                if check is not None:
+                    check()
+                slice_s = min(STALL_CHECK_S, deadline - loop.time())
+                if slice_s <= 0:
+                    raise _stalled(stalled_s)
+                done, _ = await asyncio.wait((drained,), timeout=slice_s)
+                if done:
+                    drained.result()
+                    return
+        finally:
+            drained.cancel()  # only while still waiting: then the connection is cut
+
+    def backlog(self) -> int:
+        """Bytes written that the client has not taken: the transport's buffer
+        plus the kernel's send queue (``SIOCOUTQ``, tcp(7): unsent and unacked
+        bytes; not counted where it cannot be read)."""
+        n = self._transport.get_write_buffer_size()
+        sock = self._transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError, ValueError):
+                raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+                n += struct.unpack("i", raw)[0]
+        return n
+
+    async def take_or_cut(self, below: int, stalled_s: float) -> None:
+        """``drain_or_cut``'s rule for a stream that writes little at a time
+        (``/v1/status``), whose bytes the kernel's buffers (megabytes on
+        loopback) would hold for minutes before the transport ever looked
+        congested: wait until ``backlog`` is at most ``below`` bytes. Raises
+        ``StalledClient`` when it is not within ``stalled_s`` seconds (0: no
+        limit)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (stalled_s or math.inf)
+        if self.congested:
+            await self.drain_or_cut(stalled_s)
+        while self.backlog() > below:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise _stalled(stalled_s)
+            await asyncio.sleep(min(BACKLOG_POLL_S, left))
+
+
+def _stalled(stalled_s: float) -> StalledClient:
+    return StalledClient(f"The client took nothing for {stalled_s:g} s (stalled_client_timeout)")
+
+
+STALL_CHECK_S = 1.0
+"""How often a wait for a stalled client calls its ``check``."""
+
+BACKLOG_POLL_S = 0.25
+"""How often ``take_or_cut`` looks at the backlog."""

@@ -259,7 +259,9 @@ async def stream_response(
                 o.buf.clear()
                 o.last_write = loop.time()
                 if out.congested:
-                    await _drain_or_cut(out, stream, settings.stalled_client_timeout)
+                    # A stream failed meanwhile (its backlog over the limit) raises at take().
+                    failed = lambda: stream.take() if stream.failed else None  # noqa: E731
+                    await out.drain_or_cut(settings.stalled_client_timeout, failed)
                     continue
             if o.closed:
                 break
@@ -296,36 +298,6 @@ async def stream_response(
         record.fail(err)
         await _write_error(resp, o, err)
     return resp
-
-
-async def _drain_or_cut(out: sse.TransportWriter, stream: RequestStream, stalled_s: float) -> None:
-    """Wait until the client took enough to be below the transport's low-water
-    mark. Raises ``StalledClient`` when it took nothing for ``stalled_s``
-    seconds (0: no limit) or its stream's unread backlog failed the stream."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + (stalled_s or math.inf)
-    # One drain, waited on in slices: cancelling a drain (wait_for's timeout)
-    # cancels aiohttp's shared drain waiter (base_protocol, 3.14: ``await
-    # waiter``, unshielded), and every later drain of the connection would then
-    # raise CancelledError at once, ending the handler as if cancelled.
-    drained = asyncio.ensure_future(out.drain())
-    try:
-        while True:
-            if stream.failed:
-                stream.take()  # raises the stream's failure once nothing is pending
-            slice_s = min(_STALL_CHECK_S, deadline - loop.time())
-            if slice_s <= 0:
-                raise StalledClient(f"The client took nothing for {stalled_s:g} s (stalled_client_timeout)")
-            done, _ = await asyncio.wait((drained,), timeout=slice_s)
-            if done:
-                drained.result()
-                return
-    finally:
-        drained.cancel()  # only while still waiting: then the connection is cut
-
-
-_STALL_CHECK_S = 1.0
-"""How often a wait for a stalled client looks at its stream's backlog."""
 
 
 async def send_body(

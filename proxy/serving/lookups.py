@@ -5,7 +5,8 @@ Used by vLLM's ``POST /tokenize`` / ``POST /detokenize`` and Anthropic's
 as for generation (chat template, tools, client text as text), so a count
 equals the ``prompt_tokens`` the same request would report. Each lookup takes
 one of the ``max_in_flight`` slots while it waits, and waits at most
-``request_idle_timeout``.
+``request_idle_timeout``. What generation refuses before tokenizing is refused
+here too, so a lookup costs the worker no more than the largest prompt.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import msgspec
 from aiohttp import web
 
 from protocol.messages import Detokenize, Detokenized, RequestError, Submit, Tokenize, Tokens
-from proxy.errors import GatewayTimeout, from_request_error
+from proxy.errors import ContextLengthExceeded, GatewayTimeout, from_request_error
 from proxy.server.state import STATE
+from proxy.serving.serve import check_prompt, ready_worker
 
 
 async def _ask(request: web.Request, msg: Tokenize | Detokenize, rid: str) -> Tokens | Detokenized:
@@ -44,7 +46,10 @@ async def _ask(request: web.Request, msg: Tokenize | Detokenize, rid: str) -> To
 
 async def tokenize(request: web.Request, submit: Submit) -> tuple[int, ...]:
     """The prompt token ids of ``submit`` (its grammar and logprobs dropped: they
-    do not change the prompt). Raises ``ProxyError``."""
+    do not change the prompt). A prompt generation would refuse before
+    tokenizing (``proxy.serving.serve.check_prompt``) is refused here the same
+    way, before the worker spends time on it. Raises ``ProxyError``."""
+    check_prompt(submit, ready_worker(request.app[STATE]))
     rid = "tok-" + uuid.uuid4().hex
     params = msgspec.structs.replace(submit.params, grammar=None, grammar_param=None, logprobs=None)
     plain = msgspec.structs.replace(submit, request_id=rid, params=params, n=1)
@@ -54,7 +59,15 @@ async def tokenize(request: web.Request, submit: Submit) -> tuple[int, ...]:
 
 
 async def detokenize(request: web.Request, token_ids: tuple[int, ...]) -> str:
-    """The text of ``token_ids`` (special tokens included). Raises ``ProxyError``."""
+    """The text of ``token_ids`` (special tokens included): at most the
+    context's length of them, as no sequence of this model holds more. Raises
+    ``ProxyError``."""
+    context = ready_worker(request.app[STATE]).max_context_tokens
+    if len(token_ids) > context:
+        raise ContextLengthExceeded(
+            f"'tokens' has {len(token_ids)} ids; this model's context holds at most {context}",
+            param="tokens",
+        )
     rid = "detok-" + uuid.uuid4().hex
     answer = await _ask(request, Detokenize(rid, token_ids), rid)
     assert isinstance(answer, Detokenized)

@@ -48,11 +48,12 @@ from proxy.errors import (
     FieldNames,
     InvalidRequest,
     ProxyError,
+    error_response,
 )
 from proxy.grammar.check import validate
 from proxy.ops.inflight import INFLIGHT
 from proxy.ops.request_log import record_of
-from proxy.server.intake import KEY_DIGEST, check_json_body, max_prompt_chars, read_body
+from proxy.server.intake import KEY_DIGEST, check_json_body, max_prompt_chars, read_body, too_large
 from proxy.server.state import STATE, ProxyState
 from proxy.serving.delivery import complete_response, send_body, stream_response
 
@@ -60,6 +61,30 @@ from proxy.serving.delivery import complete_response, send_body, stream_response
 def context_of(state: ProxyState, worker: Ready) -> Context:
     """What a dialect's conversion needs from the server now."""
     return Context(worker.max_context_tokens, state.tool_format(), state.model_name() or worker.model_id)
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """The ``expect_handler`` of every route that reads a body: ``Expect:
+    100-continue`` is answered ``100 Continue`` only for a body this server would
+    read; a ``Content-Length`` over the body limit gets its 413 at once, in the
+    route's error shape, before the client sends it (RFC 9110 §10.1.1: a server
+    may answer with a final status instead). aiohttp runs this before the
+    middlewares and the handler; a response returned here is the answer."""
+    expect = request.headers.get("Expect", "")
+    if request.version != (1, 1):
+        return None  # HTTP/1.0 has no interim responses: the body just comes
+    if expect.lower() != "100-continue":
+        return web.Response(status=417, text=f"Unknown Expect: {expect[:64]}")
+    state = request.app[STATE]
+    limit = state.settings.body_limit_bytes(max_prompt_chars(state.engine.worker))
+    length = request.content_length
+    if length is not None and length > limit:
+        resp = error_response(too_large(limit, state.settings), error_shape(request))
+        resp.force_close()  # the body it announced is not read
+        return resp
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the interim response is not the response's size
+    return None
 
 
 async def read_request(request: web.Request) -> bytes:
@@ -92,10 +117,12 @@ def add_dialect_routes(app: web.Application, routes: Sequence[tuple[str, Dialect
     renamed by its ``Generation`` (``Options.fields``)."""
     shapes: dict[str, ErrorShape] = {}
     for path, dialect in routes:
-        app.router.add_post(path, renaming(endpoint(dialect), dialect.fields))
+        app.router.add_post(path, renaming(endpoint(dialect), dialect.fields), expect_handler=expect_continue)
         shapes[path] = dialect.errors
         for method, extra, handler in dialect.extra_routes:
-            app.router.add_route(method, extra, renaming(handler, dialect.fields))
+            app.router.add_route(
+                method, extra, renaming(handler, dialect.fields), expect_handler=expect_continue
+            )
             shapes[extra] = dialect.errors
     app[ERROR_SHAPES] = shapes
 
@@ -213,8 +240,7 @@ def salted(submit: Submit, key_digest: bytes) -> Submit:
 
 def check_limits(submits: list[Submit], max_n: int, worker: Ready) -> None:
     """This server's limits on a valid request: ``max_n`` choices (over all
-    prompts of a prompt list), and prompt texts no longer than the context can
-    hold (refused without being sent)."""
+    prompts of a prompt list), then ``check_prompt`` for each prompt."""
     choices = sum(s.n for s in submits)
     if choices > max_n:
         what = f"'n' is {submits[0].n}" + (f" for each of {len(submits)} prompts" if len(submits) > 1 else "")
@@ -222,17 +248,35 @@ def check_limits(submits: list[Submit], max_n: int, worker: Ready) -> None:
             f"{what}; this server runs at most max_n={max_n} choices per request",
             param="n" if len(submits) == 1 else "prompt",
         )
+    for i, submit in enumerate(submits):
+        check_prompt(submit, worker, f"prompt[{i}]" if len(submits) > 1 else None)
+
+
+def check_prompt(submit: Submit, worker: Ready, param: str | None = None) -> None:
+    """What is known of a prompt before it is tokenized, held against the
+    context of ``worker``: no more turns than it has tokens (every chat
+    template writes at least one token per turn: a role header or separator),
+    and no more characters than its tokens can hold (at most
+    ``Ready.longest_token_chars`` each; tools and tool calls counted, as the
+    template writes them). Generation and the lookups (``/tokenize``,
+    ``count_tokens``) refuse the same prompts, before the worker sees them.
+    ``param`` overrides the field named (``prompt[i]`` of a prompt list).
+    Raises ``ContextLengthExceeded``."""
+    context = worker.max_context_tokens
+    if len(submit.messages) > context:
+        raise ContextLengthExceeded(
+            f"The conversation has {len(submit.messages)} messages; no more than {context} fit this "
+            f"model's context of {context} tokens (each message takes at least one token)",
+            param="messages",
+        )
     most = max_prompt_chars(worker)
     if most is None:
         return
-    for i, submit in enumerate(submits):
-        chars, param = prompt_chars(submit)
-        if len(submits) > 1:
-            param = f"prompt[{i}]"
-        if chars > most:
-            raise ContextLengthExceeded(
-                f"The prompt has {chars} characters; no text over {most} characters fits this "
-                f"model's context of {worker.max_context_tokens} tokens (a token is at most "
-                f"{worker.longest_token_chars} characters)",
-                param=param,
-            )
+    chars, own = prompt_chars(submit)
+    if chars > most:
+        raise ContextLengthExceeded(
+            f"The prompt has {chars} characters; no text over {most} characters fits this "
+            f"model's context of {context} tokens (a token is at most "
+            f"{worker.longest_token_chars} characters)",
+            param=param or own,
+        )

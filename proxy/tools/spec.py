@@ -34,6 +34,8 @@ from typing import Literal
 
 import msgspec
 
+from proxy.errors import quoted
+
 NAME_PATTERN = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 """OpenAI's rule for function names (``fullmatch``)."""
 
@@ -143,7 +145,7 @@ def _function_tool(i: int, tool: ToolIn) -> FunctionTool:
     where = f"tools[{i}]"
     if tool.type != "function":
         raise ToolSpecError(
-            f"'{where}.type' is {tool.type!r}; only 'function' tools are supported", param="tools"
+            f"'{where}.type' is {quoted(tool.type)}; only 'function' tools are supported", param="tools"
         )
     fn = tool.function
     if fn is None:
@@ -152,7 +154,7 @@ def _function_tool(i: int, tool: ToolIn) -> FunctionTool:
         raise ToolSpecError(f"'{where}.function.name' is required", param="tools")
     if not NAME_PATTERN.fullmatch(fn.name):
         raise ToolSpecError(
-            f"'{where}.function.name' is {fn.name!r}; a function name must be 1 to 64 characters "
+            f"'{where}.function.name' is {quoted(fn.name)}; a function name must be 1 to 64 characters "
             "among a-z, A-Z, 0-9, '_' and '-'",
             param="tools",
         )
@@ -170,13 +172,13 @@ def _choice(choice: ToolChoiceIn | None, names: Sequence[str]) -> tuple[ToolMode
         if mode is not None:
             return mode, None
         raise ToolSpecError(
-            f"'tool_choice' is {choice!r}; expected 'none', 'auto', 'required' or "
+            f"'tool_choice' is {quoted(choice)}; expected 'none', 'auto', 'required' or "
             '{"type": "function", "function": {"name": ...}}',
             param="tool_choice",
         )
     if choice.type != "function":
         raise ToolSpecError(
-            f"'tool_choice.type' is {choice.type!r}; only 'function' is supported", param="tool_choice"
+            f"'tool_choice.type' is {quoted(choice.type)}; only 'function' is supported", param="tool_choice"
         )
     name = choice.function.name if choice.function is not None else None
     if name is None:
@@ -184,7 +186,7 @@ def _choice(choice: ToolChoiceIn | None, names: Sequence[str]) -> tuple[ToolMode
     if name not in names:
         known = ", ".join(repr(n) for n in names)
         raise ToolSpecError(
-            f"'tool_choice' names the function {name!r}, which is not among 'tools' ({known})",
+            f"'tool_choice' names the function {quoted(name)}, which is not among 'tools' ({known})",
             param="tool_choice",
         )
     return "function", name
@@ -214,7 +216,7 @@ def resolve_tools(
     for n in names:
         if n in seen:
             # Two schemas for one name: a call could not be checked against either.
-            raise ToolSpecError(f"'tools' defines the function {n!r} more than once", param="tools")
+            raise ToolSpecError(f"'tools' defines the function {quoted(n)} more than once", param="tools")
         seen.add(n)
     mode, function = _choice(tool_choice, names)
     parallel = True if parallel_tool_calls is None else parallel_tool_calls
@@ -263,7 +265,7 @@ def check_history(messages: Sequence[HistoryMessage]) -> None:
     for i, m in enumerate(messages):
         if m.tool_calls and m.role != "assistant":
             raise ToolSpecError(
-                f"'messages[{i}].tool_calls' is only allowed on an assistant message, not {m.role!r}",
+                f"'messages[{i}].tool_calls' is only allowed on an assistant message, not {quoted(m.role)}",
                 param=f"messages[{i}].tool_calls",
             )
         if m.role == "tool" and not m.tool_call_id:

@@ -12,14 +12,13 @@ import zmq
 
 from engine_worker.backend import ModelInfo, Prepared, RequestRejected
 from protocol import (
-    Abort,
     ErrorCode,
     Event,
     EventBatch,
     Finished,
     FinishReason,
-    Hello,
     PrefillProgress,
+    ProxyMessage,
     RequestError,
     SamplingParams,
     Started,
@@ -67,6 +66,10 @@ class ScriptedBackend:
         if submit.prompt == "buggy":
             raise KeyError("tokenizer bug")
         return Prepared(submit, submit.prompt, 4, "prompt")
+
+    def prompt_ids(self, prepared: Prepared) -> list[int]:
+        """As many ids as ``prepare`` counts prompt tokens."""
+        return [0] * prepared.prompt_tokens
 
     def reservation(self, prepared: Prepared) -> int:
         return 4 + prepared.submit.params.max_tokens
@@ -133,7 +136,7 @@ class Peer:
         self.pull = ctx.socket(zmq.PULL)
         self.pull.connect(output_addr)
 
-    def send(self, msg: Hello | Submit | Abort) -> None:
+    def send(self, msg: ProxyMessage) -> None:
         self.push.send_multipart(encode(msg))
 
     def recv(self, timeout_s: float = 5.0) -> WorkerMessage:

@@ -645,3 +645,36 @@ def test_invalid_sampling_is_refused_before_the_queue_on_every_backend(tmp_path:
     mine = _events_of(events + later, "bad")
     assert len(mine) == 1 and isinstance(mine[0], RequestError)
     assert (mine[0].code, mine[0].param) == (ErrorCode.INVALID_REQUEST, "temperature")
+
+
+def test_a_slow_lookup_does_not_delay_a_generation_requests_preparation(running: Running) -> None:
+    """Lookups have a thread of their own: a request sent after a slow
+    ``Tokenize`` starts before its answer comes."""
+    from protocol import Tokenize, Tokens
+
+    _, peer, _ = running
+    peer.send(Tokenize(_submit("tok", prompt="slowprep")))
+    peer.send(_submit("gen", max_tokens=1))
+    order: list[str] = []
+    deadline = time.monotonic() + 10
+    while len(order) < 2 and time.monotonic() < deadline:
+        msg = peer.recv(max(0.0, deadline - time.monotonic()))
+        if isinstance(msg, EventBatch):
+            for e in msg.events:
+                if isinstance(e, Started) and e.request_id.startswith("gen"):
+                    order.append("gen started")
+                if isinstance(e, Tokens):
+                    order.append("tokens")
+    assert order == ["gen started", "tokens"]
+
+
+def test_a_lookup_that_cannot_fit_is_refused_untokenized(tmp_path: Path) -> None:
+    from protocol import Tokenize
+
+    with serve_loop(tmp_path, ModelInfo("scripted", 10, None, longest_token_chars=2)) as (backend, peer, _):
+        peer.send(Tokenize(_submit("tok", prompt="x" * 21)))
+        err = _first(peer, EventBatch)
+        assert isinstance(err, EventBatch)
+        (e,) = err.events
+        assert isinstance(e, RequestError) and e.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED
+        assert "tok" not in backend.prepared

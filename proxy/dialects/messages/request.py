@@ -32,11 +32,12 @@ line at the start of ``system`` never reaches the prompt (``claude_code``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 import msgspec
 
 from proxy.core.fields import (
+    MESSAGES_MAX_STOPS,
     Count,
     Refusals,
     SamplerFields,
@@ -48,7 +49,7 @@ from proxy.core.fields import (
 )
 from proxy.core.task import ChatTask, JsonOutput, Sampling
 from proxy.dialects.messages.claude_code import without_billing_header
-from proxy.errors import FieldNames, InvalidRequest
+from proxy.errors import FieldNames, InvalidRequest, quoted
 from proxy.tools import FunctionCall, HistoryMessage, ToolCall, ToolChoiceIn, ToolIn
 
 
@@ -93,7 +94,9 @@ class MessagesRequest(SamplerFields, kw_only=True):
     """``POST /v1/messages`` body (module docstring), with the sampler fields
     every dialect takes (``proxy.core.fields.SamplerFields``: ``min_p``,
     ``seed``, penalties, ``return_progress``, ...); ``temperature`` in
-    Anthropic's range, 0 to 1."""
+    Anthropic's range, 0 to 1; up to ``MESSAGES_MAX_STOPS`` stop sequences."""
+
+    MAX_STOPS: ClassVar[int] = MESSAGES_MAX_STOPS
 
     max_tokens: Count
     messages: list[MessageIn]
@@ -173,7 +176,8 @@ def _text_blocks(content: object, where: str) -> str:
         at = f"{where}[{j}]"
         if not isinstance(block, Mapping) or block.get("type") != "text":
             kind = block.get("type") if isinstance(block, Mapping) else type(block).__name__
-            raise InvalidRequest(f"'{at}' is of type {kind!r}; only text blocks are supported here", param=at)
+            message = f"'{at}' is of type {quoted(kind)}; only text blocks are supported here"
+            raise InvalidRequest(message, param=at)
         texts.append(_block_text(block, at))
     return "\n".join(texts)
 
@@ -183,22 +187,34 @@ _DROPPED = frozenset({"thinking", "redacted_thinking"})
 
 def history(system: object, messages: list[MessageIn]) -> tuple[HistoryMessage, ...]:
     """``system`` and ``messages`` as chat turns (module docstring). Raises
-    ``InvalidRequest`` naming ``messages[i].content[j]``."""
+    ``InvalidRequest`` naming ``messages[i].content[j]``, also where Anthropic's
+    API refuses a conversation (``_check_result``, empty content)."""
     turns: list[HistoryMessage] = []
     system = without_billing_header(system)
     if system:
         turns.append(HistoryMessage(role="system", content=_text_blocks(system, "system")))
+    seen_ids: set[str] = set()
+    asked: set[str] = set()  # tool_use ids of the message just before
     for i, m in enumerate(messages):
         where = f"messages[{i}].content"
+        if not m.content and not (i == len(messages) - 1 and m.role == "assistant"):
+            raise InvalidRequest(
+                f"'messages[{i}]': all messages must have non-empty content except for the optional "
+                "final assistant message",
+                param=where,
+            )
         if m.role == "system":
             turns.append(HistoryMessage(role="system", content=_text_blocks(m.content, where)))
+            asked = set()
             continue
         if isinstance(m.content, str):
             turns.append(HistoryMessage(role=m.role, content=m.content))
+            asked = set()
             continue
         texts: list[str] = []
         calls: list[ToolCall] = []
         results: list[HistoryMessage] = []
+        answered: set[str] = set()
         for j, block in enumerate(m.content):
             at = f"{where}[{j}]"
             kind = block.get("type")
@@ -208,12 +224,21 @@ def history(system: object, messages: list[MessageIn]) -> tuple[HistoryMessage, 
                 tool_id, name = block.get("id"), block.get("name")
                 if not isinstance(tool_id, str) or not isinstance(name, str):
                     raise InvalidRequest(f"'{at}' needs a string 'id' and 'name'", param=at)
-                args = msgspec.json.encode(block.get("input", {})).decode()
+                tool_input = block.get("input", {})
+                if not isinstance(tool_input, Mapping):
+                    raise InvalidRequest(f"'{at}.input' must be an object", param=f"{at}.input")
+                if tool_id in seen_ids:
+                    raise InvalidRequest(
+                        f"'{at}': `tool_use` ids must be unique, {quoted(tool_id)} is not", param=at
+                    )
+                seen_ids.add(tool_id)
+                args = msgspec.json.encode(tool_input).decode()
                 calls.append(ToolCall(id=tool_id, function=FunctionCall(name, args)))
             elif kind == "tool_result" and m.role == "user":
                 tool_id = block.get("tool_use_id")
                 if not isinstance(tool_id, str):
                     raise InvalidRequest(f"'{at}.tool_use_id' must be a string", param=f"{at}.tool_use_id")
+                _check_result(tool_id, asked, answered, at)
                 text = _text_blocks(block.get("content", ""), f"{at}.content")
                 if block.get("is_error"):
                     text = f"Error: {text}"
@@ -222,17 +247,35 @@ def history(system: object, messages: list[MessageIn]) -> tuple[HistoryMessage, 
                 continue  # no thinking to replay: the served model writes none
             else:
                 raise InvalidRequest(
-                    f"'{at}' is a block of type {kind!r} in a {m.role} message; this server takes text, "
-                    "tool_use (assistant) and tool_result (user) blocks (no images, documents or server "
-                    "tools)",
+                    f"'{at}' is a block of type {quoted(kind)} in a {m.role} message; this server takes "
+                    "text, tool_use (assistant) and tool_result (user) blocks (no images, documents or "
+                    "server tools)",
                     param=at,
                 )
+        asked = {c.id for c in calls}
         # A user turn's results come first: they answer the assistant turn before it.
         turns += results
         if texts or calls or not results:
             content = "\n".join(texts) if texts else None
             turns.append(HistoryMessage(role=m.role, content=content, tool_calls=tuple(calls)))
     return tuple(turns)
+
+
+def _check_result(tool_id: str, asked: set[str], answered: set[str], at: str) -> None:
+    """A ``tool_result`` answers a ``tool_use`` of the message just before, once,
+    as Anthropic's API requires ("Each `tool_result` block must have a
+    corresponding `tool_use` block in the previous message"). Raises
+    ``InvalidRequest`` naming ``at.tool_use_id``."""
+    param = f"{at}.tool_use_id"
+    if tool_id not in asked:
+        raise InvalidRequest(
+            f"'{param}': unexpected `tool_use_id` found in `tool_result` blocks: {quoted(tool_id)}. Each "
+            "`tool_result` block must have a corresponding `tool_use` block in the previous message.",
+            param=param,
+        )
+    if tool_id in answered:
+        raise InvalidRequest(f"'{param}': {quoted(tool_id)} has more than one `tool_result`", param=param)
+    answered.add(tool_id)
 
 
 def _tools(
@@ -242,7 +285,7 @@ def _tools(
     for i, t in enumerate(tools or ()):
         if t.type not in (None, "custom"):
             raise InvalidRequest(
-                f"'tools[{i}]' is a server tool of type {t.type!r}; only client tools (with "
+                f"'tools[{i}]' is a server tool of type {quoted(t.type)}; only client tools (with "
                 "'input_schema') are supported",
                 param=f"tools[{i}]",
             )

@@ -40,7 +40,7 @@ from proxy.core.fields import (
     tool_config,
 )
 from proxy.core.task import ChatTask, JsonOutput
-from proxy.errors import FieldNames, InvalidRequest
+from proxy.errors import FieldNames, InvalidRequest, quoted
 from proxy.tools import FunctionCall, HistoryMessage, ToolCall, ToolChoiceIn
 
 
@@ -157,8 +157,8 @@ def _text_of(content: object, where: str, kinds: frozenset[str]) -> str:
         kind = part.get("type")
         if kind not in kinds:
             raise InvalidRequest(
-                f"'{at}' is of type {kind!r}; only text parts ({', '.join(sorted(kinds))}) are supported "
-                "(no images, files or audio)",
+                f"'{at}' is of type {quoted(kind)}; only text parts ({', '.join(sorted(kinds))}) are "
+                "supported (no images, files or audio)",
                 param=at,
             )
         text = part.get("text") if kind != "refusal" else part.get("refusal")
@@ -199,7 +199,11 @@ def history(req: ResponsesRequest) -> tuple[HistoryMessage, ...]:
                     f"'{where}.role' must be one of {', '.join(sorted(_ROLES))}", param=f"{where}.role"
                 )
             assert isinstance(role, str)
-            text = _text_of(item.get("content", ""), f"{where}.content", _MESSAGE_PARTS)
+            if "content" not in item:  # as OpenAI's API: "Missing required parameter"
+                raise InvalidRequest(
+                    f"Missing required parameter: '{where}.content'", param=f"{where}.content"
+                )
+            text = _text_of(item["content"], f"{where}.content", _MESSAGE_PARTS)
             turns.append(HistoryMessage(role=role, content=text))
         elif kind == "function_call":
             call = ToolCall(
@@ -212,7 +216,9 @@ def history(req: ResponsesRequest) -> tuple[HistoryMessage, ...]:
             else:
                 turns.append(HistoryMessage(role="assistant", content=None, tool_calls=(call,)))
         elif kind == "function_call_output":
-            output = _text_of(item.get("output", ""), f"{where}.output", _OUTPUT_PARTS)
+            if "output" not in item:
+                raise InvalidRequest(f"Missing required parameter: '{where}.output'", param=f"{where}.output")
+            output = _text_of(item["output"], f"{where}.output", _OUTPUT_PARTS)
             turns.append(
                 HistoryMessage(role="tool", content=output, tool_call_id=_string(item, "call_id", where))
             )
@@ -220,7 +226,7 @@ def history(req: ResponsesRequest) -> tuple[HistoryMessage, ...]:
             continue  # no reasoning to replay: the served model writes none
         else:
             raise InvalidRequest(
-                f"'{where}' is an item of type {kind!r}; this server takes messages, function_call, "
+                f"'{where}' is an item of type {quoted(kind)}; this server takes messages, function_call, "
                 "function_call_output and reasoning items (no built-in tool calls, no item references: "
                 "it stores no responses)",
                 param=where,
@@ -235,8 +241,8 @@ def _tool_choice(choice: str | ToolChoiceObjectIn | None) -> ToolChoiceIn | None
         return choice
     if choice.type != "function":
         raise InvalidRequest(
-            f"'tool_choice' of type {choice.type!r} is not supported; use 'none', 'auto', 'required' or "
-            '{"type": "function", "name": ...}',
+            f"'tool_choice' of type {quoted(choice.type)} is not supported; use 'none', 'auto', "
+            """'required' or {"type": "function", "name": ...}""",
             param="tool_choice",
         )
     return named_choice(choice.name)
@@ -260,7 +266,7 @@ def _check_tool_types(tools: list[FunctionToolIn] | None) -> None:
     for i, t in enumerate(tools or ()):
         if t.type != "function":
             raise InvalidRequest(
-                f"'tools[{i}]' is a tool of type {t.type!r}; this server runs function tools only "
+                f"'tools[{i}]' is a tool of type {quoted(t.type)}; this server runs function tools only "
                 "(no built-in, custom or namespace tools)",
                 param=f"tools[{i}]",
             )

@@ -73,3 +73,40 @@ def test_budget_clamps_max_tokens_to_the_context_once() -> None:
     with pytest.raises(RequestRejected) as e:
         budget(dataclasses.replace(prepared, prompt_tokens=100), info)
     assert e.value.code is ErrorCode.CONTEXT_LENGTH_EXCEEDED and "setting: y" in e.value.message
+
+
+def test_stop_strings_are_bounded_for_any_client_of_the_socket() -> None:
+    """The worker's own bound (``MAX_STOP_STRINGS``, ``MAX_STOP_CHARS``), for a
+    client that is not the proxy: a stop automaton per sequence stays small."""
+    from protocol.messages import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+    validate_sampling(msgspec.structs.replace(OK, stop=("x",) * MAX_STOP_STRINGS), vocab_size=100)
+    validate_sampling(msgspec.structs.replace(OK, stop=("x" * MAX_STOP_CHARS,)), vocab_size=100)
+    for change in (
+        {"stop": ("x",) * (MAX_STOP_STRINGS + 1)},
+        {"stop": ("a", "x" * (MAX_STOP_CHARS + 1))},
+        {"stop_token_ids": (1,) * (MAX_STOP_STRINGS + 1)},
+    ):
+        with pytest.raises(RequestRejected) as e:
+            validate_sampling(msgspec.structs.replace(OK, **change), vocab_size=100)
+        assert e.value.code is ErrorCode.INVALID_REQUEST
+        assert e.value.param == next(iter(change))
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing() -> None:
+    from engine_worker.admission import check_prompt_size
+    from protocol import ChatMessage
+
+    info = ModelInfo("m", 100, None, longest_token_chars=2)
+    ok = Submit("r", OK, messages=tuple(ChatMessage("user", "x") for _ in range(100)))
+    check_prompt_size(ok, info)
+    cases = [
+        (Submit("r", OK, messages=tuple(ChatMessage("user", "x") for _ in range(101))), "messages"),
+        (Submit("r", OK, prompt="x" * 201), "prompt"),
+        (Submit("r", OK, messages=(ChatMessage("user", "x"),), tools_json="t" * 200), "messages"),
+    ]
+    for submit, param in cases:
+        with pytest.raises(RequestRejected) as e:
+            validate_request(submit, info)
+        assert (e.value.code, e.value.param) == (ErrorCode.CONTEXT_LENGTH_EXCEEDED, param)
+    check_prompt_size(Submit("r", OK, prompt="x" * 10_000), ModelInfo("m", 100, None))  # length unknown

@@ -157,3 +157,29 @@ async def test_http_refuses_a_bomb_naming_the_field(
         assert resp.status == 200
     finally:
         await asyncio.to_thread(quick.close)
+
+
+async def test_a_checker_killed_or_stopped_is_a_503_not_the_clients_fault(checker: GrammarChecker) -> None:
+    """A valid schema is never a 400 because the checker failed: a child killed
+    by someone else mid-check, or one stopped while it holds a check, is
+    ``grammar_checker_fault`` with ``Retry-After``; the pool recovers."""
+    import os
+    import signal
+
+    running = asyncio.create_task(validate(json_schema_grammar(bomb(40)), "response_format", using=checker))
+    async with asyncio.timeout(30):
+        while not checker._children:  # noqa: ASYNC110 (a child starts on its own thread: polled)
+            await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)
+    (child,) = checker._children
+    os.kill(child.proc.pid, signal.SIGKILL)
+    with pytest.raises(ServiceUnavailable) as exc:
+        await running
+    assert exc.value.code == "grammar_checker_fault" and exc.value.headers() == {"Retry-After": "1"}
+    await validate(json_schema_grammar({"type": "integer"}), "response_format", using=checker)
+    (child,) = checker._children
+    os.kill(child.proc.pid, signal.SIGSTOP)
+    with pytest.raises(ServiceUnavailable) as exc:
+        await validate(json_schema_grammar({"type": "integer"}), "response_format", using=checker)
+    assert exc.value.code == "grammar_checker_fault"
+    await validate(json_schema_grammar({"type": "integer"}), "response_format", using=checker)

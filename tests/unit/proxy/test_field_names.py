@@ -145,3 +145,35 @@ async def test_progress_only_on_a_stream_that_asked(
     assert resp.status == 200
     text = await resp.text()
     assert ("prompt_progress" in text) is stream
+
+
+STOP_FIELD = {
+    "/v1/chat/completions": ("stop", 4),
+    "/v1/completions": ("stop", 4),
+    "/v1/responses": ("stop", 4),
+    "/v1/messages": ("stop_sequences", 64),
+}
+
+
+@pytest.mark.parametrize("path", sorted(BODIES))
+async def test_stop_sequences_are_bounded_per_dialect(
+    make_client: MakeClient, fake: FakeEngineClient, path: str
+) -> None:
+    """Each dialect's limit of stop strings (OpenAI's 4; Messages 64), refused
+    before the worker sees the request, naming the dialect's field."""
+    field, limit = STOP_FIELD[path]
+    fake.script = static_script(["a"])
+    client = await make_client()
+    ok = await client.post(path, json={**BODIES[path], field: [f"#{i}" for i in range(limit)]})
+    assert ok.status == 200
+    submitted = len(fake.submits)
+    resp = await client.post(path, json={**BODIES[path], field: [f"#{i}" for i in range(limit + 1)]})
+    assert resp.status == 400
+    text = await resp.text()
+    assert f"'{field}' takes at most {limit} sequences, got {limit + 1}" in text
+    if path != "/v1/messages":  # Anthropic's error shape has no param
+        assert f'"param":"{field}"' in text.replace(" ", "")
+    long = await client.post(path, json={**BODIES[path], field: ["x", "y" * 257]})
+    assert long.status == 400
+    assert f"'{field}' sequences are at most 256 characters; number 1 has 257" in await long.text()
+    assert len(fake.submits) == submitted

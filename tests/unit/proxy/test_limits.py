@@ -242,6 +242,68 @@ async def test_unknown_token_length_sends_every_prompt(
     ).status == 200
 
 
+LOOKUPS: list[tuple[str, dict[str, Any], str]] = [
+    ("/tokenize", {"prompt": "c" * 201}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "c" * 201}]}, "messages"),
+    ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "c" * 201}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize(("path", "payload", "param"), LOOKUPS)
+async def test_lookups_refuse_what_generation_refuses_unsent(
+    make_client: MakeClient, fake: FakeEngineClient, path: str, payload: dict[str, Any], param: str
+) -> None:
+    """A lookup's prompt has the cap of the same prompt on the generation path:
+    refused before the worker spends any time tokenizing it."""
+    fake.worker_ready = Ready(PROTOCOL_VERSION, "w", "fake-model", "fake", 100, None, longest_token_chars=2)
+    client = await make_client()
+    r = await client.post(path, json=payload)
+    assert r.status == 400
+    text = await r.text()
+    assert "context_length_exceeded" in text or "201 characters" in text
+    assert "201 characters" in text
+    assert fake.lookups == []
+
+
+async def test_tools_count_toward_the_prompt(make_client: MakeClient, fake: FakeEngineClient) -> None:
+    fake.worker_ready = Ready(PROTOCOL_VERSION, "w", "fake-model", "fake", 100, None, longest_token_chars=2)
+    client = await make_client()
+    tool = {"type": "function", "function": {"name": "f", "description": "d" * 300}}
+    r = await client.post(URL, json=body(tools=[tool]))
+    assert r.status == 400
+    assert (await error_of(r))["code"] == "context_length_exceeded"
+    assert fake.submits == []
+
+
+@pytest.mark.parametrize("path", [URL, "/tokenize", "/v1/messages/count_tokens"])
+async def test_more_messages_than_context_tokens_are_refused_unsent(
+    make_client: MakeClient, fake: FakeEngineClient, path: str
+) -> None:
+    """Every turn costs at least a token of template: 101 one-character turns
+    cannot fit 100 tokens, whatever their characters."""
+    fake.worker_ready = Ready(PROTOCOL_VERSION, "w", "fake-model", "fake", 100, None)
+    client = await make_client()
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": "x"} for i in range(101)]
+    r = await client.post(path, json={"messages": turns, "max_tokens": 1})
+    assert r.status == 400
+    assert "101 messages" in await r.text()
+    assert fake.submits == [] and fake.lookups == []
+
+
+async def test_too_many_tools_or_ids(make_client: MakeClient, fake: FakeEngineClient) -> None:
+    client = await make_client()
+    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]
+    r = await client.post(URL, json=body(tools=tools))
+    assert r.status == 400
+    err = await error_of(r)
+    assert err["param"] == "tools" and "at most 128" in err["message"]
+    r = await client.post("/detokenize", json={"tokens": [1] * 4097})  # the fake's context: 4096
+    assert r.status == 400
+    err = await error_of(r)
+    assert err["param"] == "tokens" and "4097 ids" in err["message"]
+    assert fake.submits == [] and fake.lookups == []
+
+
 # ------------------------------------------------------------------ retry statuses
 
 
@@ -375,3 +437,26 @@ async def test_ready_reports_the_worker_load(make_client: MakeClient, fake: Fake
         "worker_waiting_requests": 3,
         "worker_kv_cache_usage": 0.1235,
     }
+
+
+@pytest.mark.parametrize("path", [URL, "/v1/messages", "/tokenize", "/v1/messages/count_tokens"])
+async def test_expect_continue_over_the_limit_gets_413_not_100(
+    make_client: MakeClient, fake: FakeEngineClient, path: str
+) -> None:
+    """As nginx does: the 413 comes instead of ``100 Continue``, so the client
+    never sends the gigabyte it announced."""
+    client = await make_client(max_body_mb=1)
+    async with raw_connection(client) as (reader, writer):
+        writer.write(head(path, 2**30, extra="Expect: 100-continue\r\n"))
+        async with asyncio.timeout(GUARD_S):
+            first = await reader.readline()
+    assert first.startswith(b"HTTP/1.1 413"), first
+    # Within the limit: 100 Continue, then the answer.
+    data = orjson.dumps(body())
+    async with raw_connection(client) as (reader, writer):
+        writer.write(head(URL, len(data), extra="Expect: 100-continue\r\n"))
+        async with asyncio.timeout(GUARD_S):
+            assert (await reader.readline()).startswith(b"HTTP/1.1 100")
+            await reader.readline()  # the blank line after it
+            writer.write(data)
+            assert (await reader.readline()).startswith(b"HTTP/1.1 200")

@@ -295,6 +295,65 @@ async def test_status_streams_are_bounded(make_client: MakeClient) -> None:
     again.close()
 
 
+async def test_a_follower_that_reads_nothing_is_cut_and_frees_its_slot(
+    make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stalled-client rule of every stream: a status follower that takes
+    nothing for ``stalled_client_timeout`` is cut, and its slot is free again."""
+    import socket
+
+    monkeypatch.setattr(status_module, "MIN_INTERVAL_S", 0.001)
+    # Small snapshots, often: the kernel's buffers (megabytes on loopback) would take
+    # them for minutes; the backlog it holds counts too.
+    client = await make_client(stalled_client_timeout=1.0)
+    loop = asyncio.get_running_loop()
+    socks = []
+    try:
+        for _ in range(status_module.MAX_STATUS_STREAMS):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, ("127.0.0.1", client.server.port))
+            request = b"GET /v1/status?stream=true&interval=0.001 HTTP/1.1\r\nHost: localhost\r\n\r\n"
+            await loop.sock_sendall(sock, request)
+            socks.append(sock)
+        await until(client, lambda s: s.proxy.status_streams == status_module.MAX_STATUS_STREAMS)
+        started = time.monotonic()
+        await until(client, lambda s: s.proxy.status_streams == 0)
+        assert time.monotonic() - started < 15
+        again = await client.get("/v1/status?stream=true&interval=60")
+        assert again.status == 200
+        again.close()
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+async def test_head_gets_the_headers_alone_and_holds_no_slot(make_client: MakeClient) -> None:
+    """RFC 9110 section 9.3.2; a request pipelined after a HEAD is answered."""
+    client = await make_client()
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    try:
+        head = b"HEAD /v1/status?stream=true HTTP/1.1\r\nHost: localhost\r\n\r\n"
+        writer.write(
+            head * status_module.MAX_STATUS_STREAMS + b"GET /v1/status HTTP/1.1\r\nHost: localhost\r\n\r\n"
+        )
+        async with asyncio.timeout(10):
+            for _ in range(status_module.MAX_STATUS_STREAMS):
+                status_line = await reader.readline()
+                assert status_line.startswith(b"HTTP/1.1 200")
+                headers = (await reader.readuntil(b"\r\n\r\n")).decode().lower()
+                assert "text/event-stream" in headers
+            status_line = await reader.readline()
+            assert status_line.startswith(b"HTTP/1.1 200")  # the GET after them: answered
+            headers = (await reader.readuntil(b"\r\n\r\n")).decode().lower()
+            length = int(headers.split("content-length:")[1].split("\r\n")[0])
+            body = await reader.readexactly(length)
+        assert msgspec.json.decode(body)["proxy"]["status_streams"] == 0
+    finally:
+        writer.close()
+
+
 async def test_draining_ends_a_stream(make_client: MakeClient) -> None:
     client = await make_client()
     state = client.app[STATE]  # type: ignore[index]
@@ -330,3 +389,52 @@ def test_a_request_that_succeeds_is_not_failed_whatever_is_handled_up_the_stack(
     except KeyError:
         status = asyncio.run(scenario())
     assert (status["totals"]["requests"], status["totals"]["failed"]) == (1, 0)
+
+
+async def test_with_api_keys_each_key_sees_its_own_requests_and_counts_of_the_rest(
+    make_client: MakeClient, fake: FakeEngineClient
+) -> None:
+    """Per tenant: another key's ids, token counts, progress and timings would
+    reopen the side channel cache isolation closes; they are counted only."""
+    held = Held()
+    fake.script = held
+    client = await make_client(api_key="k1,k2", max_in_flight=16)
+
+    async def post(key: str, content: str) -> Any:
+        resp = await client.post(
+            "/v1/chat/completions", json=chat(content), headers={"Authorization": f"Bearer {key}"}
+        )
+        return resp.status
+
+    tasks = [
+        asyncio.create_task(post("k1", "decode")),
+        asyncio.create_task(post("k2", "prefill")),
+        asyncio.create_task(post("k2", "q1")),
+    ]
+    try:
+        k1, k2 = {"Authorization": "Bearer k1"}, {"Authorization": "Bearer k2"}
+        mine = await get_status(client, **k1)
+        async with asyncio.timeout(10):
+            while len(mine.requests) + (mine.others.requests if mine.others else 0) < 3 or by_stage(mine) != [
+                "decode"
+            ]:
+                await asyncio.sleep(0.01)
+                mine = await get_status(client, **k1)
+        assert mine.others is not None
+        assert (mine.others.requests, mine.others.prefill, mine.others.queued) == (2, 1, 1)
+        theirs = await get_status(client, **k2)
+        assert by_stage(theirs) == ["prefill", "queued"]
+        assert theirs.others is not None and (theirs.others.requests, theirs.others.decode) == (1, 1)
+        assert {r.id for r in mine.requests}.isdisjoint({r.id for r in theirs.requests})
+        raw = await (await client.get("/v1/status", headers=k1)).text()
+        for r in theirs.requests:
+            assert r.id not in raw
+    finally:
+        held.release.set()
+        await asyncio.gather(*tasks)
+
+
+async def test_without_api_keys_every_request_is_listed(make_client: MakeClient) -> None:
+    client = await make_client()
+    st = await get_status(client)
+    assert st.others is None

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine_worker.cpu.detokenize import IncrementalDetokenizer, StopStringMatcher
+from engine_worker.cpu.detokenize import IncrementalDetokenizer
 from engine_worker.cpu.kv_cache import SequenceKV, kv_nbytes
 from engine_worker.cpu.ngram import NgramDrafter
 from engine_worker.cpu.prefix_cache import PrefixCache, common_prefix_length
@@ -65,41 +65,6 @@ def test_detokenizer_context_gives_leading_space(tokenizer: object) -> None:
     out = tokenizer(" world again", add_special_tokens=False)["input_ids"]  # type: ignore[operator]
     detok = IncrementalDetokenizer(tokenizer, context=prompt)  # type: ignore[arg-type]
     assert "".join(detok.add(i) for i in out) + detok.flush() == " world again"
-
-
-# ---------------------------------------------------------------- stop strings
-
-
-def test_stop_string_split_across_feeds() -> None:
-    m = StopStringMatcher(["STOP"])
-    assert m.feed("abc ST") == ("abc ", False)
-    assert m.held == "ST"
-    assert m.feed("O") == ("", False)
-    assert m.feed("Pxyz") == ("", True)
-    assert m.stopped
-    assert m.feed("more") == ("", True)
-
-
-def test_stop_string_false_start_is_released() -> None:
-    m = StopStringMatcher(["STOP"])
-    assert m.feed("ST") == ("", False)
-    assert m.feed("ART") == ("START", False)
-    assert m.flush() == ""
-
-
-def test_earliest_stop_string_wins_and_overlapping_prefixes() -> None:
-    m = StopStringMatcher(["world", "lo w"])
-    assert m.feed("hello world") == ("hel", True)
-    m2 = StopStringMatcher(["aab"])
-    assert m2.feed("aaa") == ("a", False)
-    assert m2.feed("b!") == ("", True)  # "aaab!" cut before "aab": "a", already emitted
-
-
-def test_stop_matcher_without_stops_and_unchecked() -> None:
-    assert StopStringMatcher([]).feed("anything") == ("anything", False)
-    m = StopStringMatcher(["x"])
-    assert m.feed("axb", check=False) == ("axb", False)
-    assert m.feed("cxd") == ("c", True)
 
 
 # ---------------------------------------------------------------- sampling

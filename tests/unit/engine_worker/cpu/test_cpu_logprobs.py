@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from engine_worker.backend import RequestRejected
-from engine_worker.cpu.detokenize import StopStringMatcher
 from engine_worker.cpu.logprobs import LogprobTrail
 from engine_worker.cpu.sampling import Scored
+from engine_worker.stops import StopMatcher
 from protocol.messages import ErrorCode, FinishReason, TokenLogprob
 from tests.fakes.cpu import add
 
@@ -273,7 +273,7 @@ def _info(token: int) -> tuple[str, bytes]:
 
 def test_trail_aligns_deltas_with_token_boundaries() -> None:
     trail = LogprobTrail(_info)
-    stopper = StopStringMatcher(["XYZ"])
+    stopper = StopMatcher(["XYZ"])
     # Token 1 releases "ab"; 2 is held (incomplete character); 3 releases "cX" with it;
     # the matcher holds "X" (it may start "XYZ"), so the delta stops after "ab".
     deltas = []
@@ -297,7 +297,7 @@ def test_trail_aligns_deltas_with_token_boundaries() -> None:
 
 def test_trail_cut_by_a_stop_string_keeps_the_shown_part() -> None:
     trail = LogprobTrail(_info)
-    stopper = StopStringMatcher(["XYZ"])
+    stopper = StopMatcher(["XYZ"])
     for token, released in ((1, "ab"), (2, "cXY"), (3, "Zde"), (4, "f")):
         trail.add(_scored(token), released)
         emit, stopped = stopper.feed(released)

@@ -382,3 +382,94 @@ async def test_count_tokens_refuses_what_the_request_would(make_client: MakeClie
     counted = await client.post(URL + "/count_tokens", json=body)
     sent = await client.post(URL, json={**body, "max_tokens": 4})
     assert counted.status == sent.status == 400
+
+
+def _use(tool_id: str, tool_input: object = None) -> dict[str, Any]:
+    return {"type": "tool_use", "id": tool_id, "name": "get_weather", "input": tool_input or {"city": "P"}}
+
+
+def _result(tool_id: str) -> dict[str, Any]:
+    return {"type": "tool_result", "tool_use_id": tool_id, "content": "18 C"}
+
+
+@pytest.mark.parametrize(
+    ("messages", "param", "words"),
+    [
+        (  # a result for a call nobody made
+            [
+                {"role": "user", "content": "P?"},
+                {"role": "assistant", "content": [_use("t1")]},
+                {"role": "user", "content": [_result("t9")]},
+            ],
+            "messages[2].content[0].tool_use_id",
+            "unexpected `tool_use_id`",
+        ),
+        (  # two results for one call
+            [
+                {"role": "user", "content": "P?"},
+                {"role": "assistant", "content": [_use("t1")]},
+                {"role": "user", "content": [_result("t1"), _result("t1")]},
+            ],
+            "messages[2].content[1].tool_use_id",
+            "more than one `tool_result`",
+        ),
+        (  # a result for a call of an earlier turn, not the one just before
+            [
+                {"role": "user", "content": "P?"},
+                {"role": "assistant", "content": [_use("t1")]},
+                {"role": "user", "content": [_result("t1")]},
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": [_result("t1")]},
+            ],
+            "messages[4].content[0].tool_use_id",
+            "unexpected `tool_use_id`",
+        ),
+        (  # tool_use input given as a string
+            [
+                {"role": "user", "content": "P?"},
+                {"role": "assistant", "content": [_use("t1", '{"city": "P"}')]},
+                {"role": "user", "content": [_result("t1")]},
+            ],
+            "messages[1].content[0].input",
+            "must be an object",
+        ),
+        (  # one id for two calls
+            [
+                {"role": "user", "content": "P?"},
+                {"role": "assistant", "content": [_use("t1"), _use("t1")]},
+                {"role": "user", "content": [_result("t1")]},
+            ],
+            "messages[1].content[1]",
+            "must be unique",
+        ),
+        ([{"role": "user", "content": ""}], "'messages[0]'", "non-empty content"),
+        ([{"role": "user", "content": []}], "'messages[0]'", "non-empty content"),
+    ],
+)
+async def test_tool_ids_and_empty_content_refused_as_anthropic_does(
+    make_client: MakeClient, fake: FakeEngineClient, messages: list[dict[str, Any]], param: str, words: str
+) -> None:
+    client = await make_client()
+    for path in (URL, URL + "/count_tokens"):
+        r = await client.post(
+            path, json={"model": "m", "max_tokens": 8, "messages": messages, "tools": [WEATHER]}
+        )
+        assert r.status == 400, path
+        err = await r.json()
+        assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+        assert param in err["error"]["message"] and words in err["error"]["message"], err
+    assert fake.submits == [] and fake.lookups == []
+
+
+async def test_a_consistent_tool_history_is_accepted(make_client: MakeClient, fake: FakeEngineClient) -> None:
+    fake.script = static_script(["Sunny."])
+    client = await make_client()
+    messages = [
+        {"role": "user", "content": "P?"},
+        {"role": "assistant", "content": [_use("t1"), _use("t2")]},
+        {"role": "user", "content": [_result("t2"), _result("t1"), {"type": "text", "text": "thanks"}]},
+        {"role": "assistant", "content": [_use("t3")]},
+        {"role": "user", "content": [_result("t3")]},
+    ]
+    r = await client.post(URL, json={"model": "m", "max_tokens": 8, "messages": messages, "tools": [WEATHER]})
+    assert r.status == 200, await r.text()

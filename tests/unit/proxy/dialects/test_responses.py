@@ -301,3 +301,23 @@ async def test_tokenize_refuses_what_it_cannot_honour(
     assert r.status == 400 and (await r.json())["error"]["param"] == param
     ok = await client.post("/tokenize", json={**body, param: None})
     assert ok.status == 200
+
+
+@pytest.mark.parametrize(
+    ("item", "param"),
+    [
+        ({"type": "message", "role": "user"}, "input[0].content"),
+        ({"role": "user"}, "input[0].content"),
+        ({"type": "function_call_output", "call_id": "c1"}, "input[0].output"),
+    ],
+)
+async def test_items_without_their_content_are_refused(
+    make_client: MakeClient, fake: FakeEngineClient, item: dict[str, Any], param: str
+) -> None:
+    """OpenAI's API: "Missing required parameter" naming the item's field."""
+    client = await make_client()
+    r = await client.post("/v1/responses", json={"model": "m", "input": [item]})
+    assert r.status == 400
+    err = (await r.json())["error"]
+    assert err["param"] == param and "Missing required parameter" in err["message"]
+    assert fake.submits == []
