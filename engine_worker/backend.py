@@ -55,6 +55,8 @@ class ModelInfo:
       ``±max_logit_bias``, or ``-inf`` (a ban) where ``logit_bias_ban``.
     - ``context_settings``: what sets ``max_context_tokens``, named in the error of
       a prompt that does not fit.
+    - ``reasoning_parser``: the family whose thinking the backend splits from the
+      answer (``engine_worker.reasoning``), ``Ready.reasoning_parser``.
     """
 
     model_id: str
@@ -73,6 +75,7 @@ class ModelInfo:
     max_logit_bias: float = 100.0
     logit_bias_ban: bool = False
     context_settings: str = "setting: max_seq_len"
+    reasoning_parser: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
