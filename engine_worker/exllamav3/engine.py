@@ -66,7 +66,8 @@ class EngineHandle:
       and tokenized (``Tokenizer.hf_chat_template``); ``messages`` are ``{"role", "content"}``
       dicts, with ``tool_calls`` (a list of call objects), ``tool_call_id`` and ``name`` where a
       turn has them; ``tools`` (OpenAI's ``tools`` array) goes to the template as its ``tools``
-      variable, ``None`` passes nothing.
+      variable, ``None`` passes nothing; the last argument, extra template variables
+      (``chat_template_kwargs``) or ``None``.
     - ``decode(ids)``: token ids -> text, special tokens as their text (``Tokenizer.decode`` with
       ``decode_special_tokens=True``, as jobs decode).
     - ``pieces``: token id -> the text ``Job`` appends for it (``get_id_to_piece_list`` with
@@ -97,13 +98,15 @@ class EngineHandle:
       grammar that does not compile. ``None`` where the engine has none.
     - ``ll_tokenizer()``: the ``llguidance.LLTokenizer`` of the model (token bytes for logprobs),
       built on the first call (about a second for a 150k vocabulary); ``None`` where unavailable.
+    - ``as_ids(ids)``: a list of ids as the ``(1, n)`` tensor jobs take (a prompt the reasoning
+      plan extended); ``None`` where unavailable.
     """
 
     generator: GeneratorLike
     new_job: Callable[..., Any]
     new_sampler: Callable[..., Any]
     encode: Callable[[str, bool], IdTensor]
-    encode_chat: Callable[[list[dict[str, Any]], bool, list[Any] | None], IdTensor]
+    encode_chat: Callable[[list[dict[str, Any]], bool, list[Any] | None, dict[str, Any] | None], IdTensor]
     decode: Callable[[list[int]], str]
     pieces: Sequence[str]
     eos_token_ids: tuple[int, ...]
@@ -123,6 +126,7 @@ class EngineHandle:
     rq_boundary: int = 256
     new_filter: Callable[[str], Any] | None = None
     ll_tokenizer: Callable[[], Any] | None = None
+    as_ids: Callable[[list[int]], IdTensor] | None = None
 
 
 def id_list(ids: Any) -> list[int]:

@@ -425,10 +425,14 @@ class LoadedEngine:
         return self.text.tokenizer.encode(text, add_bos=bos, encode_special_tokens=True)
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, tools: list[Any] | None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[Any] | None,
+        variables: dict[str, Any] | None = None,
     ) -> Any:
         # Client text tokenized as text, control tokens only where the template wrote them.
-        return self._encode_chat(messages, add_generation_prompt, tools)
+        return self._encode_chat(messages, add_generation_prompt, tools, variables)
 
     def decode(self, ids: list[int]) -> str:
         import torch
@@ -484,6 +488,7 @@ class LoadedEngine:
             new_sampler=self.ex.ComboSampler,
             encode=self.encode,
             encode_chat=self.encode_chat,
+            as_ids=_as_ids,
             decode=self.decode,
             pieces=tokenizer.get_id_to_piece_list(True),
             eos_token_ids=self.text.eos_ids,

@@ -2273,4 +2273,5 @@ def make_handle(
         chat_template=chat_template if chat_template is not None else CHATML_TEMPLATE,
         new_filter=filter_factory(contained_filter_class(LLGuidanceFilter), tok),
         ll_tokenizer=lambda: create_ll_tokenizer(tok),
+        as_ids=FakeTensor,
     )
