@@ -76,6 +76,11 @@ class ChatMessage(msgspec.Struct, array_like=True, frozen=True):
     tool_calls_json: str | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning: str | None = None
+    """An assistant turn's thinking sent back by the client (``reasoning_content``,
+    Responses reasoning items, Anthropic thinking blocks): the worker gives it to
+    the template as the turn's ``reasoning_content`` (Qwen3, DeepSeek) and
+    ``thinking`` (GPT-OSS), which renders or drops it; never as content."""
 
 
 class SamplingParams(msgspec.Struct, array_like=True, frozen=True):

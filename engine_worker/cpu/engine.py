@@ -570,7 +570,13 @@ class CpuBackend:
                 ErrorCode.INVALID_REQUEST, "this model has no chat template; use prompt", param="messages"
             )
         guard = self._control_tokens.guard()
-        conversation = [{"role": m.role, "content": m.content} for m in submit.messages]
+        conversation: list[dict[str, str]] = []
+        for m in submit.messages:
+            turn = {"role": m.role, "content": m.content}
+            if m.reasoning is not None:
+                # The names templates read a turn's thinking by (Qwen3/DeepSeek; GPT-OSS).
+                turn["reasoning_content"] = turn["thinking"] = m.reasoning
+            conversation.append(turn)
         try:
             extra = template_kwargs(submit.template_kwargs_json, self._prompt_tokenizer.chat_template, budget)
         except ValueError as exc:

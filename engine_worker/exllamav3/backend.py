@@ -232,6 +232,9 @@ def _template_messages(submit: Submit) -> list[dict[str, Any]]:
             msg["tool_call_id"] = m.tool_call_id
         if m.name is not None:
             msg["name"] = m.name
+        if m.reasoning is not None:
+            # The names templates read a turn's thinking by (Qwen3/DeepSeek; GPT-OSS).
+            msg["reasoning_content"] = msg["thinking"] = m.reasoning
         out.append(msg)
     return out
 

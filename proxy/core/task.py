@@ -61,6 +61,8 @@ class Sampling:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
+    reasoning_budget: int | None = None
+    """Most tokens the model may think (``SamplingParams.reasoning_budget``); 0: none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +95,8 @@ class ChatTask:
     parallel_asked: bool = False
     """The client said explicitly whether calls may be parallel."""
     cache_salt: str | None = None
+    template_kwargs: dict[str, object] | None = None
+    """Extra chat-template variables (``chat_template_kwargs``, ``reasoning_effort``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -219,6 +223,7 @@ def sampling_params(
         logprobs=s.logprobs,
         grammar=grammar,
         grammar_param=grammar_param,
+        reasoning_budget=s.reasoning_budget,
     )
 
 
@@ -233,7 +238,11 @@ def chat_messages(task: ChatTask, tools: ToolPlan | None = None) -> tuple[ChatMe
     history = task.messages
     if tools is None and not any(m.tool_calls or m.role in ("tool", "function") for m in history):
         return tuple(
-            ChatMessage(role="system" if m.role == "developer" else m.role, content=m.content or "")
+            ChatMessage(
+                role="system" if m.role == "developer" else m.role,
+                content=m.content or "",
+                reasoning=m.reasoning if m.role == "assistant" else None,
+            )
             for m in history
         )
     try:
@@ -267,7 +276,8 @@ def _native_messages(history: tuple[HistoryMessage, ...]) -> tuple[ChatMessage, 
                 )
             calls_json = msgspec.json.encode(calls).decode()
         role = "system" if m.role == "developer" else m.role
-        out.append(ChatMessage(role, m.content or "", calls_json, m.tool_call_id, m.name))
+        reasoning = m.reasoning if m.role == "assistant" else None
+        out.append(ChatMessage(role, m.content or "", calls_json, m.tool_call_id, m.name, reasoning))
     return tuple(out)
 
 
@@ -285,6 +295,9 @@ def chat_submit(task: ChatTask, request_id: str, max_context_tokens: int, tools:
         add_generation_prompt=task.add_generation_prompt,
         n=task.n,
         cache_salt=task.cache_salt,
+        template_kwargs_json=msgspec.json.encode(task.template_kwargs).decode()
+        if task.template_kwargs
+        else None,
     )
 
 
