@@ -83,6 +83,7 @@ class Choice:
     finish_reason: str | None = None  # as the client sees it (``tool_calls`` when it called)
     reasoning: list[str] = field(default_factory=list)  # the thinking, kept apart from texts
     thinking: bool = False  # its latest delta was thinking (the request's stage)
+    reasoning_tokens: int = 0  # thinking tokens so far (the deltas' counts, then Finished's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,6 +318,7 @@ class Generation:
         choice.completion_tokens += ev.num_tokens
         choice.thinking = ev.channel is Channel.REASONING
         if choice.thinking:
+            choice.reasoning_tokens += ev.num_tokens
             if ev.text:
                 choice.reasoning.append(ev.text)
                 if self._reasoning_frames is not None:
@@ -365,6 +367,7 @@ class Generation:
             reason = tool_finish_reason(reason, end.tool_calls_made)
         choice.finished = ev
         choice.thinking = False
+        choice.reasoning_tokens = ev.reasoning_tokens
         choice.finish_reason = reason
         choice.completion_tokens = ev.completion_tokens
         self._unfinished -= 1

@@ -136,6 +136,11 @@ class RequestStatus(msgspec.Struct, kw_only=True, gc=False):
     ttft_s: float | None
     draft_accepted: int | None
     draft_rejected: int | None
+    phase: Literal["thinking", "answering"] | None = None
+    """In ``decode``: whether a reasoning model is still thinking or answering
+    (``None`` in other stages)."""
+    reasoning_tokens: int = 0
+    """Of ``completion_tokens``, those spent thinking."""
 
 
 class Status(msgspec.Struct, kw_only=True, gc=False):

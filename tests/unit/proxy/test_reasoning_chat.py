@@ -133,3 +133,46 @@ async def test_reasoning_sent_back_reaches_the_worker_apart(
     assert r.status == 200
     turn = seen[0].messages[1]
     assert (turn.content, turn.reasoning) == ("Yes.", "Let me think.")
+
+
+async def test_metrics_log_and_status_count_the_thinking(
+    make_client: MakeClient, fake: FakeEngineClient, caplog: Any
+) -> None:
+    import asyncio
+    import logging
+
+    from protocol import Channel, Finished, PrefillProgress, Started, TokenDelta
+    from proxy.ops.request_log import FIELDS
+    from tests.fakes.engine_client import Gate, Step
+
+    release = asyncio.Event()
+
+    def held(submit: Submit) -> list[Step]:
+        rid = submit.request_id
+        return [
+            Started(rid, 5, 0),
+            PrefillProgress(rid, 5, 0, 5, 1),
+            TokenDelta(rid, "Hm", 2, channel=Channel.REASONING),
+            Gate(release),
+            TokenDelta(rid, "Yes", 1),
+            Finished(rid, FinishReason.STOP, 5, 0, 4, reasoning_tokens=3),
+        ]
+
+    fake.script = held
+    client = await make_client()
+    caplog.set_level(logging.INFO, logger="proxy.requests")
+    task = asyncio.create_task(client.post("/v1/chat/completions", json={"messages": MESSAGES}))
+    for _ in range(200):  # bounded: the request reaches its gate within a few loop turns
+        status = await (await client.get("/v1/status")).json()
+        if status["requests"] and status["requests"][0]["stage"] == "decode":
+            break
+        await asyncio.sleep(0.01)
+    (req,) = status["requests"]
+    assert (req["phase"], req["reasoning_tokens"]) == ("thinking", 2)
+    release.set()
+    r = await task
+    assert (await r.json())["usage"]["completion_tokens_details"]["reasoning_tokens"] == 3
+    metrics = await (await client.get("/metrics")).text()
+    assert "exl3_sidecar_reasoning_tokens_total 3.0" in metrics
+    (record,) = [r for r in caplog.records if r.name == "proxy.requests" and "chat" in r.getMessage()]
+    assert getattr(record, FIELDS)["reasoning_tokens"] == 3
