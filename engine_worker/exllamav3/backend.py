@@ -385,9 +385,10 @@ class ExLlamaV3Backend:
 
     def _check_reasoning(self, params: SamplingParams, budget: int | None) -> None:
         """Refuse what this backend does not do yet for a model that may think: the
-        engine's grammar filter and logprobs would cover the thinking too, and a
-        budget above 0 needs a filter that forces the end marker (the CPU engine has
-        all three). ``budget == 0`` (no thinking) leaves only the answer: allowed."""
+        engine's grammar filter and logprobs would cover the thinking too (the CPU
+        engine keeps both to the answer), and a budget above 0 needs the handle's
+        ``new_budget_filter``. ``budget == 0`` (no thinking) leaves only the answer:
+        allowed."""
         if budget == 0:
             return
         if params.grammar is not None:
@@ -404,10 +405,10 @@ class ExLlamaV3Backend:
                 "switch thinking off (reasoning_effort 'none', thinking_budget_tokens 0)",
                 "logprobs",
             )
-        if budget is not None:
+        if budget is not None and self._h.new_budget_filter is None:
             raise RequestRejected(
                 ErrorCode.INVALID_REQUEST,
-                "a thinking budget other than 0 is not available on the exllamav3 engine yet",
+                "a thinking budget other than 0 is not available on this engine",
                 "thinking_budget_tokens",
             )
 
@@ -506,11 +507,18 @@ class ExLlamaV3Backend:
             # driving start directly) compile here.
             grammar = prompt.filters.pop() if prompt.filters else self._compile(params)
         h = self._h
+        filters = [grammar] if grammar is not None else []
+        budget = params.reasoning_budget
+        if budget is None:
+            budget = self._config.reasoning_budget
+        if prompt.reasoning is not None and budget and h.new_budget_filter is not None:
+            # Ends the thinking once the budget is spent (grammar.budget_filter_factory).
+            filters.append(h.new_budget_filter(prompt.reasoning.new_splitter))
 
         def new_job() -> Any:
             kwargs = dict(settings.job_kwargs)
-            if grammar is not None:
-                kwargs["filters"] = [grammar]
+            if filters:
+                kwargs["filters"] = list(filters)
             return h.new_job(
                 input_ids=input_ids,
                 sampler=h.new_sampler(**settings.sampler_kwargs),

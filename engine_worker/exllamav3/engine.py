@@ -98,6 +98,9 @@ class EngineHandle:
       grammar that does not compile. ``None`` where the engine has none.
     - ``ll_tokenizer()``: the ``llguidance.LLTokenizer`` of the model (token bytes for logprobs),
       built on the first call (about a second for a 150k vocabulary); ``None`` where unavailable.
+    - ``new_budget_filter(new_splitter)``: a filter that forces the end of a reasoning model's
+      thinking once its budget is spent (``grammar.budget_filter_factory``); ``None``: budgets
+      above 0 are refused.
     - ``as_ids(ids)``: a list of ids as the ``(1, n)`` tensor jobs take (a prompt the reasoning
       plan extended); ``None`` where unavailable.
     """
@@ -127,6 +130,7 @@ class EngineHandle:
     new_filter: Callable[[str], Any] | None = None
     ll_tokenizer: Callable[[], Any] | None = None
     as_ids: Callable[[list[int]], IdTensor] | None = None
+    new_budget_filter: Callable[[Callable[[], Any]], Any] | None = None
 
 
 def id_list(ids: Any) -> list[int]:

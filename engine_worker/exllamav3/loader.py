@@ -60,7 +60,7 @@ from engine_worker.exllamav3 import chat_template
 from engine_worker.exllamav3.backend import ExLlamaV3Backend
 from engine_worker.exllamav3.config import PAGE_SIZE, CacheMode, parse_split
 from engine_worker.exllamav3.engine import EngineHandle, id_list
-from engine_worker.exllamav3.grammar import contained_filter_class, filter_factory
+from engine_worker.exllamav3.grammar import budget_filter_factory, contained_filter_class, filter_factory
 from engine_worker.settings import DraftMode, WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,13 @@ def _start_moe_cpu_hosts(model: Any) -> None:
     forward pass. ``ensure_started`` is idempotent; configs without offload have none."""
     for host in getattr(model.config, "moe_cpu_hosts", {}).values():
         host.ensure_started()
+
+
+def _int32_words(n: int) -> Any:
+    """A ``(1, n)`` int32 CPU tensor of zeros: a filter mask as 1.6.5's are (``llguidance.py:146-153``)."""
+    import torch
+
+    return torch.zeros((1, n), dtype=torch.int32)
 
 
 def _as_ids(ids: list[int]) -> Any:
@@ -509,6 +516,9 @@ class LoadedEngine:
             if getattr(generator, "recurrent_cache", None) is not None
             else PAGE_SIZE,
             new_filter=filter_factory(contained_filter_class(self.ex.LLGuidanceFilter), tokenizer),
+            new_budget_filter=budget_filter_factory(
+                self.ex.Filter, tokenizer, int(tokenizer.actual_vocab_size), _int32_words
+            ),
             ll_tokenizer=self.ll_tokenizer,
         )
 

@@ -90,9 +90,6 @@ def test_what_needs_a_filter_is_refused_while_the_model_may_think() -> None:
     with pytest.raises(RequestRejected) as e:
         backend.prepare(chat("a", "hi", logprobs=1))
     assert e.value.param == "logprobs"
-    with pytest.raises(RequestRejected) as e:
-        backend.prepare(chat("a", "hi", reasoning_budget=5))
-    assert e.value.param == "thinking_budget_tokens"
     # No thinking: the span is closed in the prompt and the grammar is the answer's.
     add(backend, chat("b", "hi", grammar=grammar, grammar_param="response_format", reasoning_budget=0))
     events = run(backend)
@@ -105,3 +102,26 @@ def test_no_parser_by_default_on_a_template_without_thinking() -> None:
     add(backend, chat("a", "hi"))
     events = run(backend)
     assert channels(events, "a") == ("", "<think>a</think>b")
+
+
+def test_the_budget_forces_the_end_marker() -> None:
+    # Left alone the model thinks "abab..." to the end; a budget of 3 ends it after "aba".
+    backend, _ = make_backend(settings(reasoning_parser="deepseek_r1"), script=fx.reply("ab" * 20))
+    add(backend, chat("a", "hi", reasoning_budget=3, max_tokens=3 + len(b"</think>") + 2))
+    events = run(backend)
+    think, answer = channels(events, "a")
+    assert think == "aba"
+    assert answer == "ba"  # the script goes on where the marker interrupted it (its own output index)
+    fin = finished(events, "a")
+    assert fin.reasoning_tokens == 3 + len(b"</think>")
+    assert fin.finish_reason is FinishReason.LENGTH
+
+
+def test_no_budget_filter_means_budgets_are_refused() -> None:
+    import dataclasses
+
+    backend, _ = make_backend(settings(reasoning_parser="deepseek_r1"), script=fx.reply("x"))
+    backend._h = dataclasses.replace(backend._h, new_budget_filter=None)
+    with pytest.raises(RequestRejected) as e:
+        backend.prepare(chat("a", "hi", reasoning_budget=5))
+    assert e.value.param == "thinking_budget_tokens"
