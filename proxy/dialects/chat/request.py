@@ -82,7 +82,28 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
         raise InvalidRequest("'messages' must contain at least one message", param="messages")
     if req.top_logprobs and not req.logprobs:
         raise InvalidRequest("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+    taken = sorted(set(req.chat_template_kwargs or ()) & _TEMPLATE_ARGUMENTS)
+    if taken:
+        raise InvalidRequest(
+            f"'chat_template_kwargs' may not set {', '.join(taken)}: the request's own fields do",
+            param="chat_template_kwargs",
+        )
     return req
+
+
+_TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "return_dict",
+        "chat_template",
+    }
+)
+"""Names ``apply_chat_template`` takes as its own arguments: not template variables."""
 
 
 def flatten_content(content: str | list[ContentPart] | None, where: str) -> str | None:

@@ -176,3 +176,12 @@ async def test_metrics_log_and_status_count_the_thinking(
     assert "exl3_sidecar_reasoning_tokens_total 3.0" in metrics
     (record,) = [r for r in caplog.records if r.name == "proxy.requests" and "chat" in r.getMessage()]
     assert getattr(record, FIELDS)["reasoning_tokens"] == 3
+
+
+async def test_template_kwargs_may_not_set_the_templates_own_arguments(
+    make_client: MakeClient, fake: FakeEngineClient
+) -> None:
+    client = await make_client()
+    body = {"messages": MESSAGES, "chat_template_kwargs": {"add_generation_prompt": False}}
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status == 400 and (await r.json())["error"]["param"] == "chat_template_kwargs"
