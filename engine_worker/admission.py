@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 MAX_LOGPROBS = 20
 """Most alternatives per token (``SamplingParams.logprobs``), OpenAI's ``top_logprobs`` limit."""
 
+MAX_BANNED_TOKENS = 4096
+"""Most ``banned_tokens`` of one request (the proxy's limit too)."""
+
 
 def _reject(param: str, message: str) -> RequestRejected:
     return RequestRejected(ErrorCode.INVALID_REQUEST, message, param=param)
@@ -33,9 +36,18 @@ def validate_request(submit: Submit, info: ModelInfo) -> None:
     """Raises ``RequestRejected`` (``INVALID_REQUEST``, ``param`` = the field) for
     sampling ``info``'s backend cannot honour: ``validate_sampling``, a
     ``logit_bias`` value beyond ``±info.max_logit_bias`` (``-inf`` only where
-    ``info.logit_bias_ban``), ``logprobs`` outside ``[0, MAX_LOGPROBS]``."""
+    ``info.logit_bias_ban``), ``logprobs`` outside ``[0, MAX_LOGPROBS]``, ``banned_strings`` where
+    ``info.banned_strings`` is false, ``add_bos``
+    with ``messages`` (named ``add_bos_token``, the request field)."""
     p = submit.params
     validate_sampling(p, info.vocab_size)
+    if p.banned_strings and not info.banned_strings:
+        raise _reject("banned_strings", "banned_strings are not supported by this engine yet")
+    if submit.add_bos is not None and submit.prompt is None:
+        raise _reject(
+            "add_bos_token",
+            "add_bos_token applies to a raw prompt; with messages the chat template places BOS",
+        )
     for token_id, bias in (p.logit_bias or {}).items():
         ban = bias == -math.inf and info.logit_bias_ban
         if not (ban or -info.max_logit_bias <= bias <= info.max_logit_bias):
@@ -69,8 +81,10 @@ def validate_sampling(p: SamplingParams, vocab_size: int) -> None:
     for a value no engine can honour: non-positive ``max_tokens``, a negative or
     non-finite temperature, ``top_p`` outside (0, 1], a negative ``top_k``,
     ``min_p`` outside [0, 1], a non-positive repetition penalty, non-finite
-    presence/frequency penalties outside [-2, 2], ``min_tokens`` outside [0, max_tokens], or a
-    token id (``stop_token_ids``, ``logit_bias`` keys) outside the vocabulary
+    presence/frequency penalties outside [-2, 2], ``min_tokens`` outside [0, max_tokens],
+    ``penalty_range`` below -1, a negative ``repetition_decay``, XTC's probability or
+    threshold outside [0, 1], more than ``MAX_BANNED_TOKENS`` banned tokens, or a
+    token id (``stop_token_ids``, ``logit_bias`` keys, ``banned_tokens``) outside the vocabulary
     (``0 .. vocab_size - 1``; not checked when ``vocab_size`` is 0)."""
     if p.max_tokens < 1:
         raise _reject("max_tokens", f"max_tokens must be >= 1, got {p.max_tokens}")
@@ -89,7 +103,32 @@ def validate_sampling(p: SamplingParams, vocab_size: int) -> None:
             raise _reject(name, f"{name} must be in [-2, 2], got {value}")
     if not 0 <= p.min_tokens <= p.max_tokens:
         raise _reject("min_tokens", f"min_tokens must be in [0, max_tokens], got {p.min_tokens}")
-    for param, ids in (("stop_token_ids", p.stop_token_ids), ("logit_bias", (p.logit_bias or {}).keys())):
+    if p.penalty_range < -1:
+        raise _reject(
+            "penalty_range", f"penalty_range must be >= -1 (-1: the whole context), got {p.penalty_range}"
+        )
+    if p.repetition_decay < 0:
+        raise _reject("repetition_decay", f"repetition_decay must be >= 0, got {p.repetition_decay}")
+    for name, value in (("xtc_probability", p.xtc_probability), ("xtc_threshold", p.xtc_threshold)):
+        if not 0.0 <= value <= 1.0:  # ExLlamaV3's SS_XTC asserts both
+            raise _reject(name, f"{name} must be in [0, 1], got {value}")
+    if not (p.dry_multiplier >= 0.0 and math.isfinite(p.dry_multiplier)):  # SS_DRY asserts >= 0
+        raise _reject(
+            "dry_multiplier", f"dry_multiplier must be a finite number >= 0, got {p.dry_multiplier}"
+        )
+    if not math.isfinite(p.dry_base):
+        raise _reject("dry_base", f"dry_base must be finite, got {p.dry_base}")
+    if p.dry_allowed_length < 0:
+        raise _reject("dry_allowed_length", f"dry_allowed_length must be >= 0, got {p.dry_allowed_length}")
+    if p.dry_sequence_breakers is not None and len(p.dry_sequence_breakers) > MAX_BANNED_TOKENS:
+        raise _reject("dry_sequence_breakers", "too many dry_sequence_breakers")
+    if len(p.banned_tokens) > MAX_BANNED_TOKENS:
+        raise _reject("banned_tokens", f"banned_tokens takes at most {MAX_BANNED_TOKENS} ids")
+    for param, ids in (
+        ("stop_token_ids", p.stop_token_ids),
+        ("logit_bias", (p.logit_bias or {}).keys()),
+        ("banned_tokens", p.banned_tokens),
+    ):
         for token_id in ids:
             if vocab_size and not 0 <= token_id < vocab_size:
                 raise _reject(

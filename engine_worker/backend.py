@@ -55,6 +55,8 @@ class ModelInfo:
       ``±max_logit_bias``, or ``-inf`` (a ban) where ``logit_bias_ban``.
     - ``context_settings``: what sets ``max_context_tokens``, named in the error of
       a prompt that does not fit.
+    - ``banned_strings``: the backend honours ``SamplingParams.banned_strings``
+      (``engine_worker.admission`` refuses them otherwise).
     - ``reasoning_parser``: the family whose thinking the backend splits from the
       answer (``engine_worker.reasoning``), ``Ready.reasoning_parser``.
     """
@@ -75,6 +77,7 @@ class ModelInfo:
     max_logit_bias: float = 100.0
     logit_bias_ban: bool = False
     context_settings: str = "setting: max_seq_len"
+    banned_strings: bool = False
     reasoning_parser: str | None = None
 
 

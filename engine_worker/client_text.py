@@ -38,7 +38,10 @@ Non-special added tokens (Qwen's ``<tool_call>``, ``<think>``) are vocabulary,
 not turn structure: both engines keep matching them in any text, as before.
 Only the control tokens (added tokens marked special) are guarded. A raw prompt
 (``Submit.prompt``) is the caller's own template and is tokenized with
-special-token parsing, as before.
+special-token parsing, as before. The text the proxy puts after the template
+(``Submit.forced_prefix``: a named tool call's opening) is cut the same way: its
+format markers are control tokens when the tokenizer has them as such
+(``ControlTokens.prefix_pieces``), the rest text.
 """
 
 from __future__ import annotations
@@ -117,6 +120,16 @@ class ControlTokens:
 
     def index(self, text: str) -> int:
         return self._index[text]
+
+    def __contains__(self, text: object) -> bool:
+        """Whether ``text`` is one of these control tokens."""
+        return text in self._index
+
+    def prefix_pieces(self, prefix: Iterable[Any]) -> list[Piece]:
+        """``protocol.messages.Submit.forced_prefix`` as pieces to tokenize after
+        the rendered prompt: a piece marked ``control`` is one control token
+        when it is one of these, else text like every other piece."""
+        return [Piece(p.text, bool(p.control) and p.text in self._index) for p in prefix if p.text]
 
 
 class ClientText:

@@ -54,6 +54,7 @@ from engine_worker.backend import (
     Prepared,
     RequestRejected,
 )
+from engine_worker.kv_events import BatchSink, KvEvents
 from engine_worker.sockets import WorkerSockets
 from protocol import (
     PROTOCOL_VERSION,
@@ -135,7 +136,9 @@ class EngineLoop:
     ``parent_pid``: stop when this process is gone (checked every heartbeat;
     ``serve`` passes its own pid). ``heartbeat_file``:
     where each heartbeat is also written (``protocol.liveness``), for probes
-    that need no ZeroMQ peer.
+    that need no ZeroMQ peer. ``kv_events``: the backend's KV-cache events
+    (``engine_worker.kv_events``), flushed at the start and once per turn of the loop;
+    ``kv_events_sink``: where they go, whose drops the heartbeats report.
     """
 
     def __init__(
@@ -148,6 +151,8 @@ class EngineLoop:
         backfill_max_wait: float = 0.0,
         parent_pid: int | None = None,
         heartbeat_file: Path | None = None,
+        kv_events: KvEvents | None = None,
+        kv_events_sink: BatchSink | None = None,
     ) -> None:
         self._backend = backend
         self._sockets = sockets
@@ -156,6 +161,8 @@ class EngineLoop:
         self._backfill_max_wait = backfill_max_wait
         self._parent_pid = parent_pid
         self._heartbeat_file = heartbeat_file
+        self._kv_events = kv_events
+        self._kv_events_sink = kv_events_sink
         self.worker_id = uuid.uuid4().hex
         self._queue: deque[_Queued] = deque()
         self._queued_ids: dict[str, _Queued] = {}
@@ -204,6 +211,8 @@ class EngineLoop:
         beats = threading.Thread(target=self._beat, args=(stop, done), name="worker-heartbeat", daemon=True)
         beats.start()
         backend = self._backend
+        if self._kv_events is not None:
+            self._kv_events.flush()  # AllBlocksCleared: this process starts empty
         try:
             while not stop.is_set():
                 pending: list[Event] = []
@@ -228,6 +237,10 @@ class EngineLoop:
                     self._update_stats()
                 if self._queue:
                     self._report_queue(pending)
+                if self._kv_events is not None:
+                    # What this turn's step and aborts changed in the cache: one batch
+                    # (nothing when nothing changed, a set lookup).
+                    self._kv_events.flush()
                 if pending:
                     self._sockets.send(EventBatch(pending))
             dropped = self._drop_all("the engine worker is shutting down")
@@ -260,9 +273,16 @@ class EngineLoop:
                 started = self._step_started
                 step_s = time.monotonic() - started if started else 0.0
                 kv = round(self._kv_usage, 4)
+                sink = self._kv_events_sink
                 sender.send(
                     Heartbeat(
-                        self.worker_id, self._running, self._waiting, kv, step_s, self._running_requests
+                        self.worker_id,
+                        self._running,
+                        self._waiting,
+                        kv,
+                        step_s,
+                        self._running_requests,
+                        sink.dropped if sink is not None else 0,
                     )
                 )
                 self._write_beat(step_s)

@@ -11,6 +11,7 @@ from pathlib import Path
 import zmq
 
 from engine_worker.backend import Backend
+from engine_worker.kv_events import KvEventPublisher, KvEvents, KvEventSource, default_topic
 from engine_worker.loop import EngineLoop
 from engine_worker.settings import WorkerSettings
 from engine_worker.sockets import WorkerSockets
@@ -81,6 +82,11 @@ def run_worker(settings: WorkerSettings) -> None:
         input_addr,
         output_addr,
     )
+    publisher, kv_events = _kv_events(settings, backend)
+    if publisher is None and settings.kv_events_endpoint is not None:
+        sockets.close()
+        backend.close()
+        raise SystemExit(1)
     loop = EngineLoop(
         backend,
         sockets,
@@ -89,11 +95,15 @@ def run_worker(settings: WorkerSettings) -> None:
         backfill_max_wait=settings.backfill_max_wait,
         parent_pid=settings.parent_pid,
         heartbeat_file=settings.heartbeat_file,
+        kv_events=kv_events,
+        kv_events_sink=publisher,
     )
     try:
         loop.run(stop)
     finally:
         sockets.close()
+        if publisher is not None:
+            publisher.close()
         backend.close()
         remove_dir = settings.parent_pid is not None
         _remove_ipc_files((input_addr, output_addr), remove_dir=remove_dir)
@@ -103,6 +113,38 @@ def run_worker(settings: WorkerSettings) -> None:
                 settings.heartbeat_file.unlink(missing_ok=True)
                 if remove_dir:
                     settings.heartbeat_file.parent.rmdir()
+
+
+def _kv_events(settings: WorkerSettings, backend: Backend) -> tuple[KvEventPublisher | None, KvEvents | None]:
+    """The KV-cache event publisher of ``--kv-events-endpoint`` hooked into ``backend``'s
+    cache; ``(None, None)`` when off, and also (after one ERROR line) when its endpoints
+    cannot be bound."""
+    endpoint = settings.kv_events_endpoint
+    if endpoint is None:
+        return None, None
+    if not isinstance(backend, KvEventSource):
+        log.error("worker: --kv-events-endpoint: backend %s publishes no KV-cache events", settings.backend)
+        return None, None
+    topic = settings.kv_events_topic or default_topic(backend.info.model_id)
+    try:
+        publisher = KvEventPublisher(endpoint, topic, settings.kv_events_replay_endpoint)
+    except zmq.ZMQError as e:
+        log.error(
+            "worker: cannot open the KV-event sockets %s / %s: %s",
+            endpoint,
+            settings.kv_events_replay_endpoint,
+            e,
+        )
+        return None, None
+    events = backend.attach_kv_events(publisher)
+    log.info(
+        "worker: KV-cache events on %s (topic %s, blocks of %d tokens, replay %s)",
+        endpoint,
+        topic,
+        events.block_size,
+        settings.kv_events_replay_endpoint or "off",
+    )
+    return publisher, events
 
 
 def _remove_ipc_files(addresses: tuple[str, ...], *, remove_dir: bool) -> None:

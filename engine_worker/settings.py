@@ -144,6 +144,22 @@ class WorkerSettings(LinkSettings):
         "Also write each heartbeat to this file (JSON, replaced atomically), for a liveness probe "
         "that needs no connection: python -m engine_worker.probe, serve's supervisor.",
     )
+    kv_events_endpoint: str | None = setting(
+        None,
+        "Publish the prefix cache's KV-cache events (vLLM's format, for llm-d's precise prefix-cache "
+        "scorer) on a ZeroMQ PUB socket at this address: bound when it has * or is ipc://, e.g. "
+        "tcp://*:5557 (default: off).",
+    )
+    kv_events_topic: str | None = setting(
+        None,
+        "Topic of the KV-cache events (default: kv@<pod>@<model>, the pod from $POD_IP, else the "
+        "host name; the model the served model id).",
+    )
+    kv_events_replay_endpoint: str | None = setting(
+        None,
+        "ZeroMQ ROUTER address (bound) that replays buffered KV-event batches from a requested "
+        "sequence number (default: none).",
+    )
     # cpu engine
     cache_dir: Path = setting(
         default_factory=default_cache_dir,
@@ -270,6 +286,12 @@ class WorkerSettings(LinkSettings):
             raise ValueError(
                 f"ngram_match_max={self.ngram_match_max} is below ngram_match_min={self.ngram_match_min}"
             )
+        if self.kv_events_endpoint is None:
+            for name in ("kv_events_topic", "kv_events_replay_endpoint"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} needs kv_events_endpoint")
+        elif self.backend == "synthetic":
+            raise ValueError("kv_events_endpoint: the synthetic engine has no prefix cache to publish")
         if self.backend == "synthetic":
             if self.draft_mode is not DraftMode.NONE:
                 raise ValueError("draft_mode: the synthetic engine does not draft")

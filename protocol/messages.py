@@ -123,6 +123,42 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     logprobs: int | None = None
     grammar: str | None = None
     grammar_param: str | None = None
+    temperature_last: bool = False
+    """Temperature after top-k/top-p/min-p (on the surviving probabilities) instead of before."""
+    penalty_range: int = -1
+    """Most recent context tokens the penalties apply to in full; -1: the whole context.
+    With ``repetition_decay`` ``d``, a token ``t`` positions beyond the range is penalised
+    with weight ``1 - t / d`` (ExLlamaV3's sustain and decay ranges); 0 and 0: none."""
+    repetition_decay: int = 0
+    xtc_probability: float = 0.0
+    """Exclude Top Choices: with this probability every token of probability at least
+    ``xtc_threshold`` but the least likely of them is excluded (newline and special tokens
+    never are); the engines average over the roll (ExLlamaV3's ``SS_XTC``). No effect greedy."""
+    xtc_threshold: float = 0.1
+    banned_tokens: tuple[int, ...] = ()
+    """Token ids never sampled (masked before every other step)."""
+    ban_eos_token: bool = False
+    """The model's end-of-sequence ids are banned (and so never end the sequence)."""
+    skip_special_tokens: bool | None = None
+    """Special tokens' text is left out of the output (``True``) or kept (``False``);
+    ``None``: the engine's default (the CPU engine leaves them out, ExLlamaV3 keeps them
+    as TabbyAPI does). Stop tokens never show."""
+    banned_strings: tuple[str, ...] = ()
+    """Strings the output never contains (case-insensitive): text that may start one is
+    held back, and a complete one rewinds the sequence to where it began and bans the
+    token sampled there (ExLlamaV3's ``Job(banned_strings=...)``)."""
+    dry_multiplier: float = 0.0
+    """DRY ("don't repeat yourself", llama.cpp's and ExLlamaV3's ``SS_DRY``): a token that
+    would extend a repeat of length ``n >= dry_allowed_length`` of the last ``dry_range``
+    tokens (0: the whole context) loses ``dry_multiplier * dry_base ** (n -
+    dry_allowed_length)`` from its logit; repeats cannot span a sequence breaker (a token
+    whose text contains one of ``dry_sequence_breakers``; ``None``: ExLlamaV3's default set).
+    0 (or a base below 1) is off."""
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_range: int = 0
+    dry_sequence_breakers: tuple[str, ...] | None = None
+
     reasoning_budget: int | None = None
     """Most tokens the model may think before it answers (``Channel.REASONING``,
     the span's markers included), ``None`` for no limit but the worker's default
@@ -131,6 +167,18 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     closed in the prompt, a template that can switch thinking off is switched
     off). The ``grammar`` applies to the answer after the span, never to the
     thinking. Ignored by a worker without a reasoning parser."""
+
+
+class PromptPiece(msgspec.Struct, array_like=True, frozen=True):
+    """A run of text the proxy writes after the chat template (``Submit.forced_prefix``).
+
+    ``control``: the piece is a tool-call format's marker (``[TOOL_CALLS]``,
+    ``<|python_tag|>``), encoded as its one token when the model's tokenizer has
+    it as a control token, else as text; any other piece is encoded with
+    special-token parsing off, so no text in it becomes a control token."""
+
+    text: str
+    control: bool = False
 
 
 class Hello(_Msg, frozen=True, tag="hello"):
@@ -165,6 +213,17 @@ class Submit(_Msg, frozen=True, tag="submit"):
     requests of the same salt (``None`` is a salt too: the shared one), so a
     tenant cannot learn from cache hits what another one sent. A worker whose
     engine cannot keep salts apart refuses a salted request."""
+    forced_prefix: tuple[PromptPiece, ...] = ()
+    """Chat only: text the worker appends to the prompt after the chat template
+    (its generation prompt included), as if the model had already written it;
+    the output, its grammar and its token counts start after it. The proxy
+    writes it for a named ``tool_choice``: the call's opening markup and the
+    function's name (``proxy.tools.grammar.named_call_prefix``), so the model
+    generates only the arguments, as vLLM does."""
+    add_bos: bool | None = None
+    """Whether ``prompt`` starts with the model's BOS token (TabbyAPI's ``add_bos_token``);
+    ``None``: the engine's own choice. With ``messages`` the chat template places BOS and
+    the worker refuses any other value (``param`` ``add_bos_token``)."""
     template_kwargs_json: str | None = None
     """Extra variables for the chat template, a JSON object (vLLM's and
     llama.cpp's ``chat_template_kwargs``: ``enable_thinking``, and
@@ -272,6 +331,10 @@ class Heartbeat(_Msg, frozen=True, tag="heartbeat"):
     running_requests: int | None = None
     """Requests running (a request with ``n`` choices counts once; ``active_requests``
     counts its ``n`` sequences); ``None`` from a worker that does not say."""
+    kv_events_dropped: int = 0
+    """KV-cache event batches (``--kv-events-endpoint``) this worker process dropped
+    because its publishing queue was full, since it started (a counter that a worker
+    restart resets); 0 when it publishes none."""
 
 
 class QueueProgress(_Msg, frozen=True, tag="queued"):

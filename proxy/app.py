@@ -5,6 +5,7 @@
 requests in flight (``proxy.ops.inflight``), traces when ``OTEL_*`` asks
 (``proxy.ops.tracing``), the middlewares (request record/log/metrics, then errors,
 then ``Host``/``Origin`` (``proxy.server.host_check``), then API keys), the
+response's ``X-Request-Id`` (``proxy.ops.request_log.echo_request_id``), the
 ``Metrics`` and the engine client's start/close (``cleanup_ctx``); tests build
 the app from it.
 ``run_proxy`` serves it (with ``proxy.server.runner.make_runner``) until
@@ -27,7 +28,7 @@ from proxy.errors import ProxyError, error_response, from_http_exception
 from proxy.grammar.check import close_checker
 from proxy.ops.inflight import INFLIGHT, InFlight
 from proxy.ops.metrics import Metrics
-from proxy.ops.request_log import METRICS, observe_middleware, record_of
+from proxy.ops.request_log import METRICS, echo_request_id, observe_middleware, record_of
 from proxy.ops.routes import add_routes
 from proxy.ops.status import add_status_routes
 from proxy.ops.tracing import setup_tracing
@@ -116,6 +117,7 @@ def create_app(settings: ProxySettings, engine_client: EngineClient) -> web.Appl
     app[STATE] = ProxyState(settings, engine_client, api_keys=keys)
     app[METRICS] = Metrics(engine_client)
     app.cleanup_ctx.append(_engine_lifetime)
+    app.on_response_prepare.append(echo_request_id)
     app[INFLIGHT] = InFlight()
     add_routes(app)
     add_dialect_routes(app, ROUTES)

@@ -70,6 +70,15 @@ class IncrementalDetokenizer:
         self._prefix = 0
         return new
 
+    def state(self) -> tuple[tuple[int, ...], str, int, int]:
+        """A snapshot for ``restore`` (banned strings rewind the sequence)."""
+        return tuple(self._tokens), self._prefix_text, self._prefix, self._read
+
+    def restore(self, state: tuple[tuple[int, ...], str, int, int]) -> None:
+        """Back to a ``state`` snapshot: as if the tokens since were never added."""
+        tokens, self._prefix_text, self._prefix, self._read = state
+        self._tokens = list(tokens)
+
     def flush(self) -> str:
         """Text still held at the end of generation (may contain U+FFFD if the
         output really ended inside a character)."""

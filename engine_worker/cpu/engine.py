@@ -65,6 +65,7 @@ from engine_worker.admission import full_reservation
 from engine_worker.backend import Backend, ModelInfo, Prepared, RequestRejected, check_token_ids
 from engine_worker.client_text import ControlTokens, control_tokens
 from engine_worker.constraints import GrammarUnsupported, TokenConstraint, Vocabulary, compile_grammar
+from engine_worker.cpu.banned import BannedStrings
 from engine_worker.cpu.detokenize import IncrementalDetokenizer, StopStringMatcher
 from engine_worker.cpu.kv_cache import SequenceKV
 from engine_worker.cpu.llama import LlamaRunner, Quantization, Segment
@@ -73,6 +74,7 @@ from engine_worker.cpu.model_store import LoadedModel, load_embedded, load_model
 from engine_worker.cpu.ngram import NgramDrafter
 from engine_worker.cpu.prefix_cache import PrefixCache
 from engine_worker.cpu.sampling import Scored, TokenSampler
+from engine_worker.kv_events import MEDIUM_CPU, BatchSink, KvEvents
 from engine_worker.reasoning import Plan, Splitter, choose, template_kwargs
 from engine_worker.reasoning.base import VocabFromHF
 from engine_worker.settings import DraftMode, WorkerSettings
@@ -133,6 +135,8 @@ class _Request:
     constraint: TokenConstraint | None = None  # the grammar, when the request has one
     cache_salt: str | None = None  # prefix-cache entries are shared within one salt only
     trail: LogprobTrail | None = None  # when the request asked for logprobs
+    banned: BannedStrings | None = None  # when the request has banned strings
+    rewound: bool = False  # a banned string rewound it during this step's token
     splitter: Splitter | None = None  # thinking vs answer, with a reasoning parser
     thinker: IncrementalDetokenizer | None = None  # the thinking's own text, with a splitter
     thinking: list[str] = field(default_factory=list)  # thinking text not yet in a TokenDelta
@@ -226,6 +230,9 @@ class CpuBackend:
         # Grammars and logprobs' token bytes; built on the first request that needs them.
         self._vocabulary = Vocabulary(self._vocab_size, self._end_ids)
         self._token_info_cache: dict[int, tuple[str, bytes]] = {}
+        self._protected: torch.Tensor | None = None  # XTC's held-out tokens, built on first use
+        self._texts: list[str] | None = None  # every token's text, built on first use (XTC, DRY)
+        self._breaker_masks: dict[tuple[str, ...] | None, torch.Tensor] = {}
         self._prefix_cache = PrefixCache(config.prefix_cache_mb * 2**20)
         self._requests: dict[str, _Request] = {}
         self._prefill_turn = 0  # which sequence in prefill goes first in the next pass
@@ -241,6 +248,7 @@ class CpuBackend:
             longest_token_chars=max((len(t) for t in vocab), default=0),
             grammar=True,
             logprobs=True,
+            banned_strings=True,
             vocab_size=self._vocab_size,
             # The proxy reads the model's tool-call format from it; this engine
             # passes no tools to its template, so tools come as a system prompt.
@@ -274,6 +282,16 @@ class CpuBackend:
     def info(self) -> ModelInfo:
         return self._info
 
+    def attach_kv_events(self, sink: BatchSink) -> KvEvents:
+        """Publish the prefix cache's entries as blocks of ``info.kv_block_tokens`` (its
+        entries end at multiples of it, ``_reusable``), medium ``CPU``."""
+        events = KvEvents(sink, block_size=self._info.kv_block_tokens, medium=MEDIUM_CPU)
+        self._prefix_cache.listen(
+            lambda tokens, salt: events.store_tokens(tokens.tolist(), salt),
+            lambda tokens, salt: events.evict_tokens(tokens.tolist(), salt),
+        )
+        return events
+
     @property
     def prefix_cache(self) -> PrefixCache:
         """The cross-request prefix cache (read-only use: size, entries)."""
@@ -292,6 +310,14 @@ class CpuBackend:
         ``params.grammar_param``).
         """
         params = submit.params
+        if params.banned_strings and (params.grammar is not None or params.logprobs is not None):
+            # Both would need rewinding with the text (a grammar's matcher, the logprob trail).
+            raise RequestRejected(
+                ErrorCode.INVALID_REQUEST,
+                "banned_strings cannot be combined with structured output or logprobs on this engine",
+                param="banned_strings",
+            )
+        prompt_ids, param = self._tokenize(submit)
         budget = (
             params.reasoning_budget if params.reasoning_budget is not None else self._config.reasoning_budget
         )
@@ -343,7 +369,7 @@ class CpuBackend:
             trail = LogprobTrail(self._token_info)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._end_ids)
         drafter = None
-        if self._ngram:
+        if self._ngram and not params.banned_strings:  # a rewind would leave the drafter's index behind
             drafter = NgramDrafter(prompt_ids, self._config.ngram_match_min, self._ngram_match_max)
         self._requests[request_id] = _Request(
             request_id=request_id,
@@ -352,8 +378,22 @@ class CpuBackend:
             prompt_ids=prompt_ids,
             max_new=prepared.max_new_tokens,
             t_added=time.perf_counter(),
-            sampler=TokenSampler(params, prompt_ids, self._vocab_size, stop_ids),
-            detokenizer=IncrementalDetokenizer(self._tokenizer, prompt_ids[-_DETOKENIZER_CONTEXT:]),
+            sampler=TokenSampler(
+                params,
+                prompt_ids,
+                self._vocab_size,
+                stop_ids,
+                eos_ids=self._end_ids,
+                protected=self._xtc_protected() if params.xtc_probability > 0.0 else None,
+                breakers=self._dry_breakers(params.dry_sequence_breakers)
+                if params.dry_multiplier > 0
+                else None,
+            ),
+            detokenizer=IncrementalDetokenizer(
+                self._tokenizer,
+                prompt_ids[-_DETOKENIZER_CONTEXT:],
+                skip_special_tokens=params.skip_special_tokens is not False,
+            ),
             stopper=StopStringMatcher(params.stop),
             drafter=drafter,
             stop_ids=stop_ids,
@@ -361,6 +401,7 @@ class CpuBackend:
             constraint=constraint,
             cache_salt=prepared.submit.cache_salt,
             trail=trail,
+            banned=BannedStrings(params.banned_strings) if params.banned_strings else None,
             tokens=list(prompt_ids),
         )
         if prompt.reasoning is not None:
@@ -534,6 +575,46 @@ class CpuBackend:
             info = self._token_info_cache[token_id] = (raw.decode("utf-8", errors="replace"), raw)
         return info
 
+    def _xtc_protected(self) -> torch.Tensor:
+        """The ``[vocab]`` bool mask of tokens XTC never excludes: every token whose
+        text has a newline, and every special or added token, as ExLlamaV3's
+        ``xtc_default_protected_token_ids`` (``generator/sampler/custom.py``)."""
+        if self._protected is None:
+            self._protected = self._pieces_with(("\n",)) | self._added_mask()
+        return self._protected
+
+    def _dry_breakers(self, strings: tuple[str, ...] | None) -> torch.Tensor | None:
+        """DRY's sequence breakers as a ``[vocab]`` bool mask: every token whose text
+        contains one of ``strings`` (ExLlamaV3's ``dry_sequence_breaker_tokens``), or
+        for ``None`` its default set (``dry_default_sequence_breaker_tokens``: the
+        characters ``.,!?<>[](){}``, newline, tab and ``"``, plus every added token);
+        ``None`` for no breakers. The last few masks are kept."""
+        mask = self._breaker_masks.get(strings)
+        if mask is None:
+            if strings is None:
+                mask = self._pieces_with(tuple('.,!?<>[](){}\n\t"')) | self._added_mask()
+            else:
+                mask = self._pieces_with(tuple(s for s in strings if s))
+            if len(self._breaker_masks) >= 8:
+                self._breaker_masks.pop(next(iter(self._breaker_masks)))
+            self._breaker_masks[strings] = mask
+        return mask if bool(mask.any()) else None
+
+    def _pieces_with(self, strings: tuple[str, ...]) -> torch.Tensor:
+        """``[vocab]`` bool: the tokens whose text (special tokens written out) has one of ``strings``."""
+        if self._texts is None:
+            ids = [[i] for i in range(self._vocab_size)]
+            self._texts = [str(t) for t in self._tokenizer.batch_decode(ids, skip_special_tokens=False)]
+        return torch.tensor([any(s in t for s in strings) for t in self._texts], dtype=torch.bool)
+
+    def _added_mask(self) -> torch.Tensor:
+        """``[vocab]`` bool: the tokenizer's added (special) tokens, ExLlamaV3's ``extended_id_to_piece``."""
+        mask = torch.zeros(self._vocab_size, dtype=torch.bool)
+        added = [i for i in self._tokenizer.added_tokens_decoder if 0 <= i < self._vocab_size]
+        if added:
+            mask[torch.tensor(added, dtype=torch.long)] = True
+        return mask
+
     def _find_end_ids(self) -> frozenset[int]:
         ids: set[int] = set()
         generation_config = self._generation_config
@@ -561,8 +642,10 @@ class CpuBackend:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, "send either messages or prompt, not both")
         if submit.prompt is not None:
             # The caller's own template: its control tokens' text is parsed as such.
-            raw = self._prompt_tokenizer(submit.prompt, add_special_tokens=True)["input_ids"]
-            return [int(i) for i in raw], "prompt"
+            raw = [
+                int(i) for i in self._prompt_tokenizer(submit.prompt, add_special_tokens=True)["input_ids"]
+            ]
+            return self._bos(raw, submit.add_bos), "prompt"
         if not submit.messages:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, "messages is empty", param="messages")
         if self._prompt_tokenizer.chat_template is None:
@@ -593,8 +676,11 @@ class CpuBackend:
             raise RequestRejected(
                 ErrorCode.INVALID_REQUEST, f"the chat template rejected the messages: {exc}", param="messages"
             ) from exc
-        # Control tokens only where the template wrote them; the rest, client text
-        # included, with special-token parsing off (engine_worker.client_text).
+        # The call's opening the proxy wrote for a named tool (Submit.forced_prefix).
+        pieces += self._control_tokens.prefix_pieces(submit.forced_prefix)
+        # Control tokens only where the template (or the proxy's prefix) wrote them;
+        # the rest, client text included, with special-token parsing off
+        # (engine_worker.client_text).
         texts = [p.text for p in pieces if not p.control]
         encoded = iter(
             self._prompt_tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
@@ -608,6 +694,21 @@ class CpuBackend:
             else:
                 ids += (int(i) for i in next(encoded))
         return ids, "messages"
+
+    def _bos(self, ids: list[int], add_bos: bool | None) -> list[int]:
+        """A raw prompt's ids with (``True``) or without (``False``) a leading BOS;
+        ``None``: as the tokenizer made them. Raises ``RequestRejected`` for
+        ``True`` when the model has no BOS token."""
+        bos = self._prompt_tokenizer.bos_token_id
+        if add_bos is None:
+            return ids
+        if add_bos:
+            if not isinstance(bos, int):
+                raise RequestRejected(
+                    ErrorCode.INVALID_REQUEST, "this model has no BOS token", param="add_bos_token"
+                )
+            return ids if ids[:1] == [bos] else [bos, *ids]
+        return ids[1:] if isinstance(bos, int) and ids[:1] == [bos] else ids
 
     # ------------------------------------------------------------------ stepping
 
@@ -650,6 +751,7 @@ class CpuBackend:
                 self._guarded(later, events, self._follow, later, req, logits[-1], events)
             token, scored = self._choose(req, logits[-1])
             text, reason = self._append_token(req, token, scored)
+            self._settle_rewind(req)
             self._report(req, text, reason, events)
 
     def _follow(self, req: _Request, first: _Request, logits: torch.Tensor, events: list[Event]) -> None:
@@ -666,6 +768,7 @@ class CpuBackend:
         events.append(PrefillProgress(req.request_id, req.prompt_len, req.cached, req.processed, 0))
         token, scored = self._choose(req, logits.clone())  # the sampler may work in place
         text, reason = self._append_token(req, token, scored)
+        self._settle_rewind(req)
         self._report(req, text, reason, events)
 
     def _propose(self, req: _Request) -> list[int]:
@@ -700,12 +803,18 @@ class CpuBackend:
         req.draft_accepted += accepted
         req.draft_rejected += len(drafts) - accepted
         # Positions fed: tokens[-1] and the drafts; keep the last token and the accepted drafts.
-        req.kv.truncate(history_len + accepted)
+        # After a banned string's rewind, all but the last kept token (it is fed next).
+        req.kv.truncate(len(req.tokens) - 1 if req.rewound else history_len + accepted)
+        req.rewound = False
         self._report(req, "".join(pieces), reason, events)
 
     def _choose(self, req: _Request, logits: torch.Tensor) -> tuple[int, Scored | None]:
         """The token for one position's logits, within the grammar, and its score
         when the request asked for logprobs."""
+        forbidden = req.constraint.forbidden() if req.constraint is not None else None
+        if req.banned is not None and req.banned.blocked():
+            forbidden = torch.zeros(self._vocab_size, dtype=torch.bool)
+            forbidden[torch.tensor(req.banned.blocked(), dtype=torch.long)] = True
         forbidden = self._forbidden(req)
         if req.trail is None:
             return req.sampler.sample(logits, forbidden), None
@@ -789,7 +898,17 @@ class CpuBackend:
         if req.constraint is not None:
             req.constraint.consume(token)
             complete = req.constraint.stopped
-        text = req.detokenizer.add(token)
+        if req.banned is not None:
+            state = req.detokenizer.state()
+            verdict = req.banned.feed(req.detokenizer.add(token), token, req.num_output - 1, state)
+            text = verdict.emit
+            if verdict.rewind is not None:
+                self._rewind(req, verdict.rewind.position, verdict.rewind.state)
+                if req.banned.exhausted:
+                    emit, _ = req.stopper.feed(text) if text else ("", False)
+                    return emit, True
+        else:
+            text = req.detokenizer.add(token)
         if req.trail is not None:
             assert scored is not None
             req.trail.add(scored, text)
@@ -799,6 +918,25 @@ class CpuBackend:
         if req.trail is not None:
             req.trail.emitted(emit)
         return emit, stopped or complete
+
+    def _rewind(self, req: _Request, position: int, state: Any) -> None:
+        """Back to ``position`` output tokens (a banned string began after them):
+        the tokens since dropped, the sampler and detokenizer as they were then;
+        the KV follows in ``_verify`` (``_Request.rewound``)."""
+        dropped = req.num_output - position
+        del req.tokens[req.prompt_len + position :]
+        req.unreported = max(0, req.unreported - dropped)
+        req.sampler.rewind(req.prompt_ids, req.tokens[req.prompt_len :])
+        req.detokenizer.restore(state)
+        req.rewound = True
+
+    def _settle_rewind(self, req: _Request) -> None:
+        """The KV after a first token's rewind: the prompt but its last token, which
+        the next pass feeds again."""
+        if req.rewound:
+            assert req.kv is not None
+            req.kv.truncate(len(req.tokens) - 1)
+            req.rewound = False
 
     def _report(self, req: _Request, text: str, reason: FinishReason | None, events: list[Event]) -> None:
         """Emit a delta for ``text`` (after one for the thinking, if any) and, when
@@ -819,7 +957,7 @@ class CpuBackend:
                 req.unreported_thinking = 0
         if reason is not None and not req.stopper.stopped:
             # Generation ended without a stop string: release held-back text.
-            tail = req.detokenizer.flush()
+            tail = (req.banned.flush() if req.banned is not None else "") + req.detokenizer.flush()
             emit, stopped = req.stopper.feed(tail) if tail else ("", False)
             released = emit if stopped else emit + req.stopper.flush()
             text += released

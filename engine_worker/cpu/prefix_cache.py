@@ -10,12 +10,17 @@ corrupt them.
 Memory is bounded by ``capacity_bytes``, counted from the actual tensor storages;
 least-recently-used entries are evicted first. An entry whose tokens are a prefix
 of a newly inserted sequence is dropped as redundant (the conversation grew).
+
+``listen(on_store, on_evict)`` is told of every entry that enters and leaves
+(KV-cache events, ``engine_worker.kv_events``): ``on_store(tokens, salt)`` after an
+entry is stored, ``on_evict(tokens, salt)`` with the same ``tokens`` when it leaves
+(eviction, redundancy, ``clear``), so each store is matched by one evict.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +60,14 @@ def common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(diff[0, 0]) if diff.shape[0] else n
 
 
+EntryListener = Callable[[torch.Tensor, str | None], None]
+"""Told an entry's token ids (``[n]`` int64, not to be modified) and its salt."""
+
+
+def _ignore(tokens: torch.Tensor, salt: str | None) -> None:
+    pass
+
+
 class PrefixCache:
     """LRU set of sequences' KV, bounded by ``capacity_bytes`` (0 disables it)."""
 
@@ -63,6 +76,13 @@ class PrefixCache:
         self._entries: OrderedDict[int, CacheEntry] = OrderedDict()
         self._next_id = 0
         self._bytes = 0
+        self._on_store: EntryListener = _ignore
+        self._on_evict: EntryListener = _ignore
+
+    def listen(self, on_store: EntryListener, on_evict: EntryListener) -> None:
+        """Call ``on_store`` for each entry stored from now on and ``on_evict`` for each
+        that leaves (module docstring); called on the engine thread, in order."""
+        self._on_store, self._on_evict = on_store, on_evict
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -73,6 +93,8 @@ class PrefixCache:
         return self._bytes
 
     def clear(self) -> None:
+        for entry in self._entries.values():
+            self._on_evict(entry.tokens, entry.salt)
         self._entries.clear()
         self._bytes = 0
 
@@ -124,8 +146,10 @@ class PrefixCache:
         self._entries[self._next_id] = CacheEntry(ids, kv, nbytes, salt)
         self._next_id += 1
         self._bytes += nbytes
+        self._on_store(ids, salt)
         return True
 
     def _remove(self, entry_id: int) -> None:
         entry = self._entries.pop(entry_id)
         self._bytes -= entry.nbytes
+        self._on_evict(entry.tokens, entry.salt)

@@ -132,7 +132,9 @@ from engine_worker.exllamav3 import logprobs as lp
 from engine_worker.exllamav3.config import PAGE_SIZE
 from engine_worker.exllamav3.engine import EngineHandle, GeneratorLike, id_list
 from engine_worker.exllamav3.grammar import compile_filter, failure_of
-from engine_worker.exllamav3.sampling import FLOAT32_MAX, job_settings
+from engine_worker.exllamav3.kv_pages import PageTableEvents
+from engine_worker.exllamav3.sampling import FLOAT32_MAX, breaker_ids, job_settings
+from engine_worker.kv_events import MEDIUM_GPU, BatchSink, KvEvents
 from engine_worker.reasoning import Plan, VocabFromTables, choose, template_kwargs
 from engine_worker.reasoning.text_split import TextSplitter
 from engine_worker.settings import WorkerSettings
@@ -276,6 +278,7 @@ class ExLlamaV3Backend:
         self._h = handle
         self._config = config
         self._max_context = resolve_max_context(config, handle)
+        self._breaker_ids: dict[tuple[str, ...], frozenset[int]] = {}
         vocab = VocabFromTables(
             handle.pieces, lambda t: id_list(handle.encode(t, False)), lambda ids: handle.decode(list(ids))
         )
@@ -294,6 +297,7 @@ class ExLlamaV3Backend:
             longest_token_chars=max((len(p) for p in handle.pieces), default=0),
             grammar=handle.new_filter is not None,
             logprobs=True,
+            banned_strings=True,
             chat_template=handle.chat_template,
             template_tools=True,
             kv_block_tokens=PAGE_SIZE,
@@ -309,11 +313,24 @@ class ExLlamaV3Backend:
         self._held: list[_Request] = []  # later choices waiting for their first choice's prefill
         self._faults: deque[float] = deque()
         self._owner: int | None = None
+        self._pages: PageTableEvents | None = None
         self.longest_step_s = 0.0
 
     @property
     def info(self) -> ModelInfo:
         return self._info
+
+    def attach_kv_events(self, sink: BatchSink) -> KvEvents:
+        """Publish the page table's complete pages (``kv_pages``), blocks of ``PAGE_SIZE``
+        tokens, medium ``GPU``. Salted requests are refused by this backend
+        (``ModelInfo.cache_salt`` is off), so no page is a salted one."""
+        events = KvEvents(sink, block_size=PAGE_SIZE, medium=MEDIUM_GPU)
+        self._pages = PageTableEvents(events)
+        return events
+
+    def _sync_pages(self) -> None:
+        if self._pages is not None:
+            self._pages.sync(self._gen.pagetable)
 
     def active_ids(self) -> Collection[str]:
         return self._requests.keys()
@@ -332,7 +349,8 @@ class ExLlamaV3Backend:
 
     def _tokenize(self, submit: Submit, budget: int | None) -> tuple[Any, str]:
         if submit.prompt is not None:
-            return self._h.encode(submit.prompt, self._config.add_bos), "prompt"
+            add_bos = self._config.add_bos if submit.add_bos is None else submit.add_bos
+            return self._h.encode(submit.prompt, add_bos), "prompt"
         if not submit.messages:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, "messages must not be empty", "messages")
         messages = _template_messages(submit)
@@ -341,7 +359,10 @@ class ExLlamaV3Backend:
             extra = template_kwargs(submit.template_kwargs_json, self._h.chat_template, budget)
         except ValueError as e:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, str(e), "chat_template_kwargs") from e
-        return self._h.encode_chat(messages, submit.add_generation_prompt, tools, extra or None), "messages"
+        ids = self._h.encode_chat(
+            messages, submit.add_generation_prompt, tools, submit.forced_prefix, extra or None
+        )
+        return ids, "messages"
 
     def prepare(self, submit: Submit) -> Prepared:
         """Tokenize (chat template for ``messages``, with ``tools_json`` and the turns'
@@ -349,12 +370,16 @@ class ExLlamaV3Backend:
         context are the loop's to check (``engine_worker.admission``).
 
         Raises ``RequestRejected`` (``INVALID_REQUEST``) for a chat template that
-        refuses the messages or a grammar that does not compile (``param =
-        params.grammar_param``).
+        refuses the messages, a grammar that does not compile (``param =
+        params.grammar_param``) or XTC on a handle without ``new_xtc_sampler``.
         """
         # No _check_thread(): this runs on the loop's prepare thread, and only the
         # tokenizer, chat template and grammar compiler are used, never the generator.
         params = submit.params
+        if params.xtc_probability > 0.0 and self._h.new_xtc_sampler is None:
+            raise RequestRejected(
+                ErrorCode.INVALID_REQUEST, "XTC is not available on this engine", "xtc_probability"
+            )
         param = "prompt" if submit.prompt is not None else "messages"
         budget = (
             params.reasoning_budget if params.reasoning_budget is not None else self._config.reasoning_budget
@@ -420,6 +445,20 @@ class ExLlamaV3Backend:
                 ErrorCode.INVALID_REQUEST, "constrained decoding is not available on this engine", param
             )
         return compile_filter(self._h.new_filter, params.grammar, params.grammar_param)
+
+    def _dry_breakers(self, params: SamplingParams) -> frozenset[int] | None:
+        """The token ids of the request's DRY breakers (``None``: ExLlamaV3's default);
+        the last few sets are kept, as resolving one reads every piece."""
+        strings = params.dry_sequence_breakers
+        if params.dry_multiplier == 0.0 or strings is None:
+            return None
+        ids = self._breaker_ids.get(strings)
+        if ids is None:
+            ids = breaker_ids(self._h.pieces, strings)
+            if len(self._breaker_ids) >= 8:
+                self._breaker_ids.pop(next(iter(self._breaker_ids)))
+            self._breaker_ids[strings] = ids
+        return ids
 
     def _segment(self, prompt_tokens: int, max_new: int) -> _Segment:
         """The first segment of a job: ``max_rq_tokens`` (output chunking) only where it
@@ -499,6 +538,7 @@ class ExLlamaV3Backend:
             max_new_tokens=max_new,
             eos_token_ids=self._eos_ids,
             stop_strings=self._stop_strings,
+            dry_breakers=self._dry_breakers(params),
         )
         segment = self._segment(n, max_new)
         grammar = None
@@ -517,11 +557,18 @@ class ExLlamaV3Backend:
 
         def new_job() -> Any:
             kwargs = dict(settings.job_kwargs)
+            if grammar is not None:
+                kwargs["filters"] = [grammar]
+            if settings.xtc is None:
+                sampler = h.new_sampler(**settings.sampler_kwargs)
+            else:
+                assert h.new_xtc_sampler is not None  # validate refused XTC otherwise
+                sampler = h.new_xtc_sampler(*settings.xtc, **settings.sampler_kwargs)
             if filters:
                 kwargs["filters"] = list(filters)
             return h.new_job(
                 input_ids=input_ids,
-                sampler=h.new_sampler(**settings.sampler_kwargs),
+                sampler=sampler,
                 identifier=rid,
                 max_rq_tokens=segment.rq,
                 **kwargs,
@@ -587,6 +634,7 @@ class ExLlamaV3Backend:
         self._finish(req)
         if req.serial >= 0:
             self._gen.cancel(req.job)
+            self._sync_pages()  # released reservations may give pages their old content back
 
     # ------------------------------------------------------------------ stepping
 
@@ -603,6 +651,7 @@ class ExLlamaV3Backend:
             return self._recover(e)
         finally:
             self.longest_step_s = max(self.longest_step_s, time.monotonic() - t0)
+        self._sync_pages()
         now = time.monotonic()
         events: list[Event] = []
         self._fail_broken_grammars(events)
@@ -680,6 +729,8 @@ class ExLlamaV3Backend:
             raise EngineFailed(
                 f"rebuilding the generator after {what} failed: {type(e).__name__}: {e}"
             ) from e
+        if self._pages is not None:
+            self._pages.reset()  # a new generator, a new, empty page table
 
         out_of_memory = "out of memory" in str(error).lower()
         code = ErrorCode.OVERLOADED if out_of_memory else ErrorCode.INTERNAL

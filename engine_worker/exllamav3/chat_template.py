@@ -25,11 +25,12 @@ EOS list does not always name it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from engine_worker.client_text import ControlTokens, control_tokens
+from protocol.messages import PromptPiece
 
 Render = Callable[[list[dict[str, str]], bool], str]
 """``(messages, add_generation_prompt) -> prompt text``."""
@@ -81,9 +82,11 @@ def renderer(hf_tokenizer: Any) -> Render:
     return render
 
 
-EncodeChat = Callable[[list[dict[str, Any]], bool, list[Any] | None, dict[str, Any] | None], Any]
-"""``EngineHandle.encode_chat``: ``(messages, add_generation_prompt, tools, extra) -> (1, n) ids``;
-``extra``: more template variables (``chat_template_kwargs``), escaped as client text."""
+EncodeChat = Callable[
+    [list[dict[str, Any]], bool, list[Any] | None, Sequence[PromptPiece], dict[str, Any] | None], Any
+]
+"""``EngineHandle.encode_chat``: ``(messages, add_generation_prompt, tools, prefix, extra) -> (1, n)
+ids``; ``extra``: more template variables (``chat_template_kwargs``), escaped as client text."""
 
 
 def chat_encoder(hf_tokenizer: Any, tokenizer: Any, as_ids: Callable[[list[int]], Any]) -> EncodeChat:
@@ -99,7 +102,9 @@ def chat_encoder(hf_tokenizer: Any, tokenizer: Any, as_ids: Callable[[list[int]]
     ``False`` sets the ``tokenizers`` backend's split-special-tokens mode, so a
     special token's text in the input is encoded as text (docstring at ``467-469``,
     ``encode_part_base`` at ``362-368``). Non-special added tokens are split out
-    in both modes (``369-389``). Raises what the template raises, and
+    in both modes (``369-389``). ``prefix`` (``Submit.forced_prefix``) follows the
+    rendered prompt, its markers control tokens where the tokenizer has them
+    (``ControlTokens.prefix_pieces``). Raises what the template raises, and
     ``client_text.TemplateMangled``."""
     controls = ControlTokens(control_tokens(hf_tokenizer))
 
@@ -107,6 +112,7 @@ def chat_encoder(hf_tokenizer: Any, tokenizer: Any, as_ids: Callable[[list[int]]
         messages: list[dict[str, Any]],
         add_generation_prompt: bool,
         tools: list[Any] | None,
+        prefix: Sequence[PromptPiece] = (),
         variables: dict[str, Any] | None = None,
     ) -> Any:
         guard = controls.guard()
@@ -119,7 +125,7 @@ def chat_encoder(hf_tokenizer: Any, tokenizer: Any, as_ids: Callable[[list[int]]
         if not isinstance(text, str):
             raise TypeError(f"apply_chat_template returned {type(text).__name__}, not text")
         ids: list[int] = []
-        for piece in guard.pieces(text):
+        for piece in [*guard.pieces(text), *controls.prefix_pieces(prefix)]:
             encoded = tokenizer.encode(piece.text, encode_special_tokens=piece.control).tolist()
             ids += (int(i) for i in (encoded[0] if encoded and isinstance(encoded[0], list) else encoded))
         return as_ids(ids)

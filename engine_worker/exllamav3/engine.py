@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from engine_worker.settings import EXLLAMAV3_MAX_BATCH_SIZE
+from protocol.messages import PromptPiece
 
 
 class IdTensor(Protocol):
@@ -54,6 +55,11 @@ class GeneratorLike(Protocol):
 
     def num_remaining_jobs(self) -> int: ...
 
+    @property
+    def pagetable(self) -> Any:
+        """The ``PageTable`` (``generator/generator.py:242``), read by ``kv_pages`` after ``iterate``."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class EngineHandle:
@@ -62,10 +68,11 @@ class EngineHandle:
     - ``generator``: the one ``Generator`` over the model's cache.
     - ``new_job(**kwargs)`` / ``new_sampler(**kwargs)``: ``Job`` / ``ComboSampler`` constructors.
     - ``encode(text, add_bos)``: raw prompt -> ``(1, n)`` ids, special tokens in the text parsed.
-    - ``encode_chat(messages, add_generation_prompt, tools)``: the model's chat template applied
+    - ``encode_chat(messages, add_generation_prompt, tools, prefix)``: the model's chat template applied
       and tokenized (``Tokenizer.hf_chat_template``); ``messages`` are ``{"role", "content"}``
       dicts, with ``tool_calls`` (a list of call objects), ``tool_call_id`` and ``name`` where a
       turn has them; ``tools`` (OpenAI's ``tools`` array) goes to the template as its ``tools``
+      variable, ``None`` passes nothing; ``prefix`` (``Submit.forced_prefix``) is tokenized after it.
       variable, ``None`` passes nothing; the last argument, extra template variables
       (``chat_template_kwargs``) or ``None``.
     - ``decode(ids)``: token ids -> text, special tokens as their text (``Tokenizer.decode`` with
@@ -98,6 +105,9 @@ class EngineHandle:
       grammar that does not compile. ``None`` where the engine has none.
     - ``ll_tokenizer()``: the ``llguidance.LLTokenizer`` of the model (token bytes for logprobs),
       built on the first call (about a second for a 150k vocabulary); ``None`` where unavailable.
+    - ``new_xtc_sampler(xtc_probability, xtc_threshold, **sampler_kwargs)``: a sampler with XTC
+      (``engine_worker.exllamav3.sampling.xtc_sampler`` bound to the module and tokenizer);
+      ``None`` where the engine has none (XTC is then refused).
     - ``new_budget_filter(new_splitter)``: a filter that forces the end of a reasoning model's
       thinking once its budget is spent (``grammar.budget_filter_factory``); ``None``: budgets
       above 0 are refused.
@@ -109,7 +119,9 @@ class EngineHandle:
     new_job: Callable[..., Any]
     new_sampler: Callable[..., Any]
     encode: Callable[[str, bool], IdTensor]
-    encode_chat: Callable[[list[dict[str, Any]], bool, list[Any] | None, dict[str, Any] | None], IdTensor]
+    encode_chat: Callable[
+        [list[dict[str, Any]], bool, list[Any] | None, Sequence[PromptPiece], dict[str, Any] | None], IdTensor
+    ]
     decode: Callable[[list[int]], str]
     pieces: Sequence[str]
     eos_token_ids: tuple[int, ...]
@@ -129,6 +141,7 @@ class EngineHandle:
     rq_boundary: int = 256
     new_filter: Callable[[str], Any] | None = None
     ll_tokenizer: Callable[[], Any] | None = None
+    new_xtc_sampler: Callable[..., Any] | None = None
     as_ids: Callable[[list[int]], IdTensor] | None = None
     new_budget_filter: Callable[[Callable[[], Any]], Any] | None = None
 

@@ -48,10 +48,11 @@ reaches the llguidance tokenizer those filters share (``create_ll_tokenizer``,
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,9 @@ from engine_worker.exllamav3.backend import ExLlamaV3Backend
 from engine_worker.exllamav3.config import PAGE_SIZE, CacheMode, parse_split
 from engine_worker.exllamav3.engine import EngineHandle, id_list
 from engine_worker.exllamav3.grammar import budget_filter_factory, contained_filter_class, filter_factory
+from engine_worker.exllamav3.sampling import xtc_sampler
 from engine_worker.settings import DraftMode, WorkerSettings
+from protocol.messages import PromptPiece
 
 log = logging.getLogger(__name__)
 
@@ -436,10 +439,12 @@ class LoadedEngine:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool,
         tools: list[Any] | None,
+        prefix: Sequence[PromptPiece] = (),
         variables: dict[str, Any] | None = None,
     ) -> Any:
-        # Client text tokenized as text, control tokens only where the template wrote them.
-        return self._encode_chat(messages, add_generation_prompt, tools, variables)
+        # Client text tokenized as text, control tokens only where the template
+        # (or the proxy's prefix, Submit.forced_prefix) wrote them.
+        return self._encode_chat(messages, add_generation_prompt, tools, prefix, variables)
 
     def decode(self, ids: list[int]) -> str:
         import torch
@@ -493,6 +498,7 @@ class LoadedEngine:
             generator=generator,
             new_job=self.ex.Job,
             new_sampler=self.ex.ComboSampler,
+            new_xtc_sampler=functools.partial(xtc_sampler, self.ex, tokenizer),
             encode=self.encode,
             encode_chat=self.encode_chat,
             as_ids=_as_ids,

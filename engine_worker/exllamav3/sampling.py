@@ -12,6 +12,28 @@ simply do nothing):
   min-p -> top-k -> top-p -> sample; ``temperature == 0`` or ``top_k == 1`` is argmax.
 - ``Job(max_new_tokens, min_new_tokens, seed, stop_conditions, ...)``
   (``generator/job.py:54-75``).
+- The local-LLM fields: ``penalty_range``/``repetition_decay`` are
+  ``ComboSampler``'s ``rep_sustain_range``/``rep_decay_range`` (``presets.py:91-92``;
+  -1, the whole context, is its default ``int(10e7)``), which ``SS_RepP`` and
+  ``SS_PresFreqP`` both take (``presets.py:112-113``) and the kernels weigh by
+  distance (``exllamav3_ext/generator/rep_pen.cu:49-69``); ``temperature_last`` is
+  ``temp_last`` (``presets.py:102``, the stack of ``122-128``); ``banned_tokens``
+  and ``ban_eos_token`` are logit biases of ``-inf``, which ``LogitBias`` keeps as
+  a hard ban (``custom.py:595-624``); ``skip_special_tokens`` is
+  ``decode_special_tokens=False``; ``banned_strings`` is ``Job``'s own (``generator/job.py:70``,
+  lowercased by ``_init_banned_strings``, ``615-623``): text that may start one is held, a
+  complete one rewinds the job to the token where it began and bans that token there
+  (``set_checkpoint``/``rewind_checkpoint``, ``1023-1128``).
+- DRY is ``ComboSampler``'s ``dry_*`` arguments (``presets.py:93-97``, ``SS_DRY`` at
+  ``114``); ``dry_sequence_breakers`` are strings on the wire and token ids there
+  (``breaker_ids``); ``None`` leaves ExLlamaV3 its default set, derived from the
+  tokenizer when sampling.
+- XTC (``xtc_probability``) has no ``ComboSampler`` argument: ``xtc_sampler`` builds
+  ``ComboSampler``'s own stack as a ``CustomSampler`` with ``SS_XTC`` before the final
+  ``SS_Sample`` (where TabbyAPI puts it), its protected tokens the tokenizer's default
+  (newline pieces and special tokens, ``xtc_default_protected_token_ids``). At
+  temperature 0 (or ``top_k == 1``) the stack is an argmax, on which XTC has no effect
+  (``presets.py:117-120``), so it is left out.
 
 Semantics that differ from OpenAI's, documented rather than hidden:
 
@@ -39,10 +61,15 @@ Parameters are validated before they get here, by the worker loop
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from protocol.messages import SamplingParams
+
+FULL_RANGE = int(10e7)
+"""``ComboSampler``'s default ``rep_sustain_range`` (``presets.py:91``): the whole context."""
 
 FLOAT32_MAX = 3.4028234663852886e38
 """Largest finite float32: ExLlamaV3's bias vector is float32 (``generator/sampler/custom.py:604-611``).
@@ -58,6 +85,8 @@ class JobSettings:
 
     sampler_kwargs: dict[str, Any]
     job_kwargs: dict[str, Any]
+    xtc: tuple[float, float] | None = None
+    """``(probability, threshold)`` when the sampler must be ``xtc_sampler``'s stack."""
 
 
 def job_settings(
@@ -66,9 +95,12 @@ def job_settings(
     max_new_tokens: int,
     eos_token_ids: tuple[int, ...],
     stop_strings: tuple[str, ...] = (),
+    dry_breakers: frozenset[int] | None = None,
 ) -> JobSettings:
     """Translate ``params`` (already validated).
 
+    ``dry_breakers``: the token ids of ``params.dry_sequence_breakers``
+    (``breaker_ids``), ``None`` for ExLlamaV3's default set.
     ``max_new_tokens`` is the completion budget after clamping to the context
     (``Prepared.max_new_tokens``, >= 1). Stop conditions are the stop strings,
     ``stop_token_ids`` and, unless ``ignore_eos``, the model's EOS ids and
@@ -76,6 +108,9 @@ def job_settings(
     """
     p = params
     logit_bias = {int(token_id): float(bias) for token_id, bias in (p.logit_bias or {}).items()}
+    banned = set(p.banned_tokens) | (set(eos_token_ids) if p.ban_eos_token else set())
+    for token_id in banned:
+        logit_bias[token_id] = -math.inf
 
     stop_conditions: list[int | str] = [s for s in p.stop if s]
     if not p.ignore_eos:
@@ -93,15 +128,71 @@ def job_settings(
         "top_k": p.top_k,
         "top_p": p.top_p,
         "logit_bias": logit_bias or None,
+        "rep_sustain_range": FULL_RANGE if p.penalty_range < 0 else p.penalty_range,
+        "rep_decay_range": p.repetition_decay,
+        "temp_last": p.temperature_last,
+        "dry_multiplier": p.dry_multiplier,
+        "dry_base": p.dry_base,
+        "dry_allowed_length": p.dry_allowed_length,
+        "dry_range": max(p.dry_range, 0),
+        "dry_sequence_breakers": dry_breakers,
     }
     job_kwargs: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
         "min_new_tokens": min(p.min_tokens, max_new_tokens),
         "seed": p.seed,
         "stop_conditions": stop_conditions,
-        "decode_special_tokens": True,
+        "decode_special_tokens": p.skip_special_tokens is not True,
     }
+    if p.banned_strings:
+        job_kwargs["banned_strings"] = list(p.banned_strings)
     if p.logprobs is not None:
         job_kwargs["return_probs"] = True
         job_kwargs["return_top_tokens"] = p.logprobs
-    return JobSettings(sampler_kwargs, job_kwargs)
+    argmax = p.temperature == 0.0 or p.top_k == 1
+    # SS_XTC.alt: no-op at probability 0 or a threshold above 0.5 (custom.py:745-750).
+    xtc = (
+        None
+        if argmax or p.xtc_probability == 0.0 or p.xtc_threshold > 0.5
+        else (p.xtc_probability, p.xtc_threshold)
+    )
+    return JobSettings(sampler_kwargs, job_kwargs, xtc)
+
+
+def breaker_ids(pieces: Sequence[str], strings: tuple[str, ...]) -> frozenset[int]:
+    """Every token whose piece contains one of ``strings``: ExLlamaV3's
+    ``dry_sequence_breaker_tokens`` (``generator/sampler/custom.py:878-892``) over
+    ``EngineHandle.pieces``."""
+    wanted = tuple(s for s in strings if s)
+    return frozenset(t for t, piece in enumerate(pieces) if any(s in piece for s in wanted))
+
+
+def xtc_sampler(ex: Any, tokenizer: Any, xtc_probability: float, xtc_threshold: float, **combo: Any) -> Any:
+    """``ComboSampler(**combo)``'s stack (``generator/sampler/presets.py:110-137``, the
+    non-argmax branch, no DRY or Adaptive-P) as a ``CustomSampler`` with
+    ``SS_XTC(xtc_probability, xtc_threshold, tokenizer=tokenizer)`` before the final
+    ``SS_Sample``. ``ex`` is the ``exllamav3`` module (its ``generator.sampler``
+    classes are exported at the top, ``exllamav3/__init__.py:70``); ``combo`` the
+    ``JobSettings.sampler_kwargs``."""
+    t, last = combo["temperature"], combo["temp_last"]
+    sustain, decay = combo["rep_sustain_range"], combo["rep_decay_range"]
+    stack = [
+        ex.SS_LogitBias(combo["logit_bias"] or {}),
+        ex.SS_RepP(combo["rep_p"], sustain, decay),
+        ex.SS_PresFreqP(combo["pres_p"], combo["freq_p"], sustain, decay),
+        ex.SS_DRY(
+            combo["dry_multiplier"],
+            combo["dry_base"],
+            combo["dry_allowed_length"],
+            combo["dry_range"],
+            combo["dry_sequence_breakers"],
+        ),
+        ex.SS_Temperature(1.0 if last else t),
+        ex.SS_MinP(combo["min_p"]),
+        ex.SS_TopK(combo["top_k"]),
+        ex.SS_TopP(combo["top_p"]),
+        ex.SS_Temperature(t if last else 1.0),
+        ex.SS_XTC(xtc_probability, xtc_threshold, tokenizer=tokenizer),
+        ex.SS_Sample(),
+    ]
+    return ex.CustomSampler(stack)

@@ -70,6 +70,8 @@ def prompt_words(submit: Submit) -> list[str]:
         words += f"{m.role}: {m.content}".split()
     if submit.add_generation_prompt:
         words.append("assistant:")
+    for piece in submit.forced_prefix:  # a named tool call's opening, after the template
+        words += piece.text.split()
     return words
 
 

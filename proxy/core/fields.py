@@ -11,7 +11,9 @@ integers and index tensors in the worker).
 ``SamplerFields`` is the sampler vocabulary each dialect's request struct
 inherits (temperature, nucleus and top-k, min-p, penalties, seed, stop token
 ids, logit bias, ``min_tokens``, ``ignore_eos``; this server's
-``return_progress``; vLLM's ``cache_salt``); ``SamplerFields.sampling`` is the
+``return_progress``; vLLM's ``cache_salt``; the local-LLM fields of
+``proxy.core.samplers.TABLE``, whose aliases, neutral values and refusals
+``decode`` applies to every body decoded into one); ``SamplerFields.sampling`` is the
 only place a ``proxy.core.task.Sampling`` is built from a request, whatever
 the dialect's names for the completion limit and the stop strings.
 ``json_output`` is the only place a structured-output field becomes a
@@ -29,6 +31,7 @@ from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
+from proxy.core import samplers
 from proxy.core.task import JsonOutput, Sampling
 from proxy.errors import InvalidRequest
 from proxy.grammar.check import ANY_JSON_OBJECT
@@ -60,6 +63,14 @@ TopK = Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX)]
 RepetitionPenalty = Annotated[float, msgspec.Meta(ge=0.01, le=100.0)]
 MinTokens = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
 Bias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
+PenaltyRange = Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX)]
+"""Tokens the penalties look at: -1 for the whole context (TabbyAPI's ``penalty_range``)."""
+Decay = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
+MAX_BANNED_TOKENS = 4096
+"""Most ``banned_tokens`` of one request (a bounded mask the worker builds per sequence)."""
+MAX_BANNED_STRINGS = 64
+"""Most ``banned_strings`` of one request (each one is searched in the held text per token)."""
+BannedString = Annotated[str, msgspec.Meta(max_length=256)]
 Salt = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 """vLLM's ``cache_salt``: prefix-cache entries are shared only within one salt."""
 
@@ -114,6 +125,8 @@ def decode(body: bytes, cls: type[_S], refusals: Refusals, where: str) -> _S:
     if not isinstance(raw, dict):
         raise InvalidRequest(f"Request body must be a JSON object, got {type(raw).__name__}")
     raw = {k: v for k, v in raw.items() if v is not None}
+    if issubclass(cls, SamplerFields):
+        raw = samplers.resolve(raw, where)
     for name, harmless in refusals.items():
         if name in raw and not harmless(raw[name]):
             raise InvalidRequest(
@@ -215,6 +228,24 @@ class SamplerFields(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, Bias] | None = None
     return_progress: bool = False
     cache_salt: Salt | None = None
+    # The local-LLM vocabulary (proxy.core.samplers.TABLE has each one's aliases and meaning).
+    temperature_last: bool = False
+    penalty_range: PenaltyRange = -1
+    repetition_decay: Decay = 0
+    xtc_probability: Prob = 0.0
+    xtc_threshold: Prob = 0.1
+    banned_tokens: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_BANNED_TOKENS)] | None = None
+    ban_eos_token: bool = False
+    skip_special_tokens: bool | None = None
+    add_bos_token: bool | None = None
+    banned_strings: Annotated[list[BannedString], msgspec.Meta(max_length=MAX_BANNED_STRINGS)] | None = None
+    dry_multiplier: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.0
+    dry_base: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 1.75
+    dry_allowed_length: Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)] = 2
+    dry_range: Annotated[int, msgspec.Meta(ge=-1, le=INT32_MAX)] = 0
+    dry_sequence_breakers: (
+        Annotated[list[BannedString], msgspec.Meta(max_length=MAX_BANNED_STRINGS)] | None
+    ) = None
     thinking_budget_tokens: MinTokens | None = None
     """llama.cpp's per-request thinking budget (tokens; 0: no thinking)."""
     thinking_token_budget: MinTokens | None = None
@@ -257,6 +288,23 @@ class SamplerFields(msgspec.Struct, kw_only=True):
             min_tokens=self.min_tokens,
             logit_bias=logit_bias(self.logit_bias),
             logprobs=logprobs,
+            temperature_last=self.temperature_last,
+            penalty_range=self.penalty_range,
+            repetition_decay=self.repetition_decay,
+            xtc_probability=self.xtc_probability,
+            xtc_threshold=self.xtc_threshold,
+            banned_tokens=tuple(sorted(set(self.banned_tokens or ()))),
+            ban_eos_token=self.ban_eos_token,
+            skip_special_tokens=self.skip_special_tokens,
+            add_bos_token=self.add_bos_token,
+            banned_strings=tuple(self.banned_strings or ()),
+            dry_multiplier=self.dry_multiplier,
+            dry_base=self.dry_base,
+            dry_allowed_length=self.dry_allowed_length,
+            dry_range=self.dry_range,
+            dry_sequence_breakers=None
+            if self.dry_sequence_breakers is None
+            else tuple(self.dry_sequence_breakers),
             reasoning_budget=self.thinking_budget(),
         )
 

@@ -228,7 +228,7 @@ class Generation:
                 raise TypeError(f"{type(frames).__name__} cannot stream tool calls")
             self._tool_frames = frames
             for c in self.choices:
-                c.tools = ToolCallParser(plan.format, plan.config)
+                c.tools = ToolCallParser(plan.format, plan.config, primer=plan.primer)
 
     @property
     def done(self) -> bool:
@@ -439,7 +439,9 @@ class Generation:
             content: str | None = c.prefix + text
             calls: list[ToolCall] = []
             if plan is not None:
-                parsed = parse_output(plan.format, plan.config, text, cut=reason == "length")
+                parsed = parse_output(
+                    plan.format, plan.config, text, cut=reason == "length", primer=plan.primer
+                )
                 content, calls = parsed.content, parsed.tool_calls
                 reason = tool_finish_reason(reason, bool(calls))
             out.append(

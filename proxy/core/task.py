@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from protocol.messages import ChatMessage, SamplingParams, Submit
+from protocol.messages import ChatMessage, PromptPiece, SamplingParams, Submit
 from proxy.errors import InvalidRequest
 from proxy.grammar.check import json_schema_grammar
 from proxy.tools import (
@@ -34,7 +34,7 @@ from proxy.tools import (
     tool_call_grammar,
     tools_or_answer_grammar,
 )
-from proxy.tools.grammar import json_rule_schema
+from proxy.tools.grammar import json_rule_schema, named_call_grammar, named_call_prefix
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 """Temperatures below this sample greedily: dividing logits by them overflows."""
@@ -61,6 +61,22 @@ class Sampling:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
+    temperature_last: bool = False
+    penalty_range: int = -1
+    repetition_decay: int = 0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    banned_tokens: tuple[int, ...] = ()
+    ban_eos_token: bool = False
+    skip_special_tokens: bool | None = None
+    banned_strings: tuple[str, ...] = ()
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_range: int = 0
+    dry_sequence_breakers: tuple[str, ...] | None = None
+    add_bos_token: bool | None = None
+    """``None``: the model's own choice; with messages the worker refuses any other."""
     reasoning_budget: int | None = None
     """Most tokens the model may think (``SamplingParams.reasoning_budget``); 0: none."""
 
@@ -116,11 +132,20 @@ class ToolPlan:
     parallel calls), the call ``format`` the output is parsed in, and whether
     the model's chat template renders the tools itself (``native``: they go to
     the worker as ``Submit.tools_json`` with structured tool turns) or the
-    generic tools prompt does (``proxy.tools.render_fallback``)."""
+    generic tools prompt does (``proxy.tools.render_fallback``). ``prefix``:
+    for a named function, the call's opening the server writes after the
+    template (``proxy.tools.grammar.named_call_prefix``; the model generates
+    only the arguments), else empty."""
 
     config: ToolConfig
     format: ToolCallFormat
     native: bool = False
+    prefix: tuple[PromptPiece, ...] = ()
+
+    @property
+    def primer(self) -> str:
+        """``prefix`` as the text the output parser reads first."""
+        return "".join(p.text for p in self.prefix)
 
     def tools_json(self) -> str:
         """OpenAI's ``tools`` array for the template: the callable functions."""
@@ -147,7 +172,10 @@ def tool_plan(task: ChatTask, choice: FormatChoice) -> ToolPlan | None:
     asked for explicitly. A forced call is one call: always for a named function (as
     OpenAI's), and for ``required`` unless the client asked for parallel calls
     explicitly; otherwise a grammar that allows "another call" lets a small
-    model repeat calls until ``max_tokens``."""
+    model repeat calls until ``max_tokens``. A named function's call is opened
+    by the server (``ToolPlan.prefix``) when the prompt ends with the
+    generation prompt (``add_generation_prompt``), as it does unless the
+    client continues a turn of its own."""
     config = task.tools
     if config is None:
         return None
@@ -168,7 +196,10 @@ def tool_plan(task: ChatTask, choice: FormatChoice) -> ToolPlan | None:
             "'logprobs' cannot be combined with tool calls ('tool_choice' is not 'none')",
             param="logprobs",
         )
-    return ToolPlan(config, choice.format, choice.native)
+    prefix: tuple[PromptPiece, ...] = ()
+    if config.mode == "function" and task.add_generation_prompt:
+        prefix = named_call_prefix(choice.format, config)
+    return ToolPlan(config, choice.format, choice.native, prefix)
 
 
 def _temperature(t: float | None) -> float:
@@ -187,13 +218,17 @@ def sampling_params(
     ``max_context_tokens`` (the worker stops at the end of the context);
     ``top_k == -1`` (vLLM's "disabled") becomes 0; a temperature below
     ``GREEDY_BELOW_TEMPERATURE`` becomes 0 (greedy); empty stop strings are
-    dropped. The grammar: a forced call's (the JSON output does not apply),
+    dropped. The grammar: a forced call's (the JSON output does not apply;
+    for a named function opened by the server, only its arguments and close),
     else with tools a call or the JSON output, else that JSON; not checked here
     (``proxy.grammar.check.validate``, awaited by the request path)."""
     grammar: str | None = None
     grammar_param: str | None = None
     # Not lenient: a keyword llguidance cannot enforce is a 400, not ignored.
-    if tools is not None and tools.config.forced:
+    if tools is not None and tools.prefix:
+        # The server wrote the call up to its arguments: the model writes the rest.
+        grammar, grammar_param = named_call_grammar(tools.format, tools.config, lenient=False), "tool_choice"
+    elif tools is not None and tools.config.forced:
         grammar, grammar_param = tool_call_grammar(tools.format, tools.config, lenient=False), "tool_choice"
     elif json_output is not None:
         if tools is not None and tools.config.active:
@@ -223,6 +258,20 @@ def sampling_params(
         logprobs=s.logprobs,
         grammar=grammar,
         grammar_param=grammar_param,
+        temperature_last=s.temperature_last,
+        penalty_range=s.penalty_range,
+        repetition_decay=s.repetition_decay,
+        xtc_probability=s.xtc_probability,
+        xtc_threshold=s.xtc_threshold,
+        banned_tokens=s.banned_tokens,
+        ban_eos_token=s.ban_eos_token,
+        skip_special_tokens=s.skip_special_tokens,
+        banned_strings=tuple(x for x in s.banned_strings if x),
+        dry_multiplier=s.dry_multiplier,
+        dry_base=s.dry_base,
+        dry_allowed_length=s.dry_allowed_length,
+        dry_range=s.dry_range,
+        dry_sequence_breakers=s.dry_sequence_breakers,
         reasoning_budget=s.reasoning_budget,
     )
 
@@ -295,6 +344,8 @@ def chat_submit(task: ChatTask, request_id: str, max_context_tokens: int, tools:
         add_generation_prompt=task.add_generation_prompt,
         n=task.n,
         cache_salt=task.cache_salt,
+        forced_prefix=tools.prefix if tools is not None else (),
+        add_bos=task.sampling.add_bos_token,
         template_kwargs_json=msgspec.json.encode(task.template_kwargs).decode()
         if task.template_kwargs
         else None,
@@ -306,11 +357,11 @@ def text_submits(task: TextTask, request_id: str, max_context_tokens: int) -> li
     several); choice ``j`` of prompt ``i`` is the response's choice ``i * n + j``
     (OpenAI's order). Raises ``InvalidRequest``."""
     params = sampling_params(task.sampling, max_context_tokens, task.json_output)
-    salt = task.cache_salt
+    salt, bos = task.cache_salt, task.sampling.add_bos_token
     if len(task.prompts) == 1:
-        return [Submit(request_id, params, prompt=task.prompts[0], n=task.n, cache_salt=salt)]
+        return [Submit(request_id, params, prompt=task.prompts[0], n=task.n, cache_salt=salt, add_bos=bos)]
     return [
-        Submit(f"{request_id}-p{i}", params, prompt=p, n=task.n, cache_salt=salt)
+        Submit(f"{request_id}-p{i}", params, prompt=p, n=task.n, cache_salt=salt, add_bos=bos)
         for i, p in enumerate(task.prompts)
     ]
 
@@ -320,4 +371,5 @@ def prompt_chars(submit: Submit) -> tuple[int, str]:
     without the template the worker adds) and the parameter holding it."""
     if submit.prompt is not None:
         return len(submit.prompt), "prompt"
-    return sum(len(m.content) for m in submit.messages), "messages"
+    prefix = sum(len(p.text) for p in submit.forced_prefix)
+    return sum(len(m.content) for m in submit.messages) + prefix, "messages"

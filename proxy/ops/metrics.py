@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from protocol.version import PROTOCOL_VERSION
@@ -123,6 +123,12 @@ class _EngineCollector(Collector):
         yield sequences
         yield waiting
         yield kv
+        yield CounterMetricFamily(
+            PREFIX + "kv_events_dropped",
+            "KV-cache event batches the worker dropped because its publishing queue was full "
+            "(--kv-events-endpoint; each drop is followed by a full resend), since the worker started.",
+            value=hb.kv_events_dropped if hb is not None else 0,
+        )
         yield GaugeMetricFamily(
             PREFIX + "worker_up",
             "1 when the engine worker has answered the handshake and its heartbeats are on time, else 0.",

@@ -10,7 +10,9 @@ access log: one line per request, never two.
 Fields of the line (``protocol.logs``: ``key=value`` after the message in text,
 top-level keys in JSON): ``method``, ``path``, ``endpoint`` (route),
 ``status`` (HTTP; 499 when the client left before the response ended), ``remote``,
-``duration_s``, and for completion requests ``request_id``, ``stream``,
+``duration_s``, ``correlation_id`` (``RequestRecord.correlation_id``: the client's
+``X-Request-Id``, else the server's id; also the response's ``X-Request-Id``
+header, set by ``echo_request_id``), and for completion requests ``request_id``, ``stream``,
 ``prompt_tokens``, ``cached_tokens``, ``completion_tokens``, ``draft_accepted``,
 ``draft_rejected`` (``null`` without drafting), ``ttft_s``, ``decode_tps``
 (completion tokens after each choice's first / decode seconds of the longest
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -36,6 +39,7 @@ from proxy.core.usage import Counts
 from proxy.errors import ProxyError
 from proxy.ops.metrics import CompletedRequest, Metrics
 from proxy.server.probes import PROBE_PATHS
+from proxy.server.request_id import REQUEST_ID_HEADER, client_request_id
 
 log = logging.getLogger("proxy.requests")
 
@@ -48,9 +52,11 @@ ended, a stream cut short included (nginx's "client closed request")."""
 class RequestRecord:
     """What is known of one HTTP request; ``arrived`` is ``time.monotonic()``
     seconds. Handlers set ``request_id`` and ``stream``, then ``complete`` it
-    once every choice finished, or ``error`` it."""
+    once every choice finished, or ``error`` it. ``client_id``: the client's
+    ``X-Request-Id`` (``proxy.server.request_id``), set by ``observe_middleware``."""
 
     arrived: float
+    client_id: str | None = None
     request_id: str | None = None
     stream: bool | None = None
     error_code: str | None = None
@@ -59,6 +65,17 @@ class RequestRecord:
     first_token_at: float | None = None
     ended: float | None = None
     client_gone: bool = False  # the client's connection broke before the response ended
+    server_id: str | None = None  # made when a request of no response id needs one
+
+    def correlation_id(self) -> str:
+        """The id that ties this request's log line, trace, status entry and
+        response together: the client's ``X-Request-Id``, else the response's
+        id (``request_id``: ``chatcmpl-...``), else (a request that failed before
+        it got one, a route without one) 32 random hex digits, made once."""
+        own = self.client_id or self.request_id or self.server_id
+        if own is None:
+            own = self.server_id = uuid.uuid4().hex
+        return own
 
     def fail(self, exc: ProxyError) -> None:
         """An error was sent to the client (as a status or an error event)."""
@@ -124,6 +141,7 @@ def _fields(request: web.Request, rec: RequestRecord, endpoint: str, status: int
         "status": status,
         "remote": request.remote,
         "duration_s": round(now - rec.arrived, 6),
+        "correlation_id": rec.correlation_id(),
     }
     if rec.request_id is not None:
         fields["request_id"] = rec.request_id
@@ -159,7 +177,7 @@ async def observe_middleware(request: web.Request, handler: _Handler) -> web.Str
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s %s %d", request.method, request.path, response.status)
         return response
-    rec = request[RECORD] = RequestRecord(time.monotonic())
+    rec = request[RECORD] = RequestRecord(time.monotonic(), client_request_id(request.headers))
     status = CLIENT_GONE
     try:
         response = await handler(request)
@@ -191,6 +209,15 @@ def _finish(request: web.Request, rec: RequestRecord, status: int) -> None:
             status,
             extra={FIELDS: _fields(request, rec, endpoint, status)},
         )
+
+
+async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: the response's ``X-Request-Id`` is the request's
+    correlation id (``RequestRecord.correlation_id``), on every response but
+    the probes', set as its headers go out, a stream's and an error's included."""
+    rec = request.get(RECORD)
+    if rec is not None:
+        response.headers[REQUEST_ID_HEADER] = rec.correlation_id()
 
 
 def record_of(request: web.Request) -> RequestRecord:

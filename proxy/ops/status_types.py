@@ -118,7 +118,10 @@ class RequestStatus(msgspec.Struct, kw_only=True, gc=False):
     after each choice's first over the seconds since the first token;
     ``ttft_s``: arrival to first token; ``draft_accepted``/``draft_rejected``:
     summed over finished choices (``None`` until one finished with drafting on);
-    ``age_s``: since it arrived."""
+    ``age_s``: since it arrived; ``correlation_id``: the client's ``X-Request-Id``
+    (sanitized: ``proxy.server.request_id``), else ``id``, as the response's
+    ``X-Request-Id`` header and the request log carry it (``None`` only from a
+    server older than the field)."""
 
     id: str
     dialect: str
@@ -136,6 +139,7 @@ class RequestStatus(msgspec.Struct, kw_only=True, gc=False):
     ttft_s: float | None
     draft_accepted: int | None
     draft_rejected: int | None
+    correlation_id: str | None = None
     phase: Literal["thinking", "answering"] | None = None
     """In ``decode``: whether a reasoning model is still thinking or answering
     (``None`` in other stages)."""

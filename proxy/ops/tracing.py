@@ -23,7 +23,9 @@ open while the request is:
   ``gen_ai.usage.output_tokens`` (completion), ``gen_ai.response.finish_reasons``,
   ``gen_ai.response.time_to_first_chunk`` (s), ``exl3_sidecar.draft.accepted`` /
   ``.rejected`` (with drafting on), ``exl3_sidecar.dialect``, ``http.route``,
-  ``exl3_sidecar.stream``, ``exl3_sidecar.choices``; a request without a whole
+  ``exl3_sidecar.stream``, ``exl3_sidecar.choices``, ``exl3_sidecar.correlation_id``
+  (the client's ``X-Request-Id``, else the response id:
+  ``proxy.ops.request_log.RequestRecord.correlation_id``); a request without a whole
   answer has status ERROR and ``error.type`` (its error code, ``client_gone``).
 - ``queue``, ``prefill``, ``decode``: the worker's timings of the request
   (``Finished.time_queued``/``time_prefill``/``time_decode`` of choice 0, the
@@ -105,6 +107,7 @@ class RequestTracer:
             "http.route": t.endpoint,
             "exl3_sidecar.stream": t.stream,
             "exl3_sidecar.choices": t.choices,
+            "exl3_sidecar.correlation_id": t.record.correlation_id(),
         }
         reasons = tuple(c.finish_reason for c in gen.choices if c.finish_reason is not None)
         if reasons:

@@ -55,6 +55,23 @@ implement instead of failing the grammar.
 Markers that are special tokens of the model (``[TOOL_CALLS]``, ``<|python_tag|>``)
 are written as text unless ``special`` maps them to a token reference such as
 ``"<[5]>"`` (llguidance's numeric token syntax) or ``"<|python_tag|>"``.
+
+**A named function** (``tool_choice: {"type": "function", ...}`` and its
+Responses and Messages forms) is not generated whole: the server writes the
+call's opening and the function's name itself (``named_call_prefix``, put
+after the chat template by the worker: ``protocol.messages.Submit.forced_prefix``)
+and the model generates only the arguments and the close
+(``named_call_grammar``), as vLLM does for a named ``tool_choice`` (its docs,
+``features/tool_calling.md``, "Named Function Calling": guided decoding to the
+function's ``parameters`` schema, the name filled in by the server). The parser
+reads the output as if it had read the prefix first (``ToolCallParser(primer=...)``),
+so a call cut by ``max_tokens`` is still that call with its arguments as far as
+written, and no token is spent on the name. In the Hermes format::
+
+    prefix:  <tool_call>\n{"name": "get_weather", "arguments":
+    start: args "}" "\n" "</tool_call>"
+    // tools[0].function.parameters
+    args: %json <get_weather's parameters>
 """
 
 from __future__ import annotations
@@ -63,6 +80,7 @@ from collections.abc import Mapping
 
 import msgspec
 
+from protocol.messages import PromptPiece
 from proxy.tools.formats import ToolCallFormat
 from proxy.tools.spec import FunctionTool, ToolConfig
 
@@ -306,3 +324,49 @@ def tools_or_answer_grammar(
     calls, lines = _call_rules(fmt, config, special or {}, lenient)
     answer_rule = _json_rule("answer", answer, answer_param)
     return "\n".join([f"start: ({calls}) | answer", *lines, *answer_rule]) + "\n"
+
+
+def _named_tool(config: ToolConfig) -> FunctionTool:
+    if config.mode != "function":
+        raise ValueError(f"tool_choice {config.mode!r} names no function")
+    (tool,) = config.callable_tools()
+    return tool
+
+
+def named_call_prefix(fmt: ToolCallFormat, config: ToolConfig) -> tuple[PromptPiece, ...]:
+    """What the server writes of a named function's call before the model
+    writes its arguments: ``fmt``'s opening pieces (``grammar_open``,
+    ``grammar_call_prefix``; a piece that is one of ``fmt.markers`` marked
+    ``control``), then the call object up to its arguments, spaced as
+    ``render_calls`` writes history calls: ``{"name": "get_weather", "arguments": ``.
+    The name is a validated function name (``spec.NAME_PATTERN``: letters,
+    digits, ``_``, ``-``), never a control token. Raises ``ValueError`` unless
+    ``config`` names a function."""
+    tool = _named_tool(config)
+    pieces = [PromptPiece(p, p in fmt.markers) for p in (*fmt.grammar_open, *fmt.grammar_call_prefix)]
+    head = '{"name": ' + _literal(tool.name) + ", " + _literal(fmt.arguments_key) + ": "
+    pieces.append(PromptPiece(head))
+    return tuple(pieces)
+
+
+def named_call_grammar(
+    fmt: ToolCallFormat,
+    config: ToolConfig,
+    *,
+    special: Mapping[str, str] | None = None,
+    lenient: bool = True,
+) -> str:
+    """The grammar of what follows ``named_call_prefix``: the named function's
+    arguments (its ``parameters`` schema, strict unless the tool says
+    ``strict: false``, with ``json_rule_schema``'s options), the call object's
+    ``}``, then ``fmt``'s closing pieces (``grammar_call_suffix``,
+    ``grammar_close``): one call, never parallel. Not validated
+    (``proxy.grammar.check.validate``). Raises ``ValueError`` unless
+    ``config`` names a function."""
+    tool = _named_tool(config)
+    special = special or {}
+    params: dict[str, object] = dict(tool.parameters) if tool.parameters is not None else dict(_ANY_OBJECT)
+    schema = json_rule_schema(params, strict=tool_strict(tool), lenient=lenient)
+    rest = ['"}"', *_pieces(fmt.grammar_call_suffix, special), *_pieces(fmt.grammar_close, special)]
+    param = f"tools[{config.tools.index(tool)}].function.parameters"
+    return "\n".join([f"start: args {' '.join(rest)}", *_json_rule("args", schema, param)]) + "\n"

@@ -35,6 +35,11 @@ are held back until known. An output with no valid call comes out as its exact
 text.
 
 ``parallel_tool_calls: false``: calls after the first are dropped (their text too).
+
+**Primed** (``primer``): the output continues text the server wrote into the
+prompt, the opening of a named function's call (``proxy.tools.grammar.named_call_prefix``);
+the parser reads ``primer`` first, as if the model had written it, without
+events, so the output (the arguments and the close) completes that call.
 """
 
 from __future__ import annotations
@@ -102,11 +107,18 @@ class ToolCallParser:
     the format's, ``call_`` + 24 random characters for most); inject a
     deterministic one in tests. ``config`` gives the callable functions and
     ``parallel_tool_calls``; with ``tool_choice: required`` or a named function
-    the same parser reads the constrained output.
+    the same parser reads the constrained output. ``primer``: text the output
+    continues (module docstring); it must leave a call open, which the
+    server's prefix always does (``ValueError`` otherwise).
     """
 
     def __init__(
-        self, fmt: ToolCallFormat, config: ToolConfig, *, new_id: Callable[[], str] | None = None
+        self,
+        fmt: ToolCallFormat,
+        config: ToolConfig,
+        *,
+        new_id: Callable[[], str] | None = None,
+        primer: str = "",
     ) -> None:
         self._fmt = fmt
         self._names = config.callable_names()
@@ -121,6 +133,12 @@ class ToolCallParser:
         self._bare_ok = fmt.bare_json  # a "{" here opens a call (nothing but whitespace so far)
         self._calls: list[ToolCall] = []
         self._finished = False
+        if primer:
+            self._buf = primer
+            events: list[StreamEvent] = []
+            self._run(events, final=False)
+            if events or self._block is None:
+                raise ValueError(f"the primer {primer!r} does not open a call")
 
     @property
     def tool_calls(self) -> list[ToolCall]:
@@ -270,11 +288,12 @@ def parse_output(
     *,
     new_id: Callable[[], str] | None = None,
     cut: bool = False,
+    primer: str = "",
 ) -> ParsedOutput:
     """A whole (non-stream) output as content and tool calls: the same result a
     ``ToolCallParser`` gives for that text in any split (``cut``: as its
-    ``finish``'s)."""
-    parser = ToolCallParser(fmt, config, new_id=new_id)
+    ``finish``'s; ``primer``: as its own)."""
+    parser = ToolCallParser(fmt, config, new_id=new_id, primer=primer)
     events = parser.feed(text)
     events += parser.finish(cut=cut).events
     content = "".join(e.text for e in events if isinstance(e, ContentDelta))

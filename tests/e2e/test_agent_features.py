@@ -10,6 +10,7 @@ import json
 import math
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
@@ -67,6 +68,64 @@ def test_tool_round_trip_with_required_choice(server: Server, stream: bool) -> N
     )
     assert answer.choices[0].message.content
     assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+NAMED_BODIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "chat": (
+        "/v1/chat/completions",
+        {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+    ),
+    "responses": (
+        "/v1/responses",
+        {
+            "tools": [{"type": "function", **WEATHER["function"]}],
+            "tool_choice": {"type": "function", "name": "get_weather"},
+        },
+    ),
+    "messages": (
+        "/v1/messages",
+        {
+            "tools": [
+                {
+                    "name": "get_weather",
+                    "description": WEATHER["function"]["description"],
+                    "input_schema": WEATHER["function"]["parameters"],
+                }
+            ],
+            "tool_choice": {"type": "tool", "name": "get_weather"},
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("dialect", list(NAMED_BODIES))
+def test_a_named_call_cut_at_six_tokens_is_still_the_call(server: Server, dialect: str) -> None:
+    """The issue's check: ``max_tokens: 6`` at temperature 0 with a named
+    ``tool_choice``. The server writes the call's opening and name, so the six
+    tokens go to the arguments and the answer is the call (as far as written)."""
+    path, tools = NAMED_BODIES[dialect]
+    limit = {"responses": "max_output_tokens"}.get(dialect, "max_tokens")
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    body: dict[str, Any] = {"model": "any", "temperature": 0, limit: 6, **tools}
+    body["input" if dialect == "responses" else "messages"] = messages
+    r = httpx.post(server.base_url + path, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    if dialect == "chat":
+        choice = answer["choices"][0]
+        assert choice["finish_reason"] == "length" and not choice["message"]["content"]
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        assert call["function"]["arguments"].startswith("{")  # the arguments as far as written
+        assert answer["usage"]["completion_tokens"] == 6
+    elif dialect == "responses":
+        assert answer["status"] == "incomplete"
+        (call,) = [o for o in answer["output"] if o["type"] == "function_call"]
+        assert call["name"] == "get_weather" and call["arguments"].startswith("{")
+    else:
+        assert answer["stop_reason"] == "max_tokens"
+        (call,) = [b for b in answer["content"] if b["type"] == "tool_use"]
+        assert call["name"] == "get_weather"
 
 
 class City(BaseModel):

@@ -144,8 +144,9 @@ class FakeEngineClient:
     """``EngineClient`` that plays ``script(choice)`` for each choice of each
     submitted request on its own task, records submits (``submits``: one per
     HTTP request; ``choices``: one per choice) and aborts, and can be killed
-    mid-stream. ``waiting_requests``/``kv_cache_usage``/``running_requests`` are what its
-    heartbeat reports; ``heartbeat_at``/``worker_since`` what the engine client's are."""
+    mid-stream. ``waiting_requests``/``kv_cache_usage``/``running_requests``/
+    ``kv_events_dropped`` are what its heartbeat reports; ``heartbeat_at``/``worker_since``
+    what the engine client's are."""
 
     script: Script = field(default_factory=lambda: static_script(["Hello", " world"]))
     is_ready: bool = True
@@ -155,6 +156,7 @@ class FakeEngineClient:
     waiting_requests: int = 0
     kv_cache_usage: float = 0.0
     running_requests: int | None = None
+    kv_events_dropped: int = 0
     heartbeat_at: float | None = None
     worker_since: float | None = None
     submits: list[Submit] = field(default_factory=list)
@@ -184,7 +186,15 @@ class FakeEngineClient:
     def heartbeat(self) -> Heartbeat | None:
         worker_id = self.worker_ready.worker_id if self.worker_ready is not None else "?"
         running, waiting = len(self._tasks), self.waiting_requests
-        return Heartbeat(worker_id, running, waiting, self.kv_cache_usage, 0.0, self.running_requests)
+        return Heartbeat(
+            worker_id,
+            running,
+            waiting,
+            self.kv_cache_usage,
+            0.0,
+            self.running_requests,
+            self.kv_events_dropped,
+        )
 
     async def start(self) -> None:
         self.started = True

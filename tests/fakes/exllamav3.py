@@ -102,6 +102,8 @@ choosing tokens instead of a network:
 
 Deliberately stricter than 1.6.5: ``Job``, ``Generator``, ``Cache`` and
 ``ComboSampler`` take exactly the 1.6.5 parameter names and no ``**kwargs``, so a
+(``CustomSampler`` and the ``SS_*`` steps the backend's XTC stack uses record their
+arguments; a logit bias of ``-inf`` bans its token, as ``LogitBias`` does)
 misspelt keyword fails here instead of being ignored; features the worker does
 not use (token healing, banned strings, embeddings, ``return_logits``, loop
 detection, recurrent models) raise ``NotImplementedError``. N-gram drafting follows 1.6.5's
@@ -111,15 +113,21 @@ rates are the fake model's, not a real one's.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import heapq
 import json
 import math
 import os
+import struct
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+from engine_worker.exllamav3.sampling import xtc_sampler
 
 PAGE_SIZE = 256
 __version__ = "1.6.5+fake"
@@ -765,20 +773,128 @@ class ComboSampler:
             "top_k": top_k,
             "top_p": top_p,
             "logit_bias": logit_bias,
+            "rep_sustain_range": rep_sustain_range,
+            "rep_decay_range": rep_decay_range,
+            "temp_last": temp_last,
+            "dry_multiplier": dry_multiplier,
+            "dry_base": dry_base,
+            "dry_allowed_length": dry_allowed_length,
+            "dry_range": dry_range,
+            "dry_sequence_breakers": dry_sequence_breakers,
         }
+
+
+class _Step:
+    """One recorded sampler step of a ``CustomSampler`` stack: its class name and arguments."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args, self.kwargs = args, kwargs
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}{self.args}"
+
+
+class SS_LogitBias(_Step):
+    pass
+
+
+class SS_RepP(_Step):
+    pass
+
+
+class SS_PresFreqP(_Step):
+    pass
+
+
+class SS_DRY(_Step):
+    """``SS_DRY(dry_multiplier, dry_base, dry_allowed_length, dry_range, dry_sequence_breakers,
+    tokenizer)``; asserts as 1.6.5 does (``generator/sampler/custom.py:998-1001``)."""
+
+    def __init__(
+        self,
+        dry_multiplier: float = 0.0,
+        dry_base: float = 1.75,
+        dry_allowed_length: int = 2,
+        dry_range: int = 0,
+        dry_sequence_breakers: Any = None,
+        tokenizer: Any = None,
+    ) -> None:
+        assert dry_multiplier >= 0.0, "dry_multiplier must be non-negative"
+        assert dry_allowed_length >= 0, "dry_allowed_length must be non-negative"
+        super().__init__(dry_multiplier, dry_base, dry_allowed_length, dry_range, dry_sequence_breakers)
+
+
+class SS_Temperature(_Step):
+    pass
+
+
+class SS_MinP(_Step):
+    pass
+
+
+class SS_TopK(_Step):
+    pass
+
+
+class SS_TopP(_Step):
+    pass
+
+
+class SS_Sample(_Step):
+    pass
+
+
+class SS_XTC(_Step):
+    """``SS_XTC(probability, threshold, protected_token_ids=None, tokenizer=None)``; asserts
+    both in [0, 1] as 1.6.5 does (``generator/sampler/custom.py:698-699``)."""
+
+    def __init__(
+        self, probability: float, threshold: float, protected_token_ids: Any = None, tokenizer: Any = None
+    ):
+        assert 0.0 <= probability <= 1.0
+        assert 0.0 <= threshold <= 1.0
+        super().__init__(probability, threshold, protected_token_ids=protected_token_ids, tokenizer=tokenizer)
+
+
+class CustomSampler:
+    """Records a ``CustomSampler(steps)`` stack (``generator/sampler/custom.py:1140-1144``).
+    ``settings`` holds what the fake generator reads: the ``SS_LogitBias`` step's biases."""
+
+    def __init__(self, steps: list[_Step]) -> None:
+        self.steps = steps
+        bias = next((s.args[0] for s in steps if isinstance(s, SS_LogitBias)), None)
+        self.settings: dict[str, Any] = {"logit_bias": bias or None}
 
 
 # ---------------------------------------------------------------- paging
 
 
+_unique_hashes = 0
+
+
+def _random_hash() -> bytes:
+    """``_randomhash`` (``pagetable.py:30-34``): a process-wide counter, 16 bytes big-endian, so
+    its first 8 bytes are zero."""
+    global _unique_hashes
+    _unique_hashes += 1
+    return _unique_hashes.to_bytes(16, "big")
+
+
+def _is_content_hash(h: bytes) -> bool:
+    """``is_content_hash`` (``pagetable.py:39-42``)."""
+    return h[:8] != bytes(8)
+
+
 class _Page:
     """One cache page (``pagetable.py:45-81``). ``*_revert`` and ``can_revert`` keep what the
     page held before a job reserved it for new tokens, so that a reservation the job never
-    writes gives the page back unchanged (``pagetable.py:112-127``)."""
+    writes gives the page back unchanged (``pagetable.py:112-127``). ``sequence`` is the
+    ``(1, n)`` tensor of its tokens (1.6.5's is ``(1, PAGE_SIZE)``, valid up to
+    ``kv_position``, ``pagetable.py:390``)."""
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.phash: Any = ("unique", index, 0)
+        self.phash: bytes = _random_hash()
         self.prev_hash: Any = None
         self.tokens: list[int] = []
         self.kv_position = 0
@@ -793,7 +909,11 @@ class _Page:
 
     @property
     def content_hashed(self) -> bool:
-        return bool(self.phash[0] == "content")
+        return _is_content_hash(self.phash)
+
+    @property
+    def sequence(self) -> FakeTensor:
+        return FakeTensor(self.tokens)
 
     def backup(self) -> None:
         """``CachePage.backup`` (``pagetable.py:112-118``)."""
@@ -803,8 +923,15 @@ class _Page:
         self.can_revert = True
 
 
-def _chain_hash(prev: Any, tokens: Sequence[int]) -> tuple[str, int]:
-    return ("content", hash((prev, tuple(tokens))))
+def _chain_hash(prev: bytes | None, tokens: Sequence[int]) -> bytes:
+    """``_tensor_blake2b_checksum`` (``pagetable.py:23-28``): blake2b, 16 bytes, of the previous
+    page's hash and the page's ``torch.long`` tokens as ``numpy().tobytes()`` (int64,
+    little-endian on the x86 and ARM hosts CUDA runs on)."""
+    h = hashlib.blake2b(digest_size=16)
+    if prev is not None:
+        h.update(prev)
+    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    return h.digest()
 
 
 class _PageTable:
@@ -822,11 +949,15 @@ class _PageTable:
         self.pages = [_Page(i) for i in range(max_pages)]
         self.by_hash: dict[Any, _Page] = {}
         self.serial = 0
-        self.unique = 0
 
     @property
     def max_pages(self) -> int:
         return len(self.pages)
+
+    @property
+    def all_pages(self) -> list[_Page]:
+        """``PageTable.all_pages`` (``pagetable.py:380-399``, ``reset_page_table``)."""
+        return self.pages
 
     def num_unreferenced_pages(self) -> int:
         return sum(1 for p in self.pages if p.ref_count == 0)
@@ -899,13 +1030,12 @@ class _PageTable:
         if self.by_hash.get(page.phash) is page:
             del self.by_hash[page.phash]
         page.phash = h
-        if h[0] == "content":
+        if _is_content_hash(h):
             assert self.by_hash.get(h) in (None, page), "two pages with one content hash"
             self.by_hash[h] = page
 
     def make_unique(self, page: _Page) -> None:
-        self.unique += 1
-        self.set_hash(page, ("unique", page.index, self.unique))
+        self.set_hash(page, _random_hash())
 
     def clear(self, page: _Page) -> None:
         """``CachePage.clear`` (``pagetable.py:178-188``): an unreferenced page loses its content."""
@@ -1298,7 +1428,7 @@ class Job:
         stop_on_loop: tuple[int, int] | None = None,
         rq_state: dict[str, Any] | None = None,
     ) -> None:
-        if token_healing or banned_strings or embeddings or stop_on_loop or return_logits:
+        if token_healing or embeddings or stop_on_loop or return_logits:
             raise NotImplementedError("feature not modelled by the fake")
         ids = _ids_of(input_ids)
         assert len(ids) > 0, "Input IDs cannot be empty."
@@ -1353,6 +1483,9 @@ class Job:
                 else:
                     raise ValueError("Unsupported type in stop_conditions")
         self.stop_string_max_length = max([0] + [len(s) for s in self.stop_strings])
+        # job.py:615-623: lowercased; matched against the lowercased held text.
+        self.banned_strings: list[str] = [s.lower() for s in banned_strings or []]
+        self.checkpoint: dict[str, Any] | None = None
         self.held_text: str = rq.get("held_text", "")
         self.held_tokens: list[int] = list(rq.get("held_tokens", []))
         self.held_probs: list[float] = list(rq.get("held_probs", []))
@@ -1482,6 +1615,11 @@ class Job:
             allowed = bits if allowed is None else allowed & bits
         self.filter_futures.clear()
         self.logit_masks.clear()
+        if self.checkpoint is not None and self.checkpoint["offset"] == 0:
+            # job.py:457-460: the tokens already tried where a banned string began.
+            if allowed is None:
+                allowed = set(range(gen.padded_vocab_size))
+            allowed -= set(self.checkpoint["explored_tokens"])
         if self.new_tokens < self.min_new_tokens and self.stop_tokens:
             if allowed is None:
                 allowed = set(range(gen.padded_vocab_size))
@@ -1634,7 +1772,7 @@ class Job:
         k_tokens: list[int] | None = None,
         k_probs: list[float] | None = None,
     ) -> tuple[bool, bool]:
-        """``job.py:781-1191`` without banned strings, healing or loop detection; ``prob`` and
+        """``job.py:781-1191`` without healing or loop detection; ``prob`` and
         ``k_tokens``/``k_probs`` are what ``receive_logits`` returned (``job.py:764-778``).
         Returns ``(eos, requeue)``."""
         gen = self.generator
@@ -1684,6 +1822,8 @@ class Job:
                     r["eos_triggering_string"] = stop_string
             if requeue_now:
                 r["requeue"] = True
+                if self.checkpoint is not None:
+                    emit_held = True  # job.py:882-884: no rewinding past a requeue
             if emit_held:
                 if emit_eos and "\ufffd" in self.held_text and self.held_tokens:
                     self.held_text = gen.tokenizer.decode(
@@ -1749,6 +1889,7 @@ class Job:
             results.append(r)
             return emit_eos, requeue_now
 
+        held_text_before = self.held_text
         self.held_text += gen.tokenizer.get_id_to_piece_list(self.decode_special_tokens)[token]
         self.held_tokens.append(token)
         # job.py:981-985
@@ -1774,6 +1915,19 @@ class Job:
             if test.endswith("\ufffd") and len(test) <= self.stop_string_max_length + 20:
                 return emit()
             self.held_text = test
+        if requeue_now:
+            self.checkpoint = None  # job.py:1133-1134
+        elif self.banned_strings and self.new_tokens > 0:
+            # job.py:1136-1159
+            found = _partial_strings_match(self.held_text.lower(), self.banned_strings)
+            if found == -1:
+                self.checkpoint = None
+            else:
+                self._set_checkpoint(held_text_before, token)
+                if found >= 0:
+                    self._rewind_checkpoint()
+                    return emit(emit_held=True)
+                return emit()
         if self.stop_strings:
             match = _partial_strings_match(self.held_text, sorted(self.stop_strings))
             if match >= 0:
@@ -1792,6 +1946,55 @@ class Job:
             if match == -2:
                 return emit()
         return emit(emit_held=True)
+
+    def _set_checkpoint(self, held_text_before: str, token: int) -> None:
+        """``set_checkpoint`` (``job.py:1023-1042``): where a possible banned string began."""
+        cp = self.checkpoint
+        if cp is None:
+            self.checkpoint = {
+                "offset": 1,
+                "held_text": held_text_before,
+                "held_tokens": self.held_tokens[:-1],
+                "held_probs": self.held_probs[:-1],
+                "held_k_tokens": self.held_k_tokens[:-1],
+                "held_k_probs": self.held_k_probs[:-1],
+                "explored_tokens": [token],
+            }
+        else:
+            cp["offset"] += 1
+            if cp["offset"] == 1:
+                cp["explored_tokens"].append(token)
+
+    def _rewind_checkpoint(self) -> None:
+        """``rewind_checkpoint`` (``job.py:1044-1128``) for an attention cache: the
+        ``offset`` tokens since the checkpoint leave the sequence, its pages and the
+        filters; the held buffers go back to the checkpoint's, which stays (offset 0,
+        buffers empty) so that a second failure bans one more token there. A rewind
+        into a page that was already hashed is not modelled (1.6.5 defers hashing
+        while a checkpoint holds tokens, ``job.py:828-833``)."""
+        cp = self.checkpoint
+        assert cp is not None
+        offset = cp["offset"]
+        self.new_tokens -= offset
+        if self.filters:
+            raise NotImplementedError("a banned-string rewind through filters is not modelled")
+        for _ in range(offset):
+            self.kv_position -= 1
+            page = self.allocated_pages[self.kv_position // PAGE_SIZE]
+            if page.content_hashed or not page.tokens:
+                raise NotImplementedError("a banned-string rewind across a hashed page is not modelled")
+            page.tokens.pop()
+            page.kv_position -= 1
+            self.sequence_ids.pop()
+        self.held_text = cp["held_text"]
+        self.held_tokens = list(cp["held_tokens"])
+        self.held_probs = list(cp["held_probs"])
+        self.held_k_tokens = list(cp["held_k_tokens"])
+        self.held_k_probs = list(cp["held_k_probs"])
+        cp["offset"] = 0
+        cp["held_text"] = ""
+        for k in ("held_tokens", "held_probs", "held_k_tokens", "held_k_probs"):
+            cp[k] = []
 
     def prepare_for_requeue(self) -> Job:
         """``job.py:1194-1261``: the same object, re-initialised with its sequence as the prompt."""
@@ -1829,6 +2032,7 @@ class Job:
             return_probs=self.return_probs,
             filters=self.filters,
             identifier=self.identifier,
+            banned_strings=self.banned_strings,  # job.py:1253
             max_rq_tokens=self.orig_max_rq_tokens,
             rq_state=rq_state,
         )
@@ -2081,6 +2285,9 @@ class Generator:
         allowed = job.logit_mask
         candidates = []
         bias = job.sampler.settings.get("logit_bias") or {}
+        # A bias of -inf is a ban: LogitBias keeps it (sampler/custom.py:600-609) and the
+        # token's probability is 0 whatever the model prefers.
+        banned = {t for t, b in bias.items() if b == -math.inf}
         if bias:
             top = max(bias, key=lambda t: bias[t])
             if bias[top] >= DOMINANT_BIAS:
@@ -2089,10 +2296,10 @@ class Generator:
         if job.new_tokens < job.min_new_tokens and choice in job.stop_tokens:
             candidates.append(0x20)
         for token in candidates:
-            if allowed is None or token in allowed:
+            if (allowed is None or token in allowed) and token not in banned:
                 return token, choice
-        assert allowed is not None
-        in_vocab = sorted(t for t in allowed if t < VOCAB_SIZE)
+        pool = allowed if allowed is not None else range(VOCAB_SIZE)
+        in_vocab = sorted(t for t in pool if t < VOCAB_SIZE and t not in banned)
         # Everything masked: the sampler's argmax over -inf picks id 0.
         return (in_vocab[0] if in_vocab else 0), choice
 
@@ -2261,6 +2468,7 @@ def make_handle(
         generator=gen,
         new_job=Job,
         new_sampler=ComboSampler,
+        new_xtc_sampler=functools.partial(xtc_sampler, sys.modules[__name__], tok),
         encode=encode,
         encode_chat=encode_chat,
         decode=decode,

@@ -51,6 +51,10 @@ class RecordingGenerator:
         return list(self.inner.pending_jobs)
 
     @property
+    def pagetable(self) -> Any:
+        return self.inner.pagetable
+
+    @property
     def results(self) -> list[dict[str, Any]]:
         return [r for b in self.batches for r in b]
 

@@ -35,6 +35,7 @@ from proxy.dialects.openai.shapes import (
     Timings,
     usage_of,
 )
+from proxy.dialects.tabby import ROUTES as TABBY_ROUTES
 from proxy.errors import OPENAI_ERRORS, InvalidRequest
 from proxy.server import sse
 from proxy.server.bodies import encode
@@ -155,5 +156,6 @@ COMPLETIONS = Dialect(
     id_prefix="cmpl-",
     errors=OPENAI_ERRORS,
     parse=lambda body: CompletionJob(parse_completion_request(body)),
+    extra_routes=TABBY_ROUTES,
 )
-"""``POST /v1/completions``."""
+"""``POST /v1/completions``, and TabbyAPI's read routes beside it (``proxy.dialects.tabby``)."""

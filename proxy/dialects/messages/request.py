@@ -32,7 +32,8 @@ not checked (it is no secret here: the client may send any history).
 What changes nothing here (
 ``context_management``, ``cache_control``, ``metadata``, ``service_tier``) is
 accepted; what would change the answer and cannot be honoured (images,
-documents, server tools, MCP servers) is a 400 naming it.
+documents, server tools, MCP servers) is a 400 naming it. Claude Code's billing
+line at the start of ``system`` never reaches the prompt (``claude_code``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from proxy.core.fields import (
     tool_config,
 )
 from proxy.core.task import ChatTask, JsonOutput, Sampling
+from proxy.dialects.messages.claude_code import without_billing_header
 from proxy.errors import FieldNames, InvalidRequest
 from proxy.tools import FunctionCall, HistoryMessage, ToolCall, ToolChoiceIn, ToolIn
 
@@ -221,6 +223,7 @@ def history(system: object, messages: list[MessageIn]) -> tuple[HistoryMessage, 
     """``system`` and ``messages`` as chat turns (module docstring). Raises
     ``InvalidRequest`` naming ``messages[i].content[j]``."""
     turns: list[HistoryMessage] = []
+    system = without_billing_header(system)
     if system:
         turns.append(HistoryMessage(role="system", content=_text_blocks(system, "system")))
     for i, m in enumerate(messages):

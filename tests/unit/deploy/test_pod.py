@@ -50,8 +50,13 @@ Objs = list[Obj]
 
 # None today: the worker image carries ExLlamaV3's extension precompiled, so it no
 # longer needs TORCH_EXTENSIONS_DIR (a library variable) pointed at a writable place.
-THIRD_PARTY_ENV: dict[str, str] = {}
-"""Variables read by a library rather than by our options, and the container allowed to set them."""
+THIRD_PARTY_ENV: dict[str, str] = {
+    # The downward API's pod IP: the default KV-event topic's pod (engine_worker.kv_events.default_topic),
+    # and $(POD_IP) in an explicit EXL3_SIDECAR_KV_EVENTS_TOPIC.
+    "POD_IP": "worker",
+}
+"""Variables not read by our options (by a library, or the kv_events topic's default), and the
+container allowed to set them."""
 
 WORKER_STOP_S = 5
 """Room in the grace period for the worker to stop after its SIGTERM (it finishes

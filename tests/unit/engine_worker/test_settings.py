@@ -64,6 +64,15 @@ def test_ngram_match_max_follows_min_unless_given() -> None:
         (["--draft-mode", "mtp"], "draft_mode=mtp needs backend=exllamav3"),
         (["--backend", "exllamav3"], "model_dir"),
         (["--backend", "exllamav3", "--model-dir", "/m", "--chunk-size", "300"], "chunk_size=300"),
+        (["--kv-events-topic", "kv@p@m"], "kv_events_topic needs kv_events_endpoint"),
+        (
+            ["--kv-events-replay-endpoint", "tcp://*:5558"],
+            "kv_events_replay_endpoint needs kv_events_endpoint",
+        ),
+        (
+            ["--backend", "synthetic", "--kv-events-endpoint", "tcp://*:5557"],
+            "synthetic engine has no prefix",
+        ),
         (["--no-such-option"], "No such option"),
     ],
 )

@@ -44,7 +44,19 @@ async def test_missing_or_wrong_key_is_401(
     make_client: MakeClient, fake: FakeEngineClient, headers: dict[str, str]
 ) -> None:
     client = await make_client(api_key=KEYS)
-    for method, path in (("GET", "/v1/models"), ("POST", URL), ("GET", "/v1/nope")):
+    paths = (
+        ("GET", "/v1/models"),
+        ("POST", URL),
+        ("GET", "/v1/nope"),
+        # TabbyAPI's and llama.cpp's routes (proxy.dialects.tabby), admin ones included
+        ("GET", "/v1/model"),
+        ("GET", "/v1/model/list"),
+        ("POST", "/v1/token/encode"),
+        ("GET", "/v1/auth/permission"),
+        ("GET", "/props"),
+        ("POST", "/v1/model/load"),
+    )
+    for method, path in paths:
         r = await client.request(method, path, json=body(), headers=headers)
         assert r.status == 401, path
         assert r.headers["WWW-Authenticate"] == "Bearer"
@@ -67,6 +79,7 @@ async def test_a_configured_key_opens_v1(make_client: MakeClient, headers: dict[
     client = await make_client(api_key=KEYS)
     assert (await client.get("/v1/models", headers=headers)).status == 200
     assert (await client.post(URL, json=body(), headers=headers)).status == 200
+    assert await (await client.get("/v1/auth/permission", headers=headers)).json() == {"permission": "api"}
 
 
 async def test_probes_stay_open(make_client: MakeClient) -> None:

@@ -21,7 +21,7 @@ from tests.unit.proxy.conftest import MakeClient
 
 COUNTERS = (
     "prompt_tokens", "prompt_tokens_cached", "generation_tokens",
-    "draft_tokens_accepted", "draft_tokens_rejected",
+    "draft_tokens_accepted", "draft_tokens_rejected", "kv_events_dropped",
 )  # fmt: skip
 HISTOGRAMS = (
     "time_to_first_token_seconds", "inter_token_latency_seconds", "request_duration_seconds",
@@ -179,6 +179,17 @@ async def test_gauges_follow_the_heartbeat_and_the_worker(
     snap = await scrape(client)
     assert value(snap, "worker_up") == 0
     assert value(snap, "requests_waiting") == 0
+
+
+async def test_kv_event_drops_come_from_the_heartbeat(
+    make_client: MakeClient, fake: FakeEngineClient
+) -> None:
+    client = await make_client()
+    assert value(await scrape(client), "kv_events_dropped_total") == 0
+    fake.kv_events_dropped = 7
+    assert value(await scrape(client), "kv_events_dropped_total") == 7
+    fake.is_ready = False  # no worker: nothing dropped that this pod knows of
+    assert value(await scrape(client), "kv_events_dropped_total") == 0
 
 
 async def test_running_counts_requests_and_sequences_apart(

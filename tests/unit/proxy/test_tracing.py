@@ -68,7 +68,9 @@ async def test_one_request_is_one_span_with_three_children(
     )
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}
     resp = await traced.post(
-        "/v1/chat/completions", json=body, headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"}
+        "/v1/chat/completions",
+        json=body,
+        headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01", "X-Request-Id": "gw-42"},
     )
     assert resp.status == 200
     answer = await resp.json()
@@ -82,6 +84,7 @@ async def test_one_request_is_one_span_with_three_children(
     attrs = dict(root.attributes or {})
     usage = answer["usage"]
     assert attrs["gen_ai.response.id"] == answer["id"]
+    assert attrs["exl3_sidecar.correlation_id"] == resp.headers["X-Request-Id"] == "gw-42"
     assert attrs["gen_ai.operation.name"] == "chat"
     assert attrs["gen_ai.response.model"] == "served"
     assert attrs["gen_ai.usage.input_tokens"] == usage["prompt_tokens"] == 40
@@ -116,6 +119,11 @@ async def test_a_request_without_a_traceparent_starts_a_trace(
     assert (await traced.post("/v1/completions", json=body)).status == 200
     root = spans_by_name(exporter)["text_completion served"]
     assert root.parent is None
+    # No X-Request-Id: the trace is tied to the response's id.
+    assert (
+        dict(root.attributes or {})["exl3_sidecar.correlation_id"]
+        == dict(root.attributes or {})["gen_ai.response.id"]
+    )
     assert dict(root.attributes or {})["exl3_sidecar.dialect"] == "completions"
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 
-from protocol.messages import ChatMessage, SamplingParams, Submit
+from protocol.messages import ChatMessage, PromptPiece, SamplingParams, Submit
 
 # The message of issue 19: three markers; the same with each marker altered by one
 # character; and without them.
@@ -110,3 +111,18 @@ def test_raw_prompts_keep_their_control_tokens(backend: Any, tokenizer: Any) -> 
     prompt = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     prepared = backend.prepare(Submit("r", SamplingParams(max_tokens=4), prompt=prompt))
     assert [i for i in prepared.prompt.ids if i in _specials(tokenizer)] == [1, 2, 1]
+
+
+def test_the_forced_prefix_follows_the_template(backend: Any, tokenizer: Any) -> None:
+    """``Submit.forced_prefix`` (a named tool call's opening) comes after the
+    generation prompt: a marked piece that is a control token is its one id, every
+    other piece text tokenized with special-token parsing off."""
+    base = _chat(("user", "Weather?"))
+    text = '<tool_call>\n{"name": "get_weather", "arguments": <|im_start|>'
+    prefix = (PromptPiece("<|im_end|>", True), PromptPiece("<tool_call>", True), PromptPiece(text[11:]))
+    ids = backend.prepare(msgspec.structs.replace(base, forced_prefix=prefix)).prompt.ids
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    as_text = tokenizer(["<tool_call>", text[11:]], add_special_tokens=False, split_special_tokens=True)
+    plain = _ids(backend, ("user", "Weather?"))
+    assert ids == [*plain, im_end, *as_text["input_ids"][0], *as_text["input_ids"][1]]
+    assert ids.count(im_end) == plain.count(im_end) + 1

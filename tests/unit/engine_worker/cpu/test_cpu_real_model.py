@@ -173,3 +173,25 @@ def test_logprobs_line_up_with_the_text(real_model, make_backend, run_one) -> No
             assert [t.logprob for t in e.top] == sorted((t.logprob for t in e.top), reverse=True)
             assert e.top[0].token_bytes == e.token_bytes  # greedy: the most likely token
             assert e.top[0].logprob == e.logprob
+
+
+def test_issue_28_fields_on_the_real_model(real_model, make_backend, run_one) -> None:
+    """The fields issue 28 found ignored, on the embedded model as the README serves
+    it: ``banned_strings: ["Paris"]`` at temperature 0 never writes Paris (any case);
+    XTC at probability 1 changes a seeded sample; ``banned_tokens`` of the greedy
+    answer's tokens keep them out."""
+    backend = make_backend(real_model)
+    question = "What is the capital of France? Answer in one sentence."
+    greedy = run_one(backend, chat("a", question, temperature=0.0, max_tokens=24))
+    assert "paris" in greedy.text.lower()
+    banned = run_one(backend, chat("b", question, temperature=0.0, max_tokens=24, banned_strings=("Paris",)))
+    assert "paris" not in banned.text.lower() and banned.text
+    seeded = {"temperature": 0.7, "seed": 1, "max_tokens": 16}
+    plain = run_one(backend, chat("c", question, **seeded))
+    xtc = run_one(backend, chat("d", question, **seeded, xtc_probability=1.0, xtc_threshold=0.01))
+    assert xtc.text != plain.text
+    # Greedy, the model repeats "LALA" after a blank line; DRY charges the token that extends it.
+    la = "Write the word 'la' ten times, separated by spaces."
+    dry = run_one(backend, chat("e", la, max_tokens=10))
+    dried = run_one(backend, chat("f", la, max_tokens=10, dry_multiplier=2.0, dry_allowed_length=1))
+    assert dried.text != dry.text

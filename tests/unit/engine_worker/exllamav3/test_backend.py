@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from engine_worker.admission import checked_prepare
@@ -496,10 +497,117 @@ def test_sampling_parameters_reach_the_sampler_and_job() -> None:
         "top_k": 40,
         "top_p": 0.9,
         "logit_bias": {65: -100.0, 66: 2.5},
+        "rep_sustain_range": int(10e7),  # ComboSampler's default: the whole context
+        "rep_decay_range": 0,
+        "temp_last": False,
+        "dry_multiplier": 0.0,  # off
+        "dry_base": 1.75,
+        "dry_allowed_length": 2,
+        "dry_range": 0,
+        "dry_sequence_breakers": None,
     }
     assert (job.seed, job.max_new_tokens, job.min_new_tokens, job.identifier) == (1234, 7, 2, "a")
     assert job.stop_strings == {"STOP"}
     assert job.stop_tokens == {fx.EOS, fx.IM_END, ord("q")}
+
+
+def test_local_llm_fields_reach_combo_sampler() -> None:
+    """penalty_range/repetition_decay/temperature_last are ComboSampler's
+    rep_sustain_range/rep_decay_range/temp_last; banned tokens (and EOS with
+    ban_eos_token) are -inf biases; skip_special_tokens is decode_special_tokens=False."""
+    backend, rec = make_backend()
+    params = SamplingParams(
+        max_tokens=5,
+        temperature=0.7,
+        penalty_range=64,
+        repetition_decay=16,
+        temperature_last=True,
+        banned_tokens=(ord("b"), ord("c")),
+        ban_eos_token=True,
+        logit_bias={ord("b"): 3.0, ord("d"): 1.0},
+        skip_special_tokens=True,
+    )
+    add(backend, Submit("a", params, prompt="hi"))
+    job = rec.inner.pending_jobs[0]
+    s = job.sampler.settings
+    assert (s["rep_sustain_range"], s["rep_decay_range"], s["temp_last"]) == (64, 16, True)
+    ninf = float("-inf")
+    assert s["logit_bias"] == {ord("b"): ninf, ord("c"): ninf, ord("d"): 1.0, fx.EOS: ninf, fx.IM_END: ninf}
+    assert job.decode_special_tokens is False
+
+
+def test_banned_tokens_are_never_sampled_by_the_fake() -> None:
+    """The fake generator honours a -inf bias as LogitBias does: the script's choice
+    when banned falls to the lowest allowed id that is not banned."""
+    backend, _ = make_backend(script=fx.reply("abab"))
+    add(backend, raw("a", "x", max_tokens=4))
+    add(backend, raw("b", "x", max_tokens=4, banned_tokens=(ord("a"),)))
+    events = run(backend)
+    assert text_of(events, "a") == "abab"
+    assert "a" not in text_of(events, "b") and text_of(events, "b").count("b") == 2
+
+
+def test_ban_eos_token_runs_to_max_tokens() -> None:
+    backend, _ = make_backend(script=fx.reply("ab"))
+    add(backend, raw("a", "x", max_tokens=5, ban_eos_token=True))
+    events = run(backend)
+    fin = finished(events, "a")
+    assert fin.finish_reason is FinishReason.LENGTH and fin.completion_tokens == 5
+
+
+def test_xtc_builds_combo_stack_with_xtc_before_sample() -> None:
+    backend, rec = make_backend()
+    params = SamplingParams(
+        max_tokens=5, temperature=0.8, top_k=20, xtc_probability=0.5, xtc_threshold=0.1, temperature_last=True
+    )
+    add(backend, Submit("a", params, prompt="hi"))
+    job = rec.inner.pending_jobs[0]
+    assert isinstance(job.sampler, fx.CustomSampler)
+    names = [type(step).__name__ for step in job.sampler.steps]
+    assert names == [
+        "SS_LogitBias",
+        "SS_RepP",
+        "SS_PresFreqP",
+        "SS_DRY",
+        "SS_Temperature",
+        "SS_MinP",
+        "SS_TopK",
+        "SS_TopP",
+        "SS_Temperature",
+        "SS_XTC",
+        "SS_Sample",
+    ]
+    temps = [step.args[0] for step in job.sampler.steps if isinstance(step, fx.SS_Temperature)]
+    assert temps == [1.0, 0.8]  # temperature last
+    xtc = job.sampler.steps[9]
+    assert xtc.args == (0.5, 0.1) and xtc.kwargs["tokenizer"] is not None
+    # Greedy: the stack is an argmax, on which XTC does nothing; ComboSampler stays.
+    add(backend, Submit("b", SamplingParams(max_tokens=5, temperature=0.0, xtc_probability=1.0), prompt="hi"))
+    assert isinstance(rec.inner.pending_jobs[1].sampler, fx.ComboSampler)
+
+
+def test_banned_strings_reach_the_job_and_never_appear() -> None:
+    """Job's banned strings (job.py:1136-1159) as the fake models them: "Paris" is held
+    while it may be forming, rewound when complete, and its first token banned there."""
+    backend, rec = make_backend(script=fx.reply("Paris is big"))
+    add(backend, raw("a", "x", max_tokens=12))
+    add(backend, raw("b", "x", max_tokens=12, banned_strings=("PARIS",)))
+    jobs = rec.inner.pending_jobs
+    assert jobs[1].banned_strings == ["paris"]
+    events = run(backend)
+    assert text_of(events, "a") == "Paris is big"
+    text = text_of(events, "b")
+    assert "paris" not in text.lower() and text, text
+    fin = finished(events, "b")
+    assert sum(e.num_tokens for e in of(events, "b") if isinstance(e, TokenDelta)) == fin.completion_tokens
+
+
+def test_add_bos_per_request_overrides_the_setting() -> None:
+    backend, rec = make_backend()
+    add(backend, Submit("a", SamplingParams(max_tokens=4), prompt="hello", add_bos=False))
+    add(backend, Submit("b", SamplingParams(max_tokens=4), prompt="hello", add_bos=True))
+    a, b = rec.inner.pending_jobs
+    assert a.input_ids == [*b"hello"] and b.input_ids == [fx.BOS, *b"hello"]
 
 
 def test_chat_messages_use_the_model_template() -> None:
@@ -895,3 +1003,26 @@ def test_a_requeued_segment_that_finds_no_pages_waits_in_the_engine_and_is_count
     for rid, n in (("a", 1500), ("b", 1500)):
         check_lifecycle(events, rid)
         assert text_of(events, rid) == reply[:n]
+
+
+def test_dry_reaches_combo_sampler_and_the_xtc_stack() -> None:
+    backend, rec = make_backend()
+    params = SamplingParams(
+        max_tokens=4, temperature=0.8, dry_multiplier=0.8, dry_range=-1, dry_sequence_breakers=("\n", "b")
+    )
+    add(backend, Submit("a", params, prompt="hi"))
+    s = rec.inner.pending_jobs[0].sampler.settings
+    pieces = fx.Tokenizer().get_id_to_piece_list(True)
+    expected = frozenset(t for t, piece in enumerate(pieces) if "\n" in piece or "b" in piece)
+    assert (s["dry_multiplier"], s["dry_base"], s["dry_allowed_length"], s["dry_range"]) == (0.8, 1.75, 2, 0)
+    assert s["dry_sequence_breakers"] == expected and ord("b") in expected
+    # Absent breakers: None, ExLlamaV3's default set from the tokenizer.
+    add(
+        backend,
+        Submit(
+            "b", msgspec.structs.replace(params, dry_sequence_breakers=None, xtc_probability=0.5), prompt="hi"
+        ),
+    )
+    stack = rec.inner.pending_jobs[1].sampler.steps
+    dry = next(step for step in stack if isinstance(step, fx.SS_DRY))
+    assert dry.args == (0.8, 1.75, 2, 0, None)

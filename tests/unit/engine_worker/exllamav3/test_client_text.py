@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 
-from protocol.messages import ChatMessage, SamplingParams, Submit
+import msgspec
+
+from protocol.messages import ChatMessage, PromptPiece, SamplingParams, Submit
 from tests.fakes import exllamav3 as fx
 from tests.fakes.exllamav3_driver import make_backend
 
@@ -80,3 +82,17 @@ def test_raw_prompts_keep_their_control_tokens() -> None:
     prompt = "<|im_start|>user\nHi<|im_end|>\n"
     ids = _ids(Submit("r", SamplingParams(max_tokens=4), prompt=prompt))
     assert [i for i in ids if i in CONTROL] == [fx.BOS, fx.IM_START, fx.IM_END]
+
+
+def test_the_forced_prefix_follows_the_template_its_markers_control_tokens_only() -> None:
+    """``Submit.forced_prefix`` (a named tool call's opening) is tokenized after the
+    generation prompt: a piece marked control is its one token where the tokenizer
+    has it, else text; any other piece is text even when it spells a control token."""
+    base = _chat(ChatMessage("user", "hi"))
+    prefix = (
+        PromptPiece("<|im_end|>", True),  # a control token of the fake's vocabulary
+        PromptPiece("[TOOL_CALLS]", True),  # marked, but no control token here: text
+        PromptPiece('x<|im_start|>{"name": '),
+    )
+    ids = _ids(msgspec.structs.replace(base, forced_prefix=prefix))
+    assert ids == [*_ids(base), fx.IM_END, *b"[TOOL_CALLS]", *b'x<|im_start|>{"name": ']

@@ -16,6 +16,8 @@ from proxy.tools.grammar import (
     WHITESPACE_RUN,
     call_schema,
     json_rule_schema,
+    named_call_grammar,
+    named_call_prefix,
     strict_schema,
     tool_call_grammar,
     tools_or_answer_grammar,
@@ -341,3 +343,66 @@ def test_tools_or_answer(fmt: ToolCallFormat, accepts: Any) -> None:
     assert parse_output(fmt, cfg, answer_text) == ParsedOutput(answer_text, [])
     with pytest.raises(ValueError, match="allows no call"):
         tools_or_answer_grammar(fmt, config("none"), answer, "response_format")
+
+
+NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_named_call_prefix_pieces() -> None:
+    cfg = config(NAMED_WEATHER)
+    head = '{"name": "get_weather", "arguments": '
+    assert [(p.text, p.control) for p in named_call_prefix(HERMES, cfg)] == [
+        ("<tool_call>", True),
+        ("\n", False),
+        (head, False),
+    ]
+    assert [(p.text, p.control) for p in named_call_prefix(MISTRAL, cfg)] == [
+        ("[TOOL_CALLS]", True),
+        ("[", False),
+        (head, False),
+    ]
+    assert [(p.text, p.control) for p in named_call_prefix(LLAMA3_JSON, cfg)] == [
+        ('{"name": "get_weather", "parameters": ', False)
+    ]
+    with pytest.raises(ValueError, match="names no function"):
+        named_call_prefix(HERMES, config("required"))
+    with pytest.raises(ValueError, match="names no function"):
+        named_call_grammar(HERMES, config("required"))
+
+
+def test_named_hermes_rest_grammar_text() -> None:
+    grammar = named_call_grammar(HERMES, config(NAMED_WEATHER))
+    args = json_rule_schema(WEATHER_PARAMS, strict=True, lenient=True)
+    assert grammar == (
+        'start: args "}" "\\n" "</tool_call>"\n'
+        "// tools[0].function.parameters\n"
+        f"args: %json {json.dumps(args, separators=(',', ':'))}\n"
+    )
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON, MISTRAL])
+def test_named_call_prefix_and_rest_are_the_whole_call(fmt: ToolCallFormat, accepts: Any) -> None:
+    """The server's prefix + what the grammar allows is the call as the format
+    writes it; the primed parser reads the rest as that call, whole or cut."""
+    cfg = config(NAMED_WEATHER)
+    primer = "".join(p.text for p in named_call_prefix(fmt, cfg))
+    whole = fmt.render_calls([WEATHER])
+    assert whole.startswith(primer)
+    rest = whole[len(primer) :]
+    grammar = named_call_grammar(fmt, cfg)
+    assert accepts(grammar, rest), rest
+    assert not accepts(grammar, whole)  # the model never writes the name again
+    assert not accepts(grammar, rest.replace('"Paris"', "1"))  # city is a string
+    parsed = parse_output(fmt, cfg, rest, primer=primer)
+    assert parsed.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in parsed.tool_calls] == [
+        ("get_weather", {"city": "Paris", "unit": "c"})
+    ]
+    cut = parse_output(fmt, cfg, '{"city": "Par', primer=primer, cut=True)
+    assert cut.content is None
+    assert [(c.function.name, c.function.arguments) for c in cut.tool_calls] == [
+        ("get_weather", '{"city": "Par')
+    ]
+    # Cut before a single argument token: still the call, arguments not begun.
+    empty = parse_output(fmt, cfg, "", primer=primer, cut=True)
+    assert [(c.function.name, c.function.arguments) for c in empty.tool_calls] == [("get_weather", "")]

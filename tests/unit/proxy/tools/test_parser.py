@@ -500,3 +500,19 @@ def test_a_cut_call_is_still_a_call(
 def test_an_uncut_open_block_stays_content(auto: ToolConfig) -> None:
     # The model stopped by itself inside a block: malformed output, its text verbatim.
     assert parse_output(HERMES, auto, HERMES_CUT).content == HERMES_CUT
+
+
+def test_a_primer_must_open_a_call() -> None:
+    cfg = config({"type": "function", "function": {"name": "get_weather"}})
+    with pytest.raises(ValueError, match="does not open a call"):
+        ToolCallParser(HERMES, cfg, primer="Sure: ")
+    # Primed and fed in any split: the same call as the whole output.
+    primer = '<tool_call>\n{"name": "get_weather", "arguments": '
+    rest = '{"city": "Oslo"}}\n</tool_call>'
+    for k in range(len(rest) + 1):
+        parser = ToolCallParser(HERMES, cfg, primer=primer, new_id=lambda: "call_1")
+        events = parser.feed(rest[:k]) + parser.feed(rest[k:]) + parser.finish().events
+        assert not [e for e in events if isinstance(e, ContentDelta)]
+        assert [(c.function.name, c.function.arguments) for c in parser.tool_calls] == [
+            ("get_weather", '{"city":"Oslo"}')
+        ]
