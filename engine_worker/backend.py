@@ -57,6 +57,8 @@ class ModelInfo:
       a prompt that does not fit.
     - ``banned_strings``: the backend honours ``SamplingParams.banned_strings``
       (``engine_worker.admission`` refuses them otherwise).
+    - ``reasoning_parser``: the family whose thinking the backend splits from the
+      answer (``engine_worker.reasoning``), ``Ready.reasoning_parser``.
     """
 
     model_id: str
@@ -76,6 +78,7 @@ class ModelInfo:
     logit_bias_ban: bool = False
     context_settings: str = "setting: max_seq_len"
     banned_strings: bool = False
+    reasoning_parser: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -208,6 +208,7 @@ class EngineLoop:
             kv_cache_tokens=min(info.kv_cache_tokens, 2**62),
             chat_template=info.chat_template,
             kv_block_tokens=info.kv_block_tokens,
+            reasoning_parser=info.reasoning_parser,
         )
 
     def run(self, stop: threading.Event) -> None:

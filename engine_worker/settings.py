@@ -28,6 +28,8 @@ from protocol.settings import setting
 BackendName = Literal["cpu", "exllamav3", "synthetic"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 QuantizationName = Literal["int4", "int8", "none"]
+ReasoningParserName = Literal["auto", "none", "deepseek_r1", "qwen3", "gpt_oss", "mistral"]
+"""``engine_worker.reasoning.ParserName``, written here so settings import nothing heavy."""
 
 
 class DraftMode(enum.StrEnum):
@@ -256,6 +258,20 @@ class WorkerSettings(LinkSettings):
     )
     engine_fault_window: float = setting(
         600.0, "[exllamav3] Seconds over which --max-engine-faults are counted.", gt=0
+    )
+
+    reasoning_parser: ReasoningParserName = setting(
+        "auto",
+        "How the model's thinking is told apart from its answer (vLLM's --reasoning-parser names): "
+        "auto (from the chat template: a template that writes a <think>, [THINK] or Harmony analysis "
+        "span whose markers are single tokens), none, deepseek_r1, qwen3, gpt_oss, mistral.",
+    )
+    reasoning_budget: int | None = setting(
+        None,
+        "Most tokens a reasoning model may think per request when the request sets no budget "
+        "(thinking_budget_tokens); then the end of the span is written for it. 0: no thinking. "
+        "Default: no limit.",
+        ge=0,
     )
 
     # synthetic engine

@@ -4,6 +4,7 @@ from protocol.codec import decode_proxy_message, decode_worker_message, encode
 from protocol.errors import ProtocolError, VersionMismatch
 from protocol.messages import (
     Abort,
+    Channel,
     ChatMessage,
     Detokenize,
     Detokenized,
@@ -37,6 +38,7 @@ from protocol.version import PROTOCOL_VERSION
 __all__ = [
     "PROTOCOL_VERSION",
     "Abort",
+    "Channel",
     "ChatMessage",
     "Detokenize",
     "Detokenized",

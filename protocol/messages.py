@@ -36,6 +36,15 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens reached, or the context is full
 
 
+class Channel(enum.StrEnum):
+    """Which part of a reasoning model's output a token belongs to: its thinking
+    (``reasoning``) or its answer (``content``). Models without a reasoning parser
+    write only ``content``."""
+
+    CONTENT = "content"
+    REASONING = "reasoning"
+
+
 class ErrorCode(enum.StrEnum):
     """Error kinds a worker reports; the proxy maps each to an HTTP status."""
 
@@ -68,6 +77,11 @@ class ChatMessage(msgspec.Struct, array_like=True, frozen=True):
     tool_calls_json: str | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning: str | None = None
+    """An assistant turn's thinking sent back by the client (``reasoning_content``,
+    Responses reasoning items, Anthropic thinking blocks): the worker gives it to
+    the template as the turn's ``reasoning_content`` (Qwen3, DeepSeek) and
+    ``thinking`` (GPT-OSS), which renders or drops it; never as content."""
 
 
 MAX_STOP_STRINGS = 64
@@ -157,6 +171,15 @@ class SamplingParams(msgspec.Struct, array_like=True, frozen=True):
     dry_range: int = 0
     dry_sequence_breakers: tuple[str, ...] | None = None
 
+    reasoning_budget: int | None = None
+    """Most tokens the model may think before it answers (``Channel.REASONING``,
+    the span's markers included), ``None`` for no limit but the worker's default
+    (``--reasoning-budget``). Once spent, the worker writes the end of the span
+    itself and the model answers; ``0``: no thinking (a span the prompt opens is
+    closed in the prompt, a template that can switch thinking off is switched
+    off). The ``grammar`` applies to the answer after the span, never to the
+    thinking. Ignored by a worker without a reasoning parser."""
+
 
 class PromptPiece(msgspec.Struct, array_like=True, frozen=True):
     """A run of text the proxy writes after the chat template (``Submit.forced_prefix``).
@@ -213,6 +236,11 @@ class Submit(_Msg, frozen=True, tag="submit"):
     """Whether ``prompt`` starts with the model's BOS token (TabbyAPI's ``add_bos_token``);
     ``None``: the engine's own choice. With ``messages`` the chat template places BOS and
     the worker refuses any other value (``param`` ``add_bos_token``)."""
+    template_kwargs_json: str | None = None
+    """Extra variables for the chat template, a JSON object (vLLM's and
+    llama.cpp's ``chat_template_kwargs``: ``enable_thinking``, and
+    ``reasoning_effort`` where the request set one); ``None`` for none. Values
+    are client text, escaped as such (``engine_worker.client_text``)."""
 
 
 def choice_ids(request_id: str, n: int) -> list[str]:
@@ -293,6 +321,10 @@ class Ready(_Msg, frozen=True, tag="ready"):
     (ExLlamaV3: its 256-token pages; the CPU engine: its prompt chunk), 0 when
     unknown. The proxy publishes it with ``kv_cache_tokens`` for routers that
     model prefix reuse per block (the Inference Extension's prefix scorer)."""
+    reasoning_parser: str | None = None
+    """The reasoning parser the worker splits output with (``deepseek_r1``,
+    ``qwen3``, ``gpt_oss``, ``mistral``), ``None`` for none: then every delta
+    is ``content``."""
 
 
 class Loading(_Msg, frozen=True, tag="loading"):
@@ -417,6 +449,10 @@ class TokenDelta(_Msg, frozen=True, tag="delta"):
     text: str
     num_tokens: int
     logprobs: tuple[TokenLogprob, ...] | None = None
+    channel: Channel = Channel.CONTENT
+    """Thinking or answer: a reasoning model's deltas are one channel each (the
+    worker splits on the span's marker tokens, which no delta shows); ``logprobs``
+    come with ``content`` deltas only."""
 
 
 class Finished(_Msg, frozen=True, tag="finished"):
@@ -439,6 +475,9 @@ class Finished(_Msg, frozen=True, tag="finished"):
     time_queued: float = 0.0
     time_prefill: float = 0.0
     time_decode: float = 0.0
+    reasoning_tokens: int = 0
+    """Of ``completion_tokens``, those the model spent thinking
+    (``Channel.REASONING``, the span's markers included)."""
 
 
 class RequestError(_Msg, frozen=True, tag="error"):

@@ -77,9 +77,12 @@ from engine_worker.cpu.prefix_cache import PrefixCache
 from engine_worker.cpu.sampling import Scored, TokenSampler
 from engine_worker.kv_events import MEDIUM_CPU, BatchSink, KvEvents
 from engine_worker.load_stages import LoadReporter, Stage
+from engine_worker.reasoning import Plan, Splitter, choose, template_kwargs
+from engine_worker.reasoning.base import VocabFromHF
 from engine_worker.settings import DraftMode, WorkerSettings
 from engine_worker.stops import StopMatcher
 from protocol.messages import (
+    Channel,
     ErrorCode,
     Event,
     Finished,
@@ -113,6 +116,7 @@ class _Prompt:
     ids: list[int]
     grammar: str | None = None
     matcher: LLMatcher | None = None
+    reasoning: Plan | None = None  # with a reasoning parser: the request's plan (engine_worker.reasoning)
 
 
 @dataclass(eq=False)
@@ -136,6 +140,11 @@ class _Request:
     trail: LogprobTrail | None = None  # when the request asked for logprobs
     banned: BannedStrings | None = None  # when the request has banned strings
     rewound: bool = False  # a banned string rewound it during this step's token
+    splitter: Splitter | None = None  # thinking vs answer, with a reasoning parser
+    thinker: IncrementalDetokenizer | None = None  # the thinking's own text, with a splitter
+    thinking: list[str] = field(default_factory=list)  # thinking text not yet in a TokenDelta
+    unreported_thinking: int = 0  # of `unreported`, thinking tokens (markers included)
+    unsplit: list[Scored | None] = field(default_factory=list)  # scores of tokens the splitter holds
     tokens: list[int] = field(default_factory=list)  # prompt + output; tokens[:kv.length] have KV
     kv: SequenceKV | None = None
     processed: int = 0
@@ -218,6 +227,11 @@ class CpuBackend:
         self._max_context = min(self._max_seq_len, int(max_positions))
         self._runner = self._build_runner(runner_class, loaded, quantization, stages)
         self._end_ids = self._find_end_ids()
+        self._reasoning = choose(
+            config.reasoning_parser, self._prompt_tokenizer.chat_template, VocabFromHF(self._prompt_tokenizer)
+        )
+        if self._reasoning is not None:
+            self._end_ids = self._end_ids - self._reasoning.not_stops
         # Grammars and logprobs' token bytes; built on the first request that needs them.
         self._vocabulary = Vocabulary(self._vocab_size, self._end_ids)
         self._token_info_cache: dict[int, tuple[str, bytes]] = {}
@@ -250,6 +264,7 @@ class CpuBackend:
             # Prefix-cache hits and entries end at multiples of the block (_reusable).
             kv_block_tokens=self._block,
             cache_salt=True,
+            reasoning_parser=self._reasoning.name if self._reasoning is not None else None,
         )
         stages.stage(Stage.WARM_UP, "warm up (one forward pass)")
         self._warm_up()
@@ -352,13 +367,21 @@ class CpuBackend:
                 param="banned_strings",
             )
         prompt_ids, param = self._tokenize(submit)
+        budget = (
+            params.reasoning_budget if params.reasoning_budget is not None else self._config.reasoning_budget
+        )
+        prompt_ids, param = self._tokenize(submit, budget)
+        plan = None
+        if self._reasoning is not None:
+            plan = self._reasoning.plan(prompt_ids, budget)
+            prompt_ids = plan.prompt_ids
         matcher = None
         if params.grammar is not None:
             # Compiled here, off the engine thread; start() copies it per choice.
             matcher = self._compile(params, self._prompt_tokenizer)
         elif params.logprobs is not None:
             self._load_vocabulary(self._prompt_tokenizer)  # token bytes, built here too
-        return Prepared(submit, _Prompt(prompt_ids, params.grammar, matcher), len(prompt_ids), param)
+        return Prepared(submit, _Prompt(prompt_ids, params.grammar, matcher, plan), len(prompt_ids), param)
 
     def prompt_ids(self, prepared: Prepared) -> list[int]:
         prompt: _Prompt = prepared.prompt
@@ -430,6 +453,10 @@ class CpuBackend:
             banned=BannedStrings(params.banned_strings) if params.banned_strings else None,
             tokens=list(prompt_ids),
         )
+        if prompt.reasoning is not None:
+            req = self._requests[request_id]
+            req.splitter = prompt.reasoning.new_splitter()
+            req.thinker = IncrementalDetokenizer(self._tokenizer, prompt_ids[-_DETOKENIZER_CONTEXT:])
 
     def abort(self, request_id: str) -> None:
         """Drop the request now; its valid KV (prompt processed so far, fed output
@@ -661,8 +688,9 @@ class CpuBackend:
                     ids.add(token_id)
         return frozenset(i for i in ids if 0 <= i < self._vocab_size)
 
-    def _tokenize(self, submit: Submit) -> tuple[list[int], str]:
-        """Prompt token ids and the request field they came from."""
+    def _tokenize(self, submit: Submit, budget: int | None = None) -> tuple[list[int], str]:
+        """Prompt token ids and the request field they came from; ``budget`` (thinking
+        tokens) may switch the template's thinking off (``reasoning.template_kwargs``)."""
         if submit.messages and submit.prompt is not None:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, "send either messages or prompt, not both")
         if submit.prompt is not None:
@@ -678,10 +706,23 @@ class CpuBackend:
                 ErrorCode.INVALID_REQUEST, "this model has no chat template; use prompt", param="messages"
             )
         guard = self._control_tokens.guard()
-        conversation = [{"role": m.role, "content": m.content} for m in submit.messages]
+        conversation: list[dict[str, str]] = []
+        for m in submit.messages:
+            turn = {"role": m.role, "content": m.content}
+            if m.reasoning is not None:
+                # The names templates read a turn's thinking by (Qwen3/DeepSeek; GPT-OSS).
+                turn["reasoning_content"] = turn["thinking"] = m.reasoning
+            conversation.append(turn)
+        try:
+            extra = template_kwargs(submit.template_kwargs_json, self._prompt_tokenizer.chat_template, budget)
+        except ValueError as exc:
+            raise RequestRejected(ErrorCode.INVALID_REQUEST, str(exc), param="chat_template_kwargs") from exc
         try:
             text = self._prompt_tokenizer.apply_chat_template(
-                guard.escape(conversation), add_generation_prompt=submit.add_generation_prompt, tokenize=False
+                guard.escape(conversation),
+                add_generation_prompt=submit.add_generation_prompt,
+                tokenize=False,
+                **guard.escape(extra),
             )
             pieces = guard.pieces(text)
         except Exception as exc:  # the template itself rejects e.g. unsupported roles
@@ -790,7 +831,7 @@ class CpuBackend:
             return []
         room = min(self._num_draft_tokens, req.max_new - req.num_output - 1)
         drafts = req.drafter.propose(room)
-        if drafts and req.constraint is not None:
+        if drafts and req.constraint is not None and (req.splitter is None or not req.splitter.free):
             drafts = drafts[: req.constraint.valid_prefix(drafts)]
         return drafts
 
@@ -827,17 +868,44 @@ class CpuBackend:
         if req.banned is not None and req.banned.blocked():
             forbidden = torch.zeros(self._vocab_size, dtype=torch.bool)
             forbidden[torch.tensor(req.banned.blocked(), dtype=torch.long)] = True
+        forbidden = self._forbidden(req)
         if req.trail is None:
             return req.sampler.sample(logits, forbidden), None
         assert req.params.logprobs is not None
         scored = req.sampler.sample_scored(logits, req.params.logprobs, forbidden)
         return scored.token, scored
 
+    def _forbidden(self, req: _Request) -> torch.Tensor | None:
+        """``[vocab]`` bool, the tokens ``req`` may not sample next (``None``: any): the
+        grammar's, on the answer only; with a reasoning splitter, all but the forced
+        token once the thinking budget is spent (``engine_worker.reasoning``)."""
+        splitter = req.splitter
+        if splitter is None:
+            return req.constraint.forbidden() if req.constraint is not None else None
+        forced = splitter.forced()
+        if forced is not None:
+            only = torch.ones(self._vocab_size, dtype=torch.bool)
+            only[forced] = False
+            return only
+        forbidden = None
+        if req.constraint is not None and not splitter.free:
+            forbidden = req.constraint.forbidden()
+            allowed = splitter.allow_with_grammar
+            if allowed is not None:
+                forbidden[allowed] = False
+        banned = splitter.banned()
+        if banned is not None:
+            if forbidden is None:
+                forbidden = torch.zeros(self._vocab_size, dtype=torch.bool)
+            forbidden[banned] = True
+        return forbidden
+
     def _append_token(
         self, req: _Request, token: int, scored: Scored | None = None
     ) -> tuple[str, FinishReason | None]:
         """Add one generated token (``scored`` when logprobs are on); returns its
-        emittable text and the finish reason if generation ends with it."""
+        emittable answer text and the finish reason if generation ends with it (thinking
+        text goes to ``req.thinking``)."""
         req.tokens.append(token)
         req.unreported += 1
         req.sampler.observe(token)
@@ -846,6 +914,39 @@ class CpuBackend:
         if token in req.stop_ids:
             # Stop and end-of-sequence tokens contribute no text.
             return "", FinishReason.STOP
+        if req.splitter is None:
+            emit, stopped = self._answer_token(req, token, scored)
+        else:
+            req.unsplit.append(scored)
+            emit, stopped = self._split(req, req.splitter.feed(token))
+        if stopped:
+            return emit, FinishReason.STOP
+        if req.num_output >= req.max_new:
+            return emit, FinishReason.LENGTH
+        return emit, None
+
+    def _split(self, req: _Request, settled: list[tuple[Channel | None, int]]) -> tuple[str, bool]:
+        """Route the tokens a splitter settled: thinking to ``req.thinking``, markers
+        nowhere, the answer through ``_answer_token``; ``(answer text, stopped)``."""
+        emit = ""
+        for channel, token in settled:
+            scored = req.unsplit.pop(0) if req.unsplit else None
+            if channel is Channel.CONTENT:
+                text, stopped = self._answer_token(req, token, scored)
+                emit += text
+                if stopped:
+                    return emit, True
+                continue
+            req.unreported_thinking += 1
+            if channel is Channel.REASONING:
+                assert req.thinker is not None
+                if text := req.thinker.add(token):
+                    req.thinking.append(text)
+        return emit, False
+
+    def _answer_token(self, req: _Request, token: int, scored: Scored | None) -> tuple[str, bool]:
+        """One answer token through the grammar, the detokenizer, logprobs and stop
+        strings: ``(emittable text, stopped)`` (a stop string, or the grammar complete)."""
         complete = False
         if req.constraint is not None:
             req.constraint.consume(token)
@@ -858,7 +959,7 @@ class CpuBackend:
                 self._rewind(req, verdict.rewind.position, verdict.rewind.state)
                 if req.banned.exhausted:
                     emit, _ = req.stopper.feed(text) if text else ("", False)
-                    return emit, FinishReason.STOP
+                    return emit, True
         else:
             text = req.detokenizer.add(token)
         if req.trail is not None:
@@ -869,11 +970,7 @@ class CpuBackend:
         )
         if req.trail is not None:
             req.trail.emitted(emit)
-        if stopped or complete:
-            return emit, FinishReason.STOP
-        if req.num_output >= req.max_new:
-            return emit, FinishReason.LENGTH
-        return emit, None
+        return emit, stopped or complete
 
     def _rewind(self, req: _Request, position: int, state: Any) -> None:
         """Back to ``position`` output tokens (a banned string began after them):
@@ -895,7 +992,22 @@ class CpuBackend:
             req.rewound = False
 
     def _report(self, req: _Request, text: str, reason: FinishReason | None, events: list[Event]) -> None:
-        """Emit a delta for ``text`` and, when ``reason`` is set, finish the request."""
+        """Emit a delta for ``text`` (after one for the thinking, if any) and, when
+        ``reason`` is set, finish the request."""
+        if req.splitter is not None:
+            if reason is not None and not req.stopper.stopped:
+                held, _ = self._split(req, req.splitter.flush())  # a marker that never completed
+                text += held
+            if reason is not None and req.thinker is not None:
+                req.thinking.append(req.thinker.flush())
+            thinking = "".join(req.thinking)
+            req.thinking.clear()
+            if thinking:
+                events.append(
+                    TokenDelta(req.request_id, thinking, req.unreported_thinking, channel=Channel.REASONING)
+                )
+                req.unreported -= req.unreported_thinking
+                req.unreported_thinking = 0
         if reason is not None and not req.stopper.stopped:
             # Generation ended without a stop string: release held-back text.
             tail = (req.banned.flush() if req.banned is not None else "") + req.detokenizer.flush()
@@ -911,11 +1023,13 @@ class CpuBackend:
             # Cut at a token boundary: the rest of `text` comes with the next delta.
             text, logprobs = req.trail.take(final=reason is not None, cut=req.stopper.stopped)
             if text or logprobs:
-                events.append(TokenDelta(req.request_id, text, req.unreported, logprobs))
-                req.unreported = 0
+                events.append(
+                    TokenDelta(req.request_id, text, req.unreported - req.unreported_thinking, logprobs)
+                )
+                req.unreported = req.unreported_thinking
         elif text:
-            events.append(TokenDelta(req.request_id, text, req.unreported))
-            req.unreported = 0
+            events.append(TokenDelta(req.request_id, text, req.unreported - req.unreported_thinking))
+            req.unreported = req.unreported_thinking
         if reason is not None:
             self._finish(req, reason, events)
 
@@ -934,6 +1048,7 @@ class CpuBackend:
                 time_queued=req.t_start - req.t_added,
                 time_prefill=req.t_prefill_end - req.t_start,
                 time_decode=now - req.t_prefill_end,
+                reasoning_tokens=req.splitter.reasoning_tokens if req.splitter is not None else 0,
             )
         )
         del self._requests[req.request_id]

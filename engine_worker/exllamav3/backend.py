@@ -135,6 +135,8 @@ from engine_worker.exllamav3.grammar import compile_filter, failure_of
 from engine_worker.exllamav3.kv_pages import PageTableEvents
 from engine_worker.exllamav3.sampling import FLOAT32_MAX, breaker_ids, job_settings
 from engine_worker.kv_events import MEDIUM_GPU, BatchSink, KvEvents
+from engine_worker.reasoning import Plan, VocabFromTables, choose, template_kwargs
+from engine_worker.reasoning.text_split import TextSplitter
 from engine_worker.settings import WorkerSettings
 from protocol.messages import (
     ErrorCode,
@@ -166,6 +168,7 @@ class _Prompt:
 
     ids: Any
     filters: list[Any] = dataclasses.field(default_factory=list)
+    reasoning: Plan | None = None  # with a reasoning parser: the request's plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +199,7 @@ class _Request:
     processed: int = 0
     started_at: float = 0.0  # monotonic seconds, start of the iterate() that started the job
     uncredited_tokens: int = 0  # tokens of empty-text dicts, credited to the next TokenDelta
+    split: TextSplitter | None = None  # thinking vs answer, with a reasoning parser
     uncredited_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
 
@@ -230,6 +234,9 @@ def _template_messages(submit: Submit) -> list[dict[str, Any]]:
             msg["tool_call_id"] = m.tool_call_id
         if m.name is not None:
             msg["name"] = m.name
+        if m.reasoning is not None:
+            # The names templates read a turn's thinking by (Qwen3/DeepSeek; GPT-OSS).
+            msg["reasoning_content"] = msg["thinking"] = m.reasoning
         out.append(msg)
     return out
 
@@ -272,6 +279,15 @@ class ExLlamaV3Backend:
         self._config = config
         self._max_context = resolve_max_context(config, handle)
         self._breaker_ids: dict[tuple[str, ...], frozenset[int]] = {}
+        vocab = VocabFromTables(
+            handle.pieces, lambda t: id_list(handle.encode(t, False)), lambda ids: handle.decode(list(ids))
+        )
+        self._reasoning = choose(config.reasoning_parser, handle.chat_template, vocab)
+        not_stops = self._reasoning.not_stops if self._reasoning is not None else frozenset()
+        # Harmony's <|end|> ends a message, not the turn (engine_worker.reasoning.gpt_oss).
+        self._eos_ids = tuple(i for i in handle.eos_token_ids if i not in not_stops)
+        dropped = {handle.pieces[i] for i in not_stops if 0 <= i < len(handle.pieces)}
+        self._stop_strings = tuple(s for s in handle.stop_strings if s not in dropped)
         self._info = ModelInfo(
             handle.model_id,
             self._max_context,
@@ -289,6 +305,7 @@ class ExLlamaV3Backend:
             max_logit_bias=FLOAT32_MAX,
             logit_bias_ban=True,
             context_settings="settings: max_seq_len, cache_size",
+            reasoning_parser=self._reasoning.name if self._reasoning is not None else None,
         )
         self._token_bytes = lp.TokenBytes(handle.ll_tokenizer, handle.pieces)
         self._requests: dict[str, _Request] = {}
@@ -330,7 +347,7 @@ class ExLlamaV3Backend:
 
     # ------------------------------------------------------------------ admission
 
-    def _tokenize(self, submit: Submit) -> tuple[Any, str]:
+    def _tokenize(self, submit: Submit, budget: int | None) -> tuple[Any, str]:
         if submit.prompt is not None:
             add_bos = self._config.add_bos if submit.add_bos is None else submit.add_bos
             return self._h.encode(submit.prompt, add_bos), "prompt"
@@ -338,7 +355,13 @@ class ExLlamaV3Backend:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, "messages must not be empty", "messages")
         messages = _template_messages(submit)
         tools = _template_tools(submit)
-        ids = self._h.encode_chat(messages, submit.add_generation_prompt, tools, submit.forced_prefix)
+        try:
+            extra = template_kwargs(submit.template_kwargs_json, self._h.chat_template, budget)
+        except ValueError as e:
+            raise RequestRejected(ErrorCode.INVALID_REQUEST, str(e), "chat_template_kwargs") from e
+        ids = self._h.encode_chat(
+            messages, submit.add_generation_prompt, tools, submit.forced_prefix, extra or None
+        )
         return ids, "messages"
 
     def prepare(self, submit: Submit) -> Prepared:
@@ -358,21 +381,61 @@ class ExLlamaV3Backend:
                 ErrorCode.INVALID_REQUEST, "XTC is not available on this engine", "xtc_probability"
             )
         param = "prompt" if submit.prompt is not None else "messages"
+        budget = (
+            params.reasoning_budget if params.reasoning_budget is not None else self._config.reasoning_budget
+        )
         try:
-            input_ids, param = self._tokenize(submit)
+            input_ids, param = self._tokenize(submit, budget)
         except RequestRejected:
             raise
         except Exception as e:
             raise RequestRejected(
                 ErrorCode.INVALID_REQUEST, f"could not build the prompt: {type(e).__name__}: {e}", param
             ) from e
+        plan = None
+        if self._reasoning is not None:
+            plan = self._reasoning.plan(id_list(input_ids), budget)
+            self._check_reasoning(params, budget)
+            if _token_count(input_ids) != len(plan.prompt_ids):  # the span closed in the prompt
+                if self._h.as_ids is None:
+                    raise RequestRejected(ErrorCode.INTERNAL, "the engine cannot extend a prompt", param)
+                input_ids = self._h.as_ids(plan.prompt_ids)
         n = _token_count(input_ids)
         filters = []
         if params.grammar is not None:
             filters = [self._compile(params) for _ in range(max(1, submit.n))]
         if params.logprobs is not None:
             self._token_bytes.load()
-        return Prepared(submit, _Prompt(input_ids, filters), n, param)
+        return Prepared(submit, _Prompt(input_ids, filters, plan), n, param)
+
+    def _check_reasoning(self, params: SamplingParams, budget: int | None) -> None:
+        """Refuse what this backend does not do yet for a model that may think: the
+        engine's grammar filter and logprobs would cover the thinking too (the CPU
+        engine keeps both to the answer), and a budget above 0 needs the handle's
+        ``new_budget_filter``. ``budget == 0`` (no thinking) leaves only the answer:
+        allowed."""
+        if budget == 0:
+            return
+        if params.grammar is not None:
+            raise RequestRejected(
+                ErrorCode.INVALID_REQUEST,
+                "constrained output with a model that thinks is not available on the exllamav3 engine "
+                "yet; switch thinking off (reasoning_effort 'none', thinking_budget_tokens 0)",
+                params.grammar_param,
+            )
+        if params.logprobs is not None:
+            raise RequestRejected(
+                ErrorCode.INVALID_REQUEST,
+                "logprobs with a model that thinks are not available on the exllamav3 engine yet; "
+                "switch thinking off (reasoning_effort 'none', thinking_budget_tokens 0)",
+                "logprobs",
+            )
+        if budget is not None and self._h.new_budget_filter is None:
+            raise RequestRejected(
+                ErrorCode.INVALID_REQUEST,
+                "a thinking budget other than 0 is not available on this engine",
+                "thinking_budget_tokens",
+            )
 
     def _compile(self, params: SamplingParams) -> Any:
         assert params.grammar is not None
@@ -441,7 +504,7 @@ class ExLlamaV3Backend:
 
     def prompt_ids(self, prepared: Prepared) -> list[int]:
         prompt: _Prompt = prepared.prompt
-        return [int(t) for t in prompt.ids.view(-1).tolist()]
+        return id_list(prompt.ids)
 
     def detokenize(self, token_ids: list[int]) -> str:
         check_token_ids(token_ids, self._h.vocab_size)
@@ -473,8 +536,8 @@ class ExLlamaV3Backend:
         settings = job_settings(
             params,
             max_new_tokens=max_new,
-            eos_token_ids=self._h.eos_token_ids,
-            stop_strings=self._h.stop_strings,
+            eos_token_ids=self._eos_ids,
+            stop_strings=self._stop_strings,
             dry_breakers=self._dry_breakers(params),
         )
         segment = self._segment(n, max_new)
@@ -484,6 +547,13 @@ class ExLlamaV3Backend:
             # driving start directly) compile here.
             grammar = prompt.filters.pop() if prompt.filters else self._compile(params)
         h = self._h
+        filters = [grammar] if grammar is not None else []
+        budget = params.reasoning_budget
+        if budget is None:
+            budget = self._config.reasoning_budget
+        if prompt.reasoning is not None and budget and h.new_budget_filter is not None:
+            # Ends the thinking once the budget is spent (grammar.budget_filter_factory).
+            filters.append(h.new_budget_filter(prompt.reasoning.new_splitter))
 
         def new_job() -> Any:
             kwargs = dict(settings.job_kwargs)
@@ -494,6 +564,8 @@ class ExLlamaV3Backend:
             else:
                 assert h.new_xtc_sampler is not None  # validate refused XTC otherwise
                 sampler = h.new_xtc_sampler(*settings.xtc, **settings.sampler_kwargs)
+            if filters:
+                kwargs["filters"] = list(filters)
             return h.new_job(
                 input_ids=input_ids,
                 sampler=sampler,
@@ -521,6 +593,9 @@ class ExLlamaV3Backend:
             logprobs=params.logprobs,
             grammar=grammar,
         )
+        if prompt.reasoning is not None:
+            decode = self._h.decode
+            req.split = TextSplitter(prompt.reasoning.new_splitter(), lambda ids: decode(list(ids)))
         # Same prompt and budget as the first choice, which enqueue() accepted: a held
         # choice fits the cache too, so holding it back cannot hide a rejection.
         if any(r.prepared is prepared and r.phase is not _Phase.DECODE for r in self._requests.values()):
@@ -748,7 +823,14 @@ class ExLlamaV3Backend:
             tokens += len(held_ids)
             if entries is not None and held_entries is not None:
                 entries += held_entries
-        if text:
+        if req.split is not None:
+            held_ids = (
+                self._held_before_stop_token(r)[1] if eos and r.get("eos_reason") == "stop_token" else []
+            )
+            for channel, part, count in req.split.feed([*ids, *held_ids], text, final=eos):
+                if part:
+                    events.append(TokenDelta(req.request_id, part, count, channel=channel))
+        elif text:
             tokens += req.uncredited_tokens
             req.uncredited_tokens = 0
             if entries is not None:
@@ -822,6 +904,7 @@ class ExLlamaV3Backend:
             time_queued=float(r.get("time_enqueued", 0.0)),
             time_prefill=float(r.get("time_prefill", 0.0)),
             time_decode=float(r.get("time_generate", 0.0)),
+            reasoning_tokens=req.split.splitter.reasoning_tokens if req.split is not None else 0,
         )
         if log.isEnabledFor(logging.DEBUG):
             acc = fin.draft_accepted or 0

@@ -82,8 +82,11 @@ def renderer(hf_tokenizer: Any) -> Render:
     return render
 
 
-EncodeChat = Callable[[list[dict[str, Any]], bool, list[Any] | None, Sequence[PromptPiece]], Any]
-"""``EngineHandle.encode_chat``: ``(messages, add_generation_prompt, tools, prefix) -> (1, n) ids``."""
+EncodeChat = Callable[
+    [list[dict[str, Any]], bool, list[Any] | None, Sequence[PromptPiece], dict[str, Any] | None], Any
+]
+"""``EngineHandle.encode_chat``: ``(messages, add_generation_prompt, tools, prefix, extra) -> (1, n)
+ids``; ``extra``: more template variables (``chat_template_kwargs``), escaped as client text."""
 
 
 def chat_encoder(hf_tokenizer: Any, tokenizer: Any, as_ids: Callable[[list[int]], Any]) -> EncodeChat:
@@ -110,9 +113,12 @@ def chat_encoder(hf_tokenizer: Any, tokenizer: Any, as_ids: Callable[[list[int]]
         add_generation_prompt: bool,
         tools: list[Any] | None,
         prefix: Sequence[PromptPiece] = (),
+        variables: dict[str, Any] | None = None,
     ) -> Any:
         guard = controls.guard()
-        extra = {} if tools is None else {"tools": guard.escape(tools)}
+        extra = guard.escape(dict(variables or {}))
+        if tools is not None:
+            extra["tools"] = guard.escape(tools)
         text = hf_tokenizer.apply_chat_template(
             guard.escape(messages), add_generation_prompt=add_generation_prompt, tokenize=False, **extra
         )

@@ -73,6 +73,8 @@ class EngineHandle:
       dicts, with ``tool_calls`` (a list of call objects), ``tool_call_id`` and ``name`` where a
       turn has them; ``tools`` (OpenAI's ``tools`` array) goes to the template as its ``tools``
       variable, ``None`` passes nothing; ``prefix`` (``Submit.forced_prefix``) is tokenized after it.
+      variable, ``None`` passes nothing; the last argument, extra template variables
+      (``chat_template_kwargs``) or ``None``.
     - ``decode(ids)``: token ids -> text, special tokens as their text (``Tokenizer.decode`` with
       ``decode_special_tokens=True``, as jobs decode).
     - ``pieces``: token id -> the text ``Job`` appends for it (``get_id_to_piece_list`` with
@@ -106,13 +108,20 @@ class EngineHandle:
     - ``new_xtc_sampler(xtc_probability, xtc_threshold, **sampler_kwargs)``: a sampler with XTC
       (``engine_worker.exllamav3.sampling.xtc_sampler`` bound to the module and tokenizer);
       ``None`` where the engine has none (XTC is then refused).
+    - ``new_budget_filter(new_splitter)``: a filter that forces the end of a reasoning model's
+      thinking once its budget is spent (``grammar.budget_filter_factory``); ``None``: budgets
+      above 0 are refused.
+    - ``as_ids(ids)``: a list of ids as the ``(1, n)`` tensor jobs take (a prompt the reasoning
+      plan extended); ``None`` where unavailable.
     """
 
     generator: GeneratorLike
     new_job: Callable[..., Any]
     new_sampler: Callable[..., Any]
     encode: Callable[[str, bool], IdTensor]
-    encode_chat: Callable[[list[dict[str, Any]], bool, list[Any] | None, Sequence[PromptPiece]], IdTensor]
+    encode_chat: Callable[
+        [list[dict[str, Any]], bool, list[Any] | None, Sequence[PromptPiece], dict[str, Any] | None], IdTensor
+    ]
     decode: Callable[[list[int]], str]
     pieces: Sequence[str]
     eos_token_ids: tuple[int, ...]
@@ -133,6 +142,8 @@ class EngineHandle:
     new_filter: Callable[[str], Any] | None = None
     ll_tokenizer: Callable[[], Any] | None = None
     new_xtc_sampler: Callable[..., Any] | None = None
+    as_ids: Callable[[list[int]], IdTensor] | None = None
+    new_budget_filter: Callable[[Callable[[], Any]], Any] | None = None
 
 
 def id_list(ids: Any) -> list[int]:

@@ -40,6 +40,7 @@ that request alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from engine_worker.backend import RequestRejected
@@ -89,3 +90,50 @@ def compile_filter(new_filter: Any, grammar: str, param: str | None) -> Any:
 def failure_of(flt: Any) -> str | None:
     """The matcher error a filter from ``contained_filter_class`` ran into, if any."""
     return getattr(flt, "failure", None) if flt is not None else None
+
+
+def budget_filter_factory(
+    base: type, tokenizer: Any, vocab_size: int, new_words: Callable[[int], Any]
+) -> Callable[[Callable[[], Any]], Any]:
+    """``new_splitter -> filter``: a 1.6.5 ``Filter`` (subclass of ``base``) that ends a
+    reasoning model's thinking once its budget is spent (``engine_worker.reasoning``).
+
+    It runs its own ``Splitter`` (``new_splitter()``, fresh on every ``reset``, which
+    ``Job.activate`` calls, ``job.py:1764-1773``) over every sampled token, fed to it by
+    ``Filter.feed`` (``job.py:807-811``), and its mask (bit set = allowed, as
+    ``LLGuidanceFilter``'s, ``llguidance.py:146-153``) allows every token until the
+    splitter names a ``forced`` one, then only that one. It never completes, so it never
+    ends the job. ``new_words(n)``: a ``(1, n)`` int32 array of zeros, the type the
+    engine's masks are (a CPU torch tensor in 1.6.5)."""
+    words = (vocab_size + 31) // 32
+
+    class ReasoningBudgetFilter(base):  # type: ignore[misc]
+        def __init__(self, new_splitter: Callable[[], Any]) -> None:
+            super().__init__(tokenizer, None, None, False)
+            self._new_splitter = new_splitter
+            self._splitter = new_splitter()
+
+        def reset(self) -> None:
+            self._splitter = self._new_splitter()
+
+        def accept_token(self, token: int) -> None:
+            self._splitter.feed(token)
+
+        def is_completed(self) -> bool:
+            return False
+
+        def use_background_worker(self) -> bool:
+            return False  # a mask of one word set: cheaper inline than on the pool
+
+        def get_next_logit_mask(self) -> Any:
+            mask = new_words(words)
+            forced = self._splitter.forced()
+            if forced is None:
+                mask[0, :] = -1  # every bit: anything goes
+            else:
+                bit = 1 << (forced % 32)
+                mask[0, forced // 32] = bit - (1 << 32) if bit >= 1 << 31 else bit
+            return mask
+
+    ReasoningBudgetFilter.__qualname__ = f"ReasoningBudget{base.__name__}"
+    return ReasoningBudgetFilter

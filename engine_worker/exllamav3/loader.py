@@ -61,7 +61,7 @@ from engine_worker.exllamav3 import chat_template
 from engine_worker.exllamav3.backend import ExLlamaV3Backend
 from engine_worker.exllamav3.config import PAGE_SIZE, CacheMode, parse_split
 from engine_worker.exllamav3.engine import EngineHandle, id_list
-from engine_worker.exllamav3.grammar import contained_filter_class, filter_factory
+from engine_worker.exllamav3.grammar import budget_filter_factory, contained_filter_class, filter_factory
 from engine_worker.exllamav3.sampling import xtc_sampler
 from engine_worker.load_stages import LoadReporter, Stage
 from engine_worker.settings import DraftMode, WorkerSettings
@@ -104,6 +104,13 @@ def _start_moe_cpu_hosts(model: Any) -> None:
     forward pass. ``ensure_started`` is idempotent; configs without offload have none."""
     for host in getattr(model.config, "moe_cpu_hosts", {}).values():
         host.ensure_started()
+
+
+def _int32_words(n: int) -> Any:
+    """A ``(1, n)`` int32 CPU tensor of zeros: a filter mask as 1.6.5's are (``llguidance.py:146-153``)."""
+    import torch
+
+    return torch.zeros((1, n), dtype=torch.int32)
 
 
 def _as_ids(ids: list[int]) -> Any:
@@ -446,10 +453,11 @@ class LoadedEngine:
         add_generation_prompt: bool,
         tools: list[Any] | None,
         prefix: Sequence[PromptPiece] = (),
+        variables: dict[str, Any] | None = None,
     ) -> Any:
         # Client text tokenized as text, control tokens only where the template
         # (or the proxy's prefix, Submit.forced_prefix) wrote them.
-        return self._encode_chat(messages, add_generation_prompt, tools, prefix)
+        return self._encode_chat(messages, add_generation_prompt, tools, prefix, variables)
 
     def decode(self, ids: list[int]) -> str:
         import torch
@@ -506,6 +514,7 @@ class LoadedEngine:
             new_xtc_sampler=functools.partial(xtc_sampler, self.ex, tokenizer),
             encode=self.encode,
             encode_chat=self.encode_chat,
+            as_ids=_as_ids,
             decode=self.decode,
             pieces=tokenizer.get_id_to_piece_list(True),
             eos_token_ids=self.text.eos_ids,
@@ -526,6 +535,9 @@ class LoadedEngine:
             if getattr(generator, "recurrent_cache", None) is not None
             else PAGE_SIZE,
             new_filter=filter_factory(contained_filter_class(self.ex.LLGuidanceFilter), tokenizer),
+            new_budget_filter=budget_filter_factory(
+                self.ex.Filter, tokenizer, int(tokenizer.actual_vocab_size), _int32_words
+            ),
             ll_tokenizer=self.ll_tokenizer,
         )
 

@@ -81,6 +81,7 @@ class Update:
     queue: QueueProgress | None = None
     prompt: PromptProgress | None = None
     text: str | None = None
+    thinking: str | None = None  # a reasoning model's thinking, apart from the answer text
     finish_reason: str | None = None
     counts: Counts | None = None
     error: ErrorBody | None = None
@@ -176,17 +177,19 @@ class ChatReader:
         chunk = chunk_decoder.decode(data)
         if chunk.error is not None:
             return Update(error=chunk.error)
-        text = finish = None
+        text = finish = thinking = None
         for choice in chunk.choices:
             if choice.index != 0:  # n is never asked for; keep a server's extra choices out of the text
                 continue
             text = choice.delta.content or text
+            thinking = choice.delta.reasoning_content or choice.delta.reasoning or thinking
             finish = choice.finish_reason or finish
         self.finished = self.finished or any(c.finish_reason is not None for c in chunk.choices)
         return Update(
             queue=chunk.queue_progress,
             prompt=chunk.prompt_progress,
             text=text,
+            thinking=thinking,
             finish_reason=finish,
             counts=chat_counts(chunk.usage) if chunk.usage is not None else None,
         )
@@ -240,6 +243,8 @@ class ResponsesReader:
         kind = ev.type
         if kind == "response.output_text.delta":
             return Update(text=ev.delta) if isinstance(ev.delta, str) and ev.delta else None
+        if kind == "response.reasoning_text.delta":
+            return Update(thinking=ev.delta) if isinstance(ev.delta, str) and ev.delta else None
         if kind == "response.prompt_progress" or kind == "response.queue_progress":
             return Update(queue=ev.queue_progress, prompt=ev.prompt_progress)
         if kind in ("response.completed", "response.incomplete"):
@@ -321,6 +326,8 @@ class MessagesReader:
         kind = ev.type
         if kind == "content_block_delta":
             d = ev.delta
+            if d is not None and d.type == "thinking_delta" and d.thinking:
+                return Update(thinking=d.thinking)
             return Update(text=d.text) if d is not None and d.type == "text_delta" and d.text else None
         if kind == "queue_progress" or kind == "prompt_progress":
             return Update(queue=ev.queue_progress, prompt=ev.prompt_progress)

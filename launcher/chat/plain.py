@@ -35,6 +35,7 @@ class PlainView:
         self._prefill_shown_at: float | None = None
         self._prefill_done_shown = False
         self._answer_open = False  # answer text written and not yet ended by a newline
+        self._thinking_open = False  # thinking written to err and not yet ended by a newline
 
     def started(self) -> None:
         pass
@@ -56,7 +57,16 @@ class PlainView:
         self._prefill_shown_at = now
         self._status(f"prefill: {prefill_text(prefill)}")
 
+    def thinking(self, text: str) -> None:
+        # Thinking goes to stderr with the status lines: stdout stays the answer alone.
+        self._err.write(text)
+        self._err.flush()
+        self._thinking_open = not text.endswith("\n")
+
     def content(self, text: str) -> None:
+        if self._thinking_open:
+            self._err.write("\n")
+            self._thinking_open = False
         self._out.write(text)
         self._out.flush()  # a reader at the other end of the pipe sees each token as it comes
         self._answer_open = not text.endswith("\n")
@@ -74,6 +84,9 @@ class PlainView:
         self._err.flush()
 
     def _end_answer(self) -> None:
+        if self._thinking_open:
+            self._err.write("\n")
+            self._thinking_open = False
         if self._answer_open:
             self._out.write("\n")
             self._out.flush()

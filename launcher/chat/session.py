@@ -22,12 +22,14 @@ from launcher.chat.wire import QueueProgress
 
 class View(Protocol):
     """What a chat turn shows, called in this order: ``started``; any ``queued``, then
-    any ``prefill``; ``content`` for each piece of answer text; ``finished`` or
-    ``failed``; ``close`` always, last (it stops anything still drawing)."""
+    any ``prefill``; ``thinking`` for each piece of a reasoning model's thinking and
+    ``content`` for each piece of answer text; ``finished`` or ``failed``; ``close``
+    always, last (it stops anything still drawing)."""
 
     def started(self) -> None: ...
     def queued(self, queue: QueueProgress) -> None: ...
     def prefill(self, prefill: Prefill) -> None: ...
+    def thinking(self, text: str) -> None: ...
     def content(self, text: str) -> None: ...
     def finished(self, summary: Summary) -> None: ...
     def failed(self, message: str) -> None: ...
@@ -67,6 +69,11 @@ def run_turn(
                 if update.prompt is not None:
                     prefilling = True
                     view.prefill(Prefill.of(update.prompt))
+            if update.thinking:
+                if first_at is None:
+                    first_at = now
+                last_at = now
+                view.thinking(update.thinking)
             if update.text:
                 if first_at is None:
                     first_at = now

@@ -24,6 +24,8 @@ CACHED_STYLE = "cyan"
 COMPUTED_STYLE = "green"
 PENDING_STYLE = "grey37"
 STATUS_STYLE = "dim"
+THINKING_STYLE = "dim italic"
+"""A reasoning model's thinking, printed before its answer and set apart from it."""
 BAR_MAX_WIDTH = 40
 
 
@@ -56,6 +58,7 @@ class TerminalView:
         self._waited_s: float | None = None  # time spent until prefill started, known once it has
         self._prefill: Prefill | None = None
         self._answer_open = False
+        self._thinking_open = False  # dimmed thinking printed, the answer not started yet
         self._live_done = False
         # One spinner for the whole wait: a spinner turns by the time since its first frame,
         # so a new one per refresh would show its first frame forever.
@@ -83,8 +86,24 @@ class TerminalView:
             self._waited_s = self._clock() - self._started_at
         self._prefill = prefill
 
+    def thinking(self, text: str) -> None:
+        self._stop_live()
+        self._out.print(
+            Text(text, style=THINKING_STYLE),
+            end="",
+            markup=False,
+            emoji=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        self._thinking_open = True
+
     def content(self, text: str) -> None:
         self._stop_live()
+        if self._thinking_open:
+            self._out.print()  # the answer starts on a line of its own, after the dimmed thinking
+            self._out.print()
+            self._thinking_open = False
         self._out.print(text, end="", markup=False, emoji=False, highlight=False, soft_wrap=True)
         self._answer_open = not text.endswith("\n")
 
@@ -102,6 +121,9 @@ class TerminalView:
         self._stop_live()
 
     def _end_answer(self) -> None:
+        if self._thinking_open:
+            self._out.print()
+            self._thinking_open = False
         if self._answer_open:
             self._out.print()
             self._answer_open = False

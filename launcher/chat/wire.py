@@ -45,10 +45,13 @@ class PromptProgress(msgspec.Struct, frozen=True):
 
 
 class Delta(msgspec.Struct, frozen=True):
-    """``choices[i].delta``: ``content`` is the next piece of answer text, or null."""
+    """``choices[i].delta``: ``content`` is the next piece of answer text, or null;
+    ``reasoning_content`` (``reasoning`` under vLLM's name) the thinking's."""
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class Choice(msgspec.Struct, frozen=True):
@@ -164,9 +167,10 @@ class ResponseObject(msgspec.Struct, frozen=True):
 
 class ResponsesEvent(msgspec.Struct, frozen=True):
     """Any Responses stream event, by its ``type``: ``response.output_text.delta``
-    (``delta``: text), ``response.queue_progress`` / ``response.prompt_progress``
-    (this project's), ``response.completed`` / ``response.incomplete`` /
-    ``response.failed`` (``response``), ``error`` (``code``, ``message``, ``param``).
+    and ``response.reasoning_text.delta`` (``delta``: text),
+    ``response.queue_progress`` / ``response.prompt_progress`` (this project's),
+    ``response.completed`` / ``response.incomplete`` / ``response.failed``
+    (``response``), ``error`` (``code``, ``message``, ``param``).
     ``delta`` is any JSON: other events' deltas need not be text."""
 
     type: str = ""
@@ -202,11 +206,12 @@ class StartedMessage(msgspec.Struct, frozen=True):
 
 class MessagesDelta(msgspec.Struct, frozen=True):
     """``delta`` of ``content_block_delta`` (``type``: ``text_delta`` with ``text``,
-    or another kind) and of ``message_delta`` (``stop_reason``)."""
+    ``thinking_delta`` with ``thinking``, or another kind) and of ``message_delta`` (``stop_reason``)."""
 
     type: str | None = None
     text: str | None = None
     stop_reason: str | None = None
+    thinking: str | None = None
 
 
 class MessagesEvent(msgspec.Struct, frozen=True):

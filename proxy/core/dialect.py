@@ -48,6 +48,8 @@ class Context:
     max_context_tokens: int
     tool_format: FormatChoice
     model: str
+    reasoning_field: str = "reasoning_content"
+    """Chat completions' field for the thinking (``ProxySettings.reasoning_field``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,5 +144,6 @@ def chat_submits(task: ChatTask, request_id: str, context: Context) -> tuple[lis
     options = Options(
         logprobs=task.sampling.logprobs is not None,
         tools=plan if plan is not None and plan.config.active else None,
+        reasoning_field=context.reasoning_field,
     )
     return [submit], options

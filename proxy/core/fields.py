@@ -23,10 +23,11 @@ naming the field.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Callable
-from typing import Annotated, ClassVar, TypeVar
+from typing import Annotated, ClassVar, Literal, TypeVar
 
 import msgspec
 
@@ -283,6 +284,24 @@ class SamplerFields(msgspec.Struct, kw_only=True):
     dry_sequence_breakers: (
         Annotated[list[BannedString], msgspec.Meta(max_length=MAX_BANNED_STRINGS)] | None
     ) = None
+    thinking_budget_tokens: MinTokens | None = None
+    """llama.cpp's per-request thinking budget (tokens; 0: no thinking)."""
+    thinking_token_budget: MinTokens | None = None
+    """vLLM's name for it."""
+    reasoning_budget_tokens: MinTokens | None = None
+    """TabbyAPI's and llama.cpp's older name for it."""
+
+    def thinking_budget(self) -> int | None:
+        """The thinking budget under whichever name it came. Raises ``InvalidRequest``
+        when two names give different values."""
+        names = ("thinking_budget_tokens", "thinking_token_budget", "reasoning_budget_tokens")
+        given = [(n, getattr(self, n)) for n in names if getattr(self, n) is not None]
+        for name, value in given[1:]:
+            if value != given[0][1]:
+                raise InvalidRequest(
+                    f"'{name}' ({value}) contradicts '{given[0][0]}' ({given[0][1]})", param=name
+                )
+        return given[0][1] if given else None
 
     def sampling(
         self, *, max_tokens: int | None, stop: str | list[str] | None, logprobs: int | None
@@ -325,12 +344,33 @@ class SamplerFields(msgspec.Struct, kw_only=True):
             dry_sequence_breakers=None
             if self.dry_sequence_breakers is None
             else tuple(self.dry_sequence_breakers),
+            reasoning_budget=self.thinking_budget(),
         )
 
 
 MAX_TOOLS = 128
 """Most tools of one request: OpenAI's limit ("A max of 128 functions are
 supported", the chat reference's ``tools``), held by every dialect."""
+
+
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+"""OpenAI's ``reasoning_effort`` (chat) and ``reasoning.effort`` (Responses)."""
+
+
+def thinking(
+    sampling: Sampling, effort: str | None, template_kwargs: dict[str, object] | None
+) -> tuple[Sampling, dict[str, object] | None]:
+    """A request's thinking switches as one budget and the template's variables:
+    ``effort`` ``none`` is a budget of 0 (no thinking) unless a budget was given;
+    another effort goes to the template as ``reasoning_effort`` (GPT-OSS's template
+    reads it), with the client's ``template_kwargs`` (``chat_template_kwargs``)."""
+    kwargs = dict(template_kwargs or {})
+    if effort == "none":
+        if sampling.reasoning_budget is None:
+            sampling = dataclasses.replace(sampling, reasoning_budget=0)
+    elif effort is not None:
+        kwargs.setdefault("reasoning_effort", effort)
+    return sampling, kwargs or None
 
 
 def function_tool(

@@ -19,6 +19,9 @@ request's dialect encoder (``Frames``) with what is new:
   progress bar always completes;
 - ``text``: generated text, never empty; with tools, the text outside calls
   (``proxy.tools.ToolCallParser``: marker text never is content);
+- ``reasoning`` (``ReasoningFrames``): a reasoning model's thinking, never empty,
+  kept apart from the text (the worker's ``Channel.REASONING`` deltas); tools and
+  logprobs are the answer's. A dialect without it shows the answer only;
 - ``tool_call``: one ``ToolCallDelta`` of a call the parser recognised;
 - ``finish``: a choice's end, with its finish reason (``tool_calls`` when it
   called a tool);
@@ -37,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from protocol.messages import (
+    Channel,
     Event,
     Finished,
     PrefillProgress,
@@ -77,6 +81,9 @@ class Choice:
     tools: ToolCallParser | None = None  # splits content from tool calls (streams with tools)
     prefix: str = ""  # echo: its prompt, before its text
     finish_reason: str | None = None  # as the client sees it (``tool_calls`` when it called)
+    reasoning: list[str] = field(default_factory=list)  # the thinking, kept apart from texts
+    thinking: bool = False  # its latest delta was thinking (the request's stage)
+    reasoning_tokens: int = 0  # thinking tokens so far (the deltas' counts, then Finished's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +99,8 @@ class ChoiceResult:
     tool_calls: list[ToolCall]
     finish_reason: str
     logprobs: list[TokenLogprob] | None
+    reasoning: str | None = None
+    """The thinking (``None``: the model did not think)."""
 
 
 class Frames(Protocol):
@@ -143,6 +152,15 @@ class ToolFrames(Frames, Protocol):
         ...
 
 
+@runtime_checkable
+class ReasoningFrames(Frames, Protocol):
+    """A stream encoder for dialects that show a reasoning model's thinking."""
+
+    def reasoning(self, choice: Choice, text: str, out: list[bytes]) -> None:
+        """Thinking text of ``choice`` (never empty)."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class Options:
     """What the request asked of the core: ``progress`` (stream and
@@ -160,6 +178,8 @@ class Options:
     tools: ToolPlan | None = None
     per_prompt: int = 0
     fields: FieldNames = SAME_NAMES
+    reasoning_field: str = "reasoning_content"
+    """Chat completions' name for the thinking (``reasoning_content`` or ``reasoning``)."""
 
 
 class Generation:
@@ -176,6 +196,7 @@ class Generation:
         self.options = options
         self.frames: Frames | None = None
         self._tool_frames: ToolFrames | None = None
+        self._reasoning_frames: ReasoningFrames | None = None
         self.choices = [Choice(i) for i in range(len(request_ids))]
         if options.echo:
             group = options.per_prompt or len(request_ids)
@@ -199,6 +220,8 @@ class Generation:
         """Encode with ``frames`` (a stream); with tools, parse calls as they
         come (``frames`` must then be ``ToolFrames``: raises ``TypeError``)."""
         self.frames = frames
+        if isinstance(frames, ReasoningFrames):
+            self._reasoning_frames = frames
         plan = self.options.tools
         if plan is not None:
             if not isinstance(frames, ToolFrames):
@@ -293,6 +316,14 @@ class Generation:
             if choice.index == 0 and self.options.progress:
                 self._close_progress(out)
         choice.completion_tokens += ev.num_tokens
+        choice.thinking = ev.channel is Channel.REASONING
+        if choice.thinking:
+            choice.reasoning_tokens += ev.num_tokens
+            if ev.text:
+                choice.reasoning.append(ev.text)
+                if self._reasoning_frames is not None:
+                    self._reasoning_frames.reasoning(choice, ev.text, out)
+            return
         entries: list[TokenLogprob] | None = None
         if self.options.logprobs:
             held = choice.held_logprobs
@@ -335,6 +366,8 @@ class Generation:
             self._tool_events(choice, end.events, out)
             reason = tool_finish_reason(reason, end.tool_calls_made)
         choice.finished = ev
+        choice.thinking = False
+        choice.reasoning_tokens = ev.reasoning_tokens
         choice.finish_reason = reason
         choice.completion_tokens = ev.completion_tokens
         self._unfinished -= 1
@@ -413,7 +446,13 @@ class Generation:
                 reason = tool_finish_reason(reason, bool(calls))
             out.append(
                 ChoiceResult(
-                    c.index, c.prefix + text, content, calls, reason, c.logprobs if logprobs else None
+                    c.index,
+                    c.prefix + text,
+                    content,
+                    calls,
+                    reason,
+                    c.logprobs if logprobs else None,
+                    "".join(c.reasoning) if c.reasoning else None,
                 )
             )
         return out

@@ -77,6 +77,8 @@ class Sampling:
     dry_sequence_breakers: tuple[str, ...] | None = None
     add_bos_token: bool | None = None
     """``None``: the model's own choice; with messages the worker refuses any other."""
+    reasoning_budget: int | None = None
+    """Most tokens the model may think (``SamplingParams.reasoning_budget``); 0: none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +111,8 @@ class ChatTask:
     parallel_asked: bool = False
     """The client said explicitly whether calls may be parallel."""
     cache_salt: str | None = None
+    template_kwargs: dict[str, object] | None = None
+    """Extra chat-template variables (``chat_template_kwargs``, ``reasoning_effort``)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -268,6 +272,7 @@ def sampling_params(
         dry_allowed_length=s.dry_allowed_length,
         dry_range=s.dry_range,
         dry_sequence_breakers=s.dry_sequence_breakers,
+        reasoning_budget=s.reasoning_budget,
     )
 
 
@@ -282,7 +287,11 @@ def chat_messages(task: ChatTask, tools: ToolPlan | None = None) -> tuple[ChatMe
     history = task.messages
     if tools is None and not any(m.tool_calls or m.role in ("tool", "function") for m in history):
         return tuple(
-            ChatMessage(role="system" if m.role == "developer" else m.role, content=m.content or "")
+            ChatMessage(
+                role="system" if m.role == "developer" else m.role,
+                content=m.content or "",
+                reasoning=m.reasoning if m.role == "assistant" else None,
+            )
             for m in history
         )
     try:
@@ -316,7 +325,8 @@ def _native_messages(history: tuple[HistoryMessage, ...]) -> tuple[ChatMessage, 
                 )
             calls_json = msgspec.json.encode(calls).decode()
         role = "system" if m.role == "developer" else m.role
-        out.append(ChatMessage(role, m.content or "", calls_json, m.tool_call_id, m.name))
+        reasoning = m.reasoning if m.role == "assistant" else None
+        out.append(ChatMessage(role, m.content or "", calls_json, m.tool_call_id, m.name, reasoning))
     return tuple(out)
 
 
@@ -336,6 +346,9 @@ def chat_submit(task: ChatTask, request_id: str, max_context_tokens: int, tools:
         cache_salt=task.cache_salt,
         forced_prefix=tools.prefix if tools is not None else (),
         add_bos=task.sampling.add_bos_token,
+        template_kwargs_json=msgspec.json.encode(task.template_kwargs).decode()
+        if task.template_kwargs
+        else None,
     )
 
 

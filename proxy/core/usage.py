@@ -35,6 +35,8 @@ class Counts:
     prompt_time: float = 0.0
     completion_time: float = 0.0
     total_time: float = 0.0
+    reasoning_tokens: int = 0
+    """Of ``completion_tokens``, those spent thinking (``Finished.reasoning_tokens``)."""
 
     @property
     def total_tokens(self) -> int:
@@ -70,4 +72,5 @@ def final_counts(finished: Sequence[Finished], per_prompt: int = 0) -> Counts:
         prompt_time=_seconds(sum(f.time_prefill for f in firsts)),
         completion_time=_seconds(max(f.time_decode for f in finished)),
         total_time=_seconds(max(f.time_queued + f.time_prefill + f.time_decode for f in finished)),
+        reasoning_tokens=sum(f.reasoning_tokens for f in finished),
     )

@@ -67,6 +67,9 @@ class View:
     completion_tokens: int
     draft_accepted: int | None
     draft_rejected: int | None
+    reasoning_tokens: int = 0
+    thinking: bool = False
+    """In decode, some choice is thinking (its latest tokens are its thinking)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -136,6 +139,8 @@ class Tracked:
             counts.completion_tokens,
             accepted,
             rejected,
+            sum(c.reasoning_tokens for c in gen.choices),
+            stage is Stage.DECODE and any(c.thinking for c in gen.choices),
         )
 
 

@@ -74,6 +74,7 @@ class CompletedRequest:
     queue: float
     prefill: float
     itl: tuple[float, ...]
+    reasoning_tokens: int = 0
 
 
 class _EngineCollector(Collector):
@@ -184,6 +185,11 @@ class Metrics:
         self.generation_tokens = counter(
             "generation_tokens", "Completion tokens of completed requests (usage.completion_tokens)."
         )
+        self.reasoning_tokens = counter(
+            "reasoning_tokens",
+            "Completion tokens reasoning models spent thinking, of completed requests "
+            "(usage.completion_tokens_details.reasoning_tokens).",
+        )
         self.draft_accepted = counter(
             "draft_tokens_accepted",
             "Drafted tokens the target model accepted "
@@ -243,6 +249,7 @@ class Metrics:
         self.prompt_tokens.inc(done.prompt_tokens)
         self.prompt_tokens_cached.inc(done.cached_tokens)
         self.generation_tokens.inc(done.completion_tokens)
+        self.reasoning_tokens.inc(done.reasoning_tokens)
         self.draft_accepted.inc(done.draft_accepted)
         self.draft_rejected.inc(done.draft_rejected)
         if done.ttft is not None:

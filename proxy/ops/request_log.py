@@ -108,6 +108,7 @@ class RequestRecord:
             itl=tuple(
                 f.time_decode / (f.completion_tokens - 1) for f in self.finished if f.completion_tokens > 1
             ),
+            reasoning_tokens=usage.reasoning_tokens,
         )
 
 
@@ -151,6 +152,7 @@ def _fields(request: web.Request, rec: RequestRecord, endpoint: str, status: int
             prompt_tokens=usage.prompt_tokens,
             cached_tokens=usage.cached_tokens,
             completion_tokens=usage.completion_tokens,
+            reasoning_tokens=usage.reasoning_tokens,
             draft_accepted=usage.draft_accepted,
             draft_rejected=usage.draft_rejected,
             ttft_s=round((rec.first_token_at or now) - rec.arrived, 6),

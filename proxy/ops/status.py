@@ -151,6 +151,8 @@ def request_status(t: Tracked, v: View, now: float) -> RequestStatus:
         draft_accepted=v.draft_accepted,
         draft_rejected=v.draft_rejected,
         correlation_id=t.record.correlation_id(),
+        phase=("thinking" if v.thinking else "answering") if v.stage is Stage.DECODE else None,
+        reasoning_tokens=v.reasoning_tokens,
     )
 
 

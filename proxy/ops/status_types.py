@@ -140,6 +140,11 @@ class RequestStatus(msgspec.Struct, kw_only=True, gc=False):
     draft_accepted: int | None
     draft_rejected: int | None
     correlation_id: str | None = None
+    phase: Literal["thinking", "answering"] | None = None
+    """In ``decode``: whether a reasoning model is still thinking or answering
+    (``None`` in other stages)."""
+    reasoning_tokens: int = 0
+    """Of ``completion_tokens``, those spent thinking."""
 
 
 class OthersStatus(msgspec.Struct, kw_only=True, gc=False):

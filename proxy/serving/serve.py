@@ -60,7 +60,12 @@ from proxy.serving.delivery import complete_response, send_body, stream_response
 
 def context_of(state: ProxyState, worker: Ready) -> Context:
     """What a dialect's conversion needs from the server now."""
-    return Context(worker.max_context_tokens, state.tool_format(), state.model_name() or worker.model_id)
+    return Context(
+        worker.max_context_tokens,
+        state.tool_format(),
+        state.model_name() or worker.model_id,
+        state.settings.reasoning_field,
+    )
 
 
 async def expect_continue(request: web.Request) -> web.StreamResponse | None:

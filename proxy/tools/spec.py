@@ -255,6 +255,8 @@ class HistoryMessage(msgspec.Struct, frozen=True, kw_only=True):
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning: str | None = None
+    """An assistant turn's thinking, as the client sent it back (the template decides)."""
 
 
 def check_history(messages: Sequence[HistoryMessage]) -> None:

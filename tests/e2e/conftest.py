@@ -69,8 +69,9 @@ def _free_port() -> int:
     raise OSError(f"no free port in E2E_PORTS={os.environ['E2E_PORTS']}")
 
 
-def start_server(tmp: Path, *args: str) -> Server:
-    port = _free_port()
+def start_server(tmp: Path, *args: str, port: int | None = None) -> Server:
+    """``serve *args`` on ``port`` (a free one when ``None``), ready."""
+    port = port or _free_port()
     log_path = tmp / f"serve-{port}.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("EXL3_SIDECAR_")}
     with log_path.open("wb") as log_file:  # the child keeps its own descriptor

@@ -2381,6 +2381,13 @@ class Generator:
 # ---------------------------------------------------------------- test helpers
 
 
+def _int32_words(n: int) -> Any:
+    """A ``(1, n)`` int32 mask of zeros (numpy where 1.6.5 has a CPU torch tensor)."""
+    import numpy as np
+
+    return np.zeros((1, n), dtype=np.int32)
+
+
 def make_handle(
     *,
     script: Script = DEFAULT_SCRIPT,
@@ -2407,7 +2414,7 @@ def make_handle(
     does (``grammar.contained_filter_class``)."""
     from engine_worker.exllamav3.chat_template import chat_encoder
     from engine_worker.exllamav3.engine import EngineHandle
-    from engine_worker.exllamav3.grammar import contained_filter_class, filter_factory
+    from engine_worker.exllamav3.grammar import budget_filter_factory, contained_filter_class, filter_factory
 
     model = Model(script=script, fail_prefill=fail_prefill)
     cache = Cache(model, cache_tokens)
@@ -2481,4 +2488,6 @@ def make_handle(
         chat_template=chat_template if chat_template is not None else CHATML_TEMPLATE,
         new_filter=filter_factory(contained_filter_class(LLGuidanceFilter), tok),
         ll_tokenizer=lambda: create_ll_tokenizer(tok),
+        as_ids=FakeTensor,
+        new_budget_filter=budget_filter_factory(Filter, tok, VOCAB_SIZE, _int32_words),
     )

@@ -12,8 +12,8 @@ Stream chunk (``proxy.dialects.openai.shapes.StreamChunk``)::
      "timings": {...}}                            # only with timings_per_token
 
     choice: {"index": int, "delta": {"role": "assistant", "content": str | null,
-             "tool_calls": [...]}, "logprobs": {"content": [...]} | null,
-             "finish_reason": str | null}
+             "tool_calls": [...]} | {"role"?, "reasoning_content": str},
+             "logprobs": {"content": [...]} | null, "finish_reason": str | null}
     (``role`` only on a choice's first chunk, ``content`` absent on the finish
     chunk, ``null`` on progress chunks and a first tool-call delta)
 
@@ -21,18 +21,24 @@ Body (``Completion``)::
 
     {"id", "object": "chat.completion", "created", "model",
      "choices": [{"index", "message": {"role": "assistant", "content": str | null,
-                  "tool_calls": [...]?}, "logprobs": {...} | null, "finish_reason": str}],
+                  "tool_calls": [...]?, "reasoning_content": str?}, "logprobs": {...} | null,
+                  "finish_reason": str}],
      "usage": usage, "timings"?: {...}}
 
 Sources: the OpenAI API reference (chat completion and chunk objects),
 llama.cpp's server (``prompt_progress``, ``timings``; an assistant delta with
 null content on progress chunks, so clients reading ``delta.content`` see "no
-text yet").
+text yet"; ``reasoning_content`` in the message and in deltas of their own, as
+its ``--reasoning-format deepseek`` writes; vLLM's ``reasoning`` with
+``--reasoning-field reasoning``).
 """
 
 from __future__ import annotations
 
-from msgspec import UNSET
+from typing import Literal
+
+import msgspec
+from msgspec import UNSET, UnsetType
 
 from proxy.core.dialect import Header
 from proxy.core.generation import Choice, Generation, Logprobs
@@ -81,6 +87,15 @@ class ChatFrames(ChunkFrames):
         delta = Delta(role="assistant", content=text) if _first(choice) else Delta(content=text)
         out.append(sse.event(self.chunk(ChatDeltaChoice(choice.index, delta, _logprobs(logprobs)))))
 
+    def reasoning(self, choice: Choice, text: str, out: list[bytes]) -> None:
+        # A delta of its own, never with content (llama.cpp's and vLLM's streams).
+        role: Literal["assistant"] | UnsetType = "assistant" if _first(choice) else UNSET
+        if self.gen.options.reasoning_field == "reasoning":
+            delta = Delta(role=role, reasoning=text)
+        else:
+            delta = Delta(role=role, reasoning_content=text)
+        out.append(sse.event(self.chunk(ChatDeltaChoice(choice.index, delta))))
+
     def tool_call(self, choice: Choice, call: ToolCallDelta, out: list[bytes]) -> None:
         # OpenAI's first tool-call delta carries the role and a null content.
         if _first(choice):
@@ -97,12 +112,18 @@ class ChatFrames(ChunkFrames):
 def chat_body(gen: Generation, header: Header, timings: bool) -> bytes:
     """The ``chat.completion`` body of a finished ``gen``."""
     tools = gen.options.tools is not None
+    vllm_name = gen.options.reasoning_field == "reasoning"
     choices: list[ResponseChoice] = []
     for r in gen.results():
+        thought: str | UnsetType = UNSET if r.reasoning is None else r.reasoning
         if tools:
             message = AssistantMessage(content=r.content, tool_calls=r.tool_calls or UNSET)
         else:
             message = AssistantMessage(content=r.text)
+        if vllm_name:
+            message = msgspec.structs.replace(message, reasoning=thought)
+        else:
+            message = msgspec.structs.replace(message, reasoning_content=thought)
         choices.append(ChatMessageChoice(r.index, message, _logprobs(r.logprobs), r.finish_reason))
     counts = gen.final_counts()
     body = Completion(header.id, "chat.completion", header.created, header.model, choices, usage_of(counts))

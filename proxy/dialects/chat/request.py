@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from proxy.core.fields import Count, Refusals, decode, never, tool_config
+from proxy.core.fields import Count, Effort, Refusals, decode, never, thinking, tool_config
 from proxy.core.task import ChatTask
 from proxy.dialects.openai.request import ContentPart, OpenAIFields
 from proxy.errors import InvalidRequest
@@ -31,6 +31,10 @@ class ChatMessageIn(msgspec.Struct, kw_only=True):
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning_content: str | None = None
+    """An assistant turn's thinking sent back (llama.cpp's, DeepSeek's name)."""
+    reasoning: str | None = None
+    """The same under vLLM's and Ollama's name."""
 
 
 class ChatCompletionRequest(OpenAIFields, kw_only=True):
@@ -45,6 +49,8 @@ class ChatCompletionRequest(OpenAIFields, kw_only=True):
     tools: list[ToolIn] | None = None
     tool_choice: ToolChoiceIn | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: Effort | None = None
+    chat_template_kwargs: dict[str, object] | None = None
 
     def logprobs_k(self) -> int | None:
         """``top_logprobs`` (0 when absent) when ``logprobs`` is true, else ``None``."""
@@ -76,7 +82,28 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
         raise InvalidRequest("'messages' must contain at least one message", param="messages")
     if req.top_logprobs and not req.logprobs:
         raise InvalidRequest("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+    taken = sorted(set(req.chat_template_kwargs or ()) & _TEMPLATE_ARGUMENTS)
+    if taken:
+        raise InvalidRequest(
+            f"'chat_template_kwargs' may not set {', '.join(taken)}: the request's own fields do",
+            param="chat_template_kwargs",
+        )
     return req
+
+
+_TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "return_dict",
+        "chat_template",
+    }
+)
+"""Names ``apply_chat_template`` takes as its own arguments: not template variables."""
 
 
 def flatten_content(content: str | list[ContentPart] | None, where: str) -> str | None:
@@ -107,12 +134,16 @@ def chat_task(req: ChatCompletionRequest) -> ChatTask:
             tool_calls=tuple(m.tool_calls or ()),
             tool_call_id=m.tool_call_id,
             name=m.name,
+            reasoning=m.reasoning_content if m.reasoning_content is not None else m.reasoning,
         )
         for i, m in enumerate(req.messages)
     )
+    sampling = req.sampling(max_tokens=req.completion_limit(), stop=req.stop, logprobs=req.logprobs_k())
+    sampling, template_kwargs = thinking(sampling, req.reasoning_effort, req.chat_template_kwargs)
     return ChatTask(
         messages=messages,
-        sampling=req.sampling(max_tokens=req.completion_limit(), stop=req.stop, logprobs=req.logprobs_k()),
+        sampling=sampling,
+        template_kwargs=template_kwargs,
         tools=tools,
         json_output=req.json_output(),
         n=req.n,

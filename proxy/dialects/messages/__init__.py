@@ -44,10 +44,10 @@ class MessagesJob(RequestJob[MessagesRequest]):
         return chat_submits(chat_task(self.req), request_id, context)
 
     def frames(self, generation: Generation, header: Header) -> Frames:
-        return MessagesFrames(generation, header)
+        return MessagesFrames(generation, header, self.req.show_thinking)
 
     def body(self, generation: Generation, header: Header) -> bytes:
-        return messages_body(generation, header)
+        return messages_body(generation, header, self.req.show_thinking)
 
 
 class TokenCount(msgspec.Struct, gc=False):

@@ -21,6 +21,11 @@ Stream (``event: <type>`` + ``data: {"type": <type>, ...}``)::
 
     message_start                     # the message, empty content, usage so far
     [queue_progress, prompt_progress ...]          # with return_progress (this server's)
+    content_block_start {"index": 0, "content_block": {"type": "thinking", "thinking": "",
+                         "signature": ""}}                         # a model that thinks
+    content_block_delta {"delta": {"type": "thinking_delta", "thinking"}} ...
+    content_block_delta {"delta": {"type": "signature_delta", "signature"}}
+    content_block_stop
     content_block_start {"index", "content_block": {"type": "text", "text": ""}}
     content_block_delta {"index", "delta": {"type": "text_delta", "text"}} ...
     content_block_stop {"index"}
@@ -40,6 +45,8 @@ Error body (``MessagesErrors``)::
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import uuid
 from typing import Any, Literal
 
@@ -59,6 +66,12 @@ from proxy.tools import ToolCallDelta
 # ---------------------------------------------------------------- shapes
 
 
+class OutputTokensDetails(msgspec.Struct, gc=False):
+    """Anthropic's ``usage.output_tokens_details``: thinking tokens, delimiters included."""
+
+    thinking_tokens: int
+
+
 class MessageUsage(msgspec.Struct, gc=False):
     input_tokens: int
     output_tokens: int
@@ -66,10 +79,13 @@ class MessageUsage(msgspec.Struct, gc=False):
     cache_read_input_tokens: int = 0
     accepted_prediction_tokens: int | UnsetType = UNSET
     rejected_prediction_tokens: int | UnsetType = UNSET
+    output_tokens_details: OutputTokensDetails | UnsetType = UNSET
 
     @classmethod
     def of(cls, c: Counts) -> MessageUsage:
         usage = cls(c.prompt_tokens - c.cached_tokens, c.completion_tokens, 0, c.cached_tokens)
+        if c.reasoning_tokens:
+            usage.output_tokens_details = OutputTokensDetails(c.reasoning_tokens)
         if c.draft_accepted is not None:
             usage.accepted_prediction_tokens = c.draft_accepted
             usage.rejected_prediction_tokens = c.draft_rejected or 0
@@ -86,7 +102,19 @@ class ToolUseBlock(msgspec.Struct, gc=False, tag_field="type", tag="tool_use"):
     input: Any
 
 
-Block = TextBlock | ToolUseBlock
+class ThinkingBlock(msgspec.Struct, gc=False, tag_field="type", tag="thinking"):
+    thinking: str
+    signature: str
+
+
+Block = TextBlock | ToolUseBlock | ThinkingBlock
+
+
+def signature_of(thinking: str) -> str:
+    """A thinking block's ``signature``: opaque and non-empty, as clients require
+    (Claude Code sends it back with the block); here a digest of the text, which
+    this server does not check when it comes back."""
+    return "exl3s1" + base64.urlsafe_b64encode(hashlib.sha256(thinking.encode()).digest()).decode()
 
 
 class Message(msgspec.Struct, kw_only=True, gc=False):
@@ -117,9 +145,17 @@ class InputJsonDelta(msgspec.Struct, gc=False, tag_field="type", tag="input_json
     partial_json: str
 
 
+class ThinkingDelta(msgspec.Struct, gc=False, tag_field="type", tag="thinking_delta"):
+    thinking: str
+
+
+class SignatureDelta(msgspec.Struct, gc=False, tag_field="type", tag="signature_delta"):
+    signature: str
+
+
 class BlockDelta(msgspec.Struct, gc=False, tag_field="type", tag="content_block_delta"):
     index: int
-    delta: TextDelta | InputJsonDelta
+    delta: TextDelta | InputJsonDelta | ThinkingDelta | SignatureDelta
 
 
 class BlockStop(msgspec.Struct, gc=False, tag_field="type", tag="content_block_stop"):
@@ -220,9 +256,11 @@ class MessagesFrames:
 
     ping = _PING
 
-    def __init__(self, gen: Generation, header: Header) -> None:
+    def __init__(self, gen: Generation, header: Header, show_thinking: bool = True) -> None:
         self.gen = gen
         self.header = header
+        self._show_thinking = show_thinking
+        self._thought: list[str] = []  # the open thinking block's text, for its signature
         self._opened = False
         self._index = -1  # the open content block, -1: none
         self._kind: str | None = None  # its type
@@ -254,10 +292,24 @@ class MessagesFrames:
         out.append(sse.named_event(b"content_block_start", BlockStart(self._index, block)))
 
     def _stop(self, out: list[bytes]) -> None:
+        if self._kind == "thinking":
+            # The signature closes a thinking block, before its content_block_stop.
+            signature = SignatureDelta(signature_of("".join(self._thought)))
+            out.append(sse.named_event(b"content_block_delta", BlockDelta(self._index, signature)))
+            self._thought = []
         if self._kind is not None:
             out.append(sse.named_event(b"content_block_stop", BlockStop(self._index)))
             self._kind = None
             self._tool_index = None
+
+    def reasoning(self, choice: Choice, text: str, out: list[bytes]) -> None:
+        self.open(out)
+        if self._kind != "thinking":
+            self._start(ThinkingBlock("", ""), "thinking", out)
+        if self._show_thinking:
+            self._thought.append(text)
+            event = BlockDelta(self._index, ThinkingDelta(text))
+            out.append(sse.named_event(b"content_block_delta", event))
 
     def text(self, choice: Choice, text: str, logprobs: Logprobs, offset: int, out: list[bytes]) -> None:
         self.open(out)
@@ -294,10 +346,13 @@ class MessagesFrames:
         out.append(sse.named_event(b"error", error_body(exc)))
 
 
-def messages_body(gen: Generation, header: Header) -> bytes:
+def messages_body(gen: Generation, header: Header, show_thinking: bool = True) -> bytes:
     """The message object of a finished ``gen`` (one choice)."""
     r = gen.results()[0]
     content: list[Block] = []
+    if r.reasoning is not None:
+        thought = r.reasoning if show_thinking else ""
+        content.append(ThinkingBlock(thought, signature_of(thought)))
     text = r.content if gen.options.tools is not None else r.text
     if text:
         content.append(TextBlock(text))

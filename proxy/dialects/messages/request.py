@@ -13,7 +13,8 @@ Shapes follow Anthropic's API reference ("Messages", "Count message tokens")::
 
     block: {"type": "text", "text"} | {"type": "tool_use", "id", "name", "input": {...}}
          | {"type": "tool_result", "tool_use_id", "content": str | [text blocks], "is_error"?}
-         | {"type": "thinking" | "redacted_thinking", ...}   # dropped: no thinking to replay
+         | {"type": "thinking", "thinking": str, "signature": str}  # the turn's thinking
+         | {"type": "redacted_thinking", "data": str}   # accepted, dropped (opaque)
 
 ``tool_use`` blocks join their assistant turn as calls; ``tool_result`` blocks
 become tool turns. A ``system`` message inside ``messages`` (Claude Code 2.1
@@ -22,7 +23,13 @@ its place, text only. A tool with ``defer_loading: true`` is one the client
 will load later through its own tool search: it is left out of what the model
 sees, as Anthropic's API leaves it out of the context until it is loaded (a
 ``tool_reference`` block that would load it is refused, as every non-text
-block in a tool result is). What changes nothing here (``thinking``,
+block in a tool result is). ``thinking``: ``{"type": "enabled", "budget_tokens"}``
+is the thinking budget, ``{"type": "disabled"}`` no thinking, ``{"type":
+"adaptive"}`` the model's own choice (``display: "omitted"`` sends the thinking
+block empty, signature only). A ``thinking`` block sent back is its assistant
+turn's thinking, given to the template (which keeps or drops it), its signature
+not checked (it is no secret here: the client may send any history).
+What changes nothing here (
 ``context_management``, ``cache_control``, ``metadata``, ``service_tier``) is
 accepted; what would change the answer and cannot be honoured (images,
 documents, server tools, MCP servers) is a 400 naming it. Claude Code's billing
@@ -31,6 +38,7 @@ line at the start of ``system`` never reaches the prompt (``claude_code``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Annotated, ClassVar, Literal
 
@@ -85,6 +93,14 @@ class OutputConfigIn(msgspec.Struct, kw_only=True):
     effort: str | None = None
 
 
+class ThinkingIn(msgspec.Struct, kw_only=True):
+    """``thinking`` (module docstring)."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] | None = None
+    display: Literal["summarized", "omitted"] | None = None
+
+
 class MessageIn(msgspec.Struct, kw_only=True):
     role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, object]]
@@ -107,6 +123,28 @@ class MessagesRequest(SamplerFields, kw_only=True):
     temperature: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
     output_config: OutputConfigIn | None = None
     output_format: OutputFormatIn | None = None
+    thinking: ThinkingIn | None = None
+
+    def thinking_budget_of(self) -> int | None:
+        """The thinking budget: the sampler fields' (llama.cpp's name), else
+        ``thinking``'s. Raises ``InvalidRequest`` for ``enabled`` without a budget."""
+        own = self.thinking_budget()
+        t = self.thinking
+        if own is not None or t is None:
+            return own
+        if t.type == "disabled":
+            return 0
+        if t.type == "enabled":
+            if t.budget_tokens is None:
+                raise InvalidRequest(
+                    "'thinking' of type 'enabled' needs 'budget_tokens'", param="thinking.budget_tokens"
+                )
+            return t.budget_tokens
+        return None
+
+    @property
+    def show_thinking(self) -> bool:
+        return self.thinking is None or self.thinking.display != "omitted"
 
 
 class CountTokensRequest(msgspec.Struct, kw_only=True):
@@ -182,7 +220,7 @@ def _text_blocks(content: object, where: str) -> str:
     return "\n".join(texts)
 
 
-_DROPPED = frozenset({"thinking", "redacted_thinking"})
+_DROPPED = frozenset({"redacted_thinking"})
 
 
 def history(system: object, messages: list[MessageIn]) -> tuple[HistoryMessage, ...]:
@@ -212,6 +250,7 @@ def history(system: object, messages: list[MessageIn]) -> tuple[HistoryMessage, 
             asked = set()
             continue
         texts: list[str] = []
+        thoughts: list[str] = []
         calls: list[ToolCall] = []
         results: list[HistoryMessage] = []
         answered: set[str] = set()
@@ -243,8 +282,13 @@ def history(system: object, messages: list[MessageIn]) -> tuple[HistoryMessage, 
                 if block.get("is_error"):
                     text = f"Error: {text}"
                 results.append(HistoryMessage(role="tool", content=text, tool_call_id=tool_id))
-            elif kind in _DROPPED:
-                continue  # no thinking to replay: the served model writes none
+            elif kind == "thinking" and m.role == "assistant":
+                thought = block.get("thinking")
+                if not isinstance(thought, str):
+                    raise InvalidRequest(f"'{at}.thinking' must be a string", param=f"{at}.thinking")
+                thoughts.append(thought)
+            elif kind in _DROPPED and m.role == "assistant":
+                continue  # opaque: nothing the template could render
             else:
                 raise InvalidRequest(
                     f"'{at}' is a block of type {quoted(kind)} in a {m.role} message; this server takes "
@@ -257,7 +301,10 @@ def history(system: object, messages: list[MessageIn]) -> tuple[HistoryMessage, 
         turns += results
         if texts or calls or not results:
             content = "\n".join(texts) if texts else None
-            turns.append(HistoryMessage(role=m.role, content=content, tool_calls=tuple(calls)))
+            reasoning = "\n".join(thoughts) if thoughts else None
+            turns.append(
+                HistoryMessage(role=m.role, content=content, tool_calls=tuple(calls), reasoning=reasoning)
+            )
     return tuple(turns)
 
 
@@ -319,6 +366,7 @@ def chat_task(req: MessagesRequest | CountTokensRequest) -> ChatTask:
     tools = tool_config(tools_in, choice, parallel)
     if isinstance(req, MessagesRequest):
         sampling = req.sampling(max_tokens=req.max_tokens, stop=req.stop_sequences, logprobs=None)
+        sampling = dataclasses.replace(sampling, reasoning_budget=req.thinking_budget_of())
     else:
         sampling = Sampling(max_tokens=1)
     return ChatTask(

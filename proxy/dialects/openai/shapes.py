@@ -45,8 +45,9 @@ class PromptTokensDetails(msgspec.Struct, gc=False):
 
 
 class CompletionTokensDetails(msgspec.Struct, gc=False):
-    accepted_prediction_tokens: int
-    rejected_prediction_tokens: int
+    accepted_prediction_tokens: int | UnsetType = UNSET
+    rejected_prediction_tokens: int | UnsetType = UNSET
+    reasoning_tokens: int | UnsetType = UNSET
 
 
 class Usage(msgspec.Struct, gc=False):
@@ -76,6 +77,11 @@ def usage_of(counts: Counts, final: bool = True) -> Usage:
     details: CompletionTokensDetails | UnsetType = UNSET
     if counts.draft_accepted is not None:
         details = CompletionTokensDetails(counts.draft_accepted, counts.draft_rejected or 0)
+    if counts.reasoning_tokens:
+        if isinstance(details, CompletionTokensDetails):
+            details.reasoning_tokens = counts.reasoning_tokens
+        else:
+            details = CompletionTokensDetails(reasoning_tokens=counts.reasoning_tokens)
     return Usage(
         counts.prompt_tokens,
         counts.completion_tokens,
@@ -210,11 +216,14 @@ class Timings(msgspec.Struct, frozen=True, gc=False):
 
 
 class Delta(msgspec.Struct, frozen=True, gc=False):
-    """A chat chunk's ``delta``: ``{"role"?, "content"?, "tool_calls"?}``."""
+    """A chat chunk's ``delta``: ``{"role"?, "content"?, "tool_calls"?}``, or the
+    thinking as ``{"role"?, "reasoning_content"}`` (``"reasoning"`` with vLLM's name)."""
 
     role: Literal["assistant"] | UnsetType = UNSET
     content: str | UnsetType | None = UNSET
     tool_calls: list[ToolCallDelta] | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
+    reasoning: str | UnsetType = UNSET
 
 
 class ChatDeltaChoice(msgspec.Struct, frozen=True, gc=False):
@@ -242,6 +251,8 @@ class AssistantMessage(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
+    reasoning: str | UnsetType = UNSET
 
 
 class ChatMessageChoice(msgspec.Struct, frozen=True, gc=False):

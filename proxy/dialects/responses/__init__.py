@@ -56,7 +56,10 @@ class ResponsesJob(RequestJob[ResponsesRequest]):
                 instructions=req.instructions,
                 max_output_tokens=req.max_output_tokens,
                 parallel_tool_calls=req.parallel_tool_calls is not False,
-                reasoning=Reasoning(),
+                reasoning=Reasoning(
+                    req.reasoning.effort if req.reasoning is not None else None,
+                    req.reasoning.summary if req.reasoning is not None else None,
+                ),
                 store=False,
                 temperature=req.temperature if req.temperature is not None else 1.0,
                 text={"format": text_format},

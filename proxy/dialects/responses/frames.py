@@ -5,6 +5,10 @@ Stream (each event ``event: <type>`` + ``data: {"type": <type>,
 
     response.created, response.in_progress          # the response, status in_progress
     [response.queue_progress, response.prompt_progress ...]   # with return_progress
+    response.output_item.added                      # a reasoning item (a model that thinks)
+    response.content_part.added                     # its reasoning_text part
+    response.reasoning_text.delta ...               # the thinking
+    response.reasoning_text.done, response.content_part.done, response.output_item.done
     response.output_item.added                      # a message item
     response.content_part.added                     # its output_text part
     response.output_text.delta ...                  # the text (logprobs when asked)
@@ -46,6 +50,10 @@ from proxy.dialects.responses.shapes import (
     PartEvent,
     PromptProgressEvent,
     QueueProgressEvent,
+    ReasoningDeltaEvent,
+    ReasoningDoneEvent,
+    ReasoningItem,
+    ReasoningText,
     Response,
     ResponseError,
     ResponseUsage,
@@ -73,8 +81,8 @@ def _logprobs(entries: Sequence[TokenLogprob] | None) -> list[TokenLogprobOut]:
 class _Message:
     __slots__ = ("id", "index", "logprobs", "texts")
 
-    def __init__(self, index: int) -> None:
-        self.id = new_item_id("msg_")
+    def __init__(self, index: int, prefix: str = "msg_") -> None:
+        self.id = new_item_id(prefix)
         self.index = index
         self.texts: list[str] = []
         self.logprobs: list[TokenLogprobOut] = []
@@ -111,6 +119,7 @@ class ResponsesFrames:
         self._output: list[OutputItem] = []
         self._message: _Message | None = None
         self._call: _Call | None = None
+        self._thought: _Message | None = None  # the reasoning item being streamed
         self._reason: str | None = None
 
     def _next(self) -> int:
@@ -136,8 +145,37 @@ class ResponsesFrames:
         e = PromptProgressEvent("response.prompt_progress", self._next(), PromptProgress.of(ev))
         out.append(sse.named_event(b"response.prompt_progress", e))
 
+    def reasoning(self, choice: Choice, text: str, out: list[bytes]) -> None:
+        self.open(out)
+        t = self._thought
+        if t is None:
+            t = self._thought = _Message(len(self._output), "rs_")
+            added = ReasoningItem(t.id, "in_progress", [])
+            out.append(sse.named_event(b"response.output_item.added", self._item("added", t.index, added)))
+            part = PartEvent("response.content_part.added", self._next(), t.id, t.index, 0, ReasoningText(""))
+            out.append(sse.named_event(b"response.content_part.added", part))
+        t.texts.append(text)
+        delta = ReasoningDeltaEvent("response.reasoning_text.delta", self._next(), t.id, t.index, 0, text)
+        out.append(sse.named_event(b"response.reasoning_text.delta", delta))
+
+    def _close_reasoning(self, out: list[bytes], status: ItemStatus) -> None:
+        t = self._thought
+        assert t is not None
+        self._thought = None
+        text = "".join(t.texts)
+        done = ReasoningDoneEvent("response.reasoning_text.done", self._next(), t.id, t.index, 0, text)
+        out.append(sse.named_event(b"response.reasoning_text.done", done))
+        part = ReasoningText(text)
+        e = PartEvent("response.content_part.done", self._next(), t.id, t.index, 0, part)
+        out.append(sse.named_event(b"response.content_part.done", e))
+        item = ReasoningItem(t.id, status, [part])
+        self._output.append(item)
+        out.append(sse.named_event(b"response.output_item.done", self._item("done", t.index, item)))
+
     def text(self, choice: Choice, text: str, logprobs: Logprobs, offset: int, out: list[bytes]) -> None:
         self.open(out)
+        if self._thought is not None:
+            self._close_reasoning(out, "completed")
         if self._call is not None:
             self._close_call(out, "completed")
         m = self._message
@@ -156,6 +194,8 @@ class ResponsesFrames:
     def tool_call(self, choice: Choice, delta: ToolCallDelta, out: list[bytes]) -> None:
         self.open(out)
         call = self._call
+        if self._thought is not None:
+            self._close_reasoning(out, "completed")
         if call is None or call.tool_index != delta.index:
             if self._message is not None:
                 self._close_message(out, "completed")
@@ -178,6 +218,8 @@ class ResponsesFrames:
         self.open(out)
         self._reason = reason
         status = _status(reason)
+        if self._thought is not None:
+            self._close_reasoning(out, status)
         if self._message is not None:
             self._close_message(out, status)
         if self._call is not None:
@@ -244,6 +286,8 @@ def responses_body(gen: Generation, snapshot: Snapshot, logprobs: bool) -> bytes
     r = gen.results()[0]
     status = _status(r.finish_reason)
     output: list[OutputItem] = []
+    if r.reasoning is not None:
+        output.append(ReasoningItem(new_item_id("rs_"), status, [ReasoningText(r.reasoning)]))
     content = r.content if gen.options.tools is not None else r.text
     if content:
         lp = [TokenLogprobOut.of(t) for t in r.logprobs] if logprobs and r.logprobs is not None else UNSET

@@ -11,12 +11,18 @@ Items (OpenAI API reference, "Create a model response", ``input``)::
      "type"?: "message"}
     {"type": "function_call", "call_id": str, "name": str, "arguments": str}
     {"type": "function_call_output", "call_id": str, "output": str | [input_text parts]}
-    {"type": "reasoning", ...}           # dropped: this model writes no reasoning
+    {"type": "reasoning", "content"?: [{"type": "reasoning_text", "text"}],
+     "summary"?: [{"type": "summary_text", "text"}]}   # the next assistant turn's thinking
 
 Consecutive ``function_call`` items join the assistant turn before them (one
 turn with its calls, as chat history has it); ``instructions`` is a system
-message in front. Fields that change nothing here (``store``, ``reasoning``,
-``include``, ``prompt_cache_key``, ``metadata``, ...) are accepted; what would
+message in front; a ``reasoning`` item is the thinking of the assistant turn after
+it (given to the template, which keeps or drops it; never content).
+``reasoning.effort`` ``none`` switches thinking off, another effort goes to the
+template (``proxy.core.fields.thinking``); ``reasoning.summary`` is accepted (no
+summary is written: the thinking itself comes as ``reasoning_text``). Fields that
+change nothing here (``store``, ``include``, ``prompt_cache_key``, ``metadata``, ...)
+are accepted; what would
 change the output and cannot be honoured (images, files, audio, built-in tools,
 ``previous_response_id``, ``background``) is a 400 naming it.
 """
@@ -30,6 +36,7 @@ import msgspec
 
 from proxy.core.fields import (
     Count,
+    Effort,
     Refusals,
     SamplerFields,
     decode,
@@ -37,6 +44,7 @@ from proxy.core.fields import (
     json_output,
     named_choice,
     never,
+    thinking,
     tool_config,
 )
 from proxy.core.task import ChatTask, JsonOutput
@@ -74,6 +82,13 @@ class FunctionToolIn(msgspec.Struct, kw_only=True):
     strict: bool | None = None
 
 
+class ReasoningIn(msgspec.Struct, kw_only=True):
+    """``reasoning``: ``effort`` (``none`` = no thinking) and ``summary`` (accepted)."""
+
+    effort: Effort | None = None
+    summary: str | None = None
+
+
 class ToolChoiceObjectIn(msgspec.Struct, kw_only=True):
     """``tool_choice`` as an object: ``{"type": "function", "name": str}``."""
 
@@ -99,6 +114,7 @@ class ResponsesRequest(SamplerFields, kw_only=True):
     metadata: dict[str, object] | None = None
     truncation: Literal["auto", "disabled"] | None = None
     stop: str | list[str] | None = None
+    reasoning: ReasoningIn | None = None
 
     @property
     def logprobs_k(self) -> int | None:
@@ -189,9 +205,12 @@ def history(req: ResponsesRequest) -> tuple[HistoryMessage, ...]:
     if isinstance(req.input, str):
         turns.append(HistoryMessage(role="user", content=req.input))
         return tuple(turns)
+    thought: str | None = None  # a reasoning item's text, for the assistant turn after it
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
         kind = item.get("type", "message" if "role" in item else None)
+        if thought is not None and kind not in ("message", "function_call", "reasoning"):
+            thought = None
         if kind == "message":
             role = item.get("role")
             if role not in _ROLES:
@@ -204,7 +223,9 @@ def history(req: ResponsesRequest) -> tuple[HistoryMessage, ...]:
                     f"Missing required parameter: '{where}.content'", param=f"{where}.content"
                 )
             text = _text_of(item["content"], f"{where}.content", _MESSAGE_PARTS)
-            turns.append(HistoryMessage(role=role, content=text))
+            reasoning = thought if role == "assistant" else None
+            thought = None
+            turns.append(HistoryMessage(role=role, content=text, reasoning=reasoning))
         elif kind == "function_call":
             call = ToolCall(
                 id=_string(item, "call_id", where),
@@ -214,7 +235,10 @@ def history(req: ResponsesRequest) -> tuple[HistoryMessage, ...]:
             if last is not None and last.role == "assistant":
                 turns[-1] = msgspec.structs.replace(last, tool_calls=(*last.tool_calls, call))
             else:
-                turns.append(HistoryMessage(role="assistant", content=None, tool_calls=(call,)))
+                turns.append(
+                    HistoryMessage(role="assistant", content=None, tool_calls=(call,), reasoning=thought)
+                )
+            thought = None
         elif kind == "function_call_output":
             if "output" not in item:
                 raise InvalidRequest(f"Missing required parameter: '{where}.output'", param=f"{where}.output")
@@ -223,7 +247,7 @@ def history(req: ResponsesRequest) -> tuple[HistoryMessage, ...]:
                 HistoryMessage(role="tool", content=output, tool_call_id=_string(item, "call_id", where))
             )
         elif kind == "reasoning":
-            continue  # no reasoning to replay: the served model writes none
+            thought = _reasoning_text(item, where)
         else:
             raise InvalidRequest(
                 f"'{where}' is an item of type {quoted(kind)}; this server takes messages, function_call, "
@@ -234,6 +258,25 @@ def history(req: ResponsesRequest) -> tuple[HistoryMessage, ...]:
     if not turns:
         raise InvalidRequest("'input' holds no message", param="input")
     return tuple(turns)
+
+
+def _reasoning_text(item: Mapping[str, object], where: str) -> str | None:
+    """A reasoning item's thinking: its ``reasoning_text`` parts, else its summary's
+    text (``None`` when it has neither, e.g. only ``encrypted_content``)."""
+    for key, part_type in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key)
+        if not parts:
+            continue
+        if not isinstance(parts, list):
+            raise InvalidRequest(f"'{where}.{key}' must be a list of parts", param=f"{where}.{key}")
+        texts = [p.get("text") for p in parts if isinstance(p, dict) and p.get("type") == part_type]
+        if any(not isinstance(t, str) for t in texts) or not texts:
+            raise InvalidRequest(
+                f"'{where}.{key}' parts must be {{'type': '{part_type}', 'text': str}}",
+                param=f"{where}.{key}",
+            )
+        return "\n".join(str(t) for t in texts)
+    return None
 
 
 def _tool_choice(choice: str | ToolChoiceObjectIn | None) -> ToolChoiceIn | None:
@@ -278,7 +321,10 @@ def responses_task(req: ResponsesRequest) -> ChatTask:
     tools_in = [function_tool(t.name, t.description, t.parameters, t.strict) for t in req.tools or ()]
     tools = tool_config(tools_in, _tool_choice(req.tool_choice), req.parallel_tool_calls)
     sampling = req.sampling(max_tokens=req.max_output_tokens, stop=req.stop, logprobs=req.logprobs_k)
+    effort = req.reasoning.effort if req.reasoning is not None else None
+    sampling, template_kwargs = thinking(sampling, effort, None)
     return ChatTask(
+        template_kwargs=template_kwargs,
         messages=history(req),
         sampling=sampling,
         tools=tools,

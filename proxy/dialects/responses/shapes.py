@@ -59,9 +59,9 @@ class ResponseUsage(msgspec.Struct, gc=False):
 
     @classmethod
     def of(cls, c: Counts) -> ResponseUsage:
-        details = OutputTokensDetails()
+        details = OutputTokensDetails(c.reasoning_tokens)
         if c.draft_accepted is not None:
-            details = OutputTokensDetails(0, c.draft_accepted, c.draft_rejected or 0)
+            details = OutputTokensDetails(c.reasoning_tokens, c.draft_accepted, c.draft_rejected or 0)
         return cls(
             c.prompt_tokens, InputTokensDetails(c.cached_tokens), c.completion_tokens, details, c.total_tokens
         )
@@ -91,7 +91,21 @@ class FunctionCallItem(msgspec.Struct, gc=False, tag_field="type", tag="function
     status: ItemStatus
 
 
-OutputItem = MessageItem | FunctionCallItem
+class ReasoningText(msgspec.Struct, gc=False, tag_field="type", tag="reasoning_text"):
+    text: str
+
+
+class ReasoningItem(msgspec.Struct, gc=False, tag_field="type", tag="reasoning"):
+    """The thinking of a reasoning model (the SDK's ``ResponseReasoningItem``): its text as
+    one ``reasoning_text`` content part; no summary (the model writes none)."""
+
+    id: str
+    status: ItemStatus
+    content: list[ReasoningText]
+    summary: list[object] = msgspec.field(default_factory=list)
+
+
+OutputItem = MessageItem | FunctionCallItem | ReasoningItem
 
 
 class ResponseError(msgspec.Struct, gc=False):
@@ -166,7 +180,7 @@ class PartEvent(msgspec.Struct, gc=False):
     item_id: str
     output_index: int
     content_index: int
-    part: OutputText
+    part: OutputText | ReasoningText
 
 
 class TextDeltaEvent(msgspec.Struct, gc=False):
@@ -179,6 +193,28 @@ class TextDeltaEvent(msgspec.Struct, gc=False):
     content_index: int
     delta: str
     logprobs: list[TokenLogprobOut]
+
+
+class ReasoningDeltaEvent(msgspec.Struct, gc=False):
+    """``response.reasoning_text.delta`` (the SDK's ``ResponseReasoningTextDeltaEvent``)."""
+
+    type: str
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class ReasoningDoneEvent(msgspec.Struct, gc=False):
+    """``response.reasoning_text.done``."""
+
+    type: str
+    sequence_number: int
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
 
 
 class TextDoneEvent(msgspec.Struct, gc=False):

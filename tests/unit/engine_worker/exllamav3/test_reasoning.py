@@ -1,0 +1,127 @@
+"""ExLlamaV3 splits a reasoning model's thinking from its answer
+(``engine_worker.reasoning.text_split`` over the job's ids and text), on the fake
+1.6.5 generator. The fake's vocabulary is bytes, so the markers are the ids
+``</think>`` encodes to (a parser chosen by name): matched as id sequences,
+held while they may be starting, never shown."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine_worker.backend import RequestRejected
+from engine_worker.settings import WorkerSettings
+from protocol.messages import Channel, FinishReason, TokenDelta
+from tests.fakes import exllamav3 as fx
+from tests.fakes.exllamav3_driver import add, chat, check_lifecycle, finished, make_backend, of, raw, run
+
+QWEN3 = (Path(__file__).resolve().parents[3] / "data" / "reasoning" / "qwen3.jinja").read_text()
+
+
+def settings(**kwargs: object) -> WorkerSettings:
+    return WorkerSettings(backend="exllamav3", model_dir=Path("/models/fake-exl3"), **kwargs)  # type: ignore[arg-type]
+
+
+def channels(events: list[object], rid: str) -> tuple[str, str]:
+    deltas = [e for e in of(events, rid) if isinstance(e, TokenDelta)]  # type: ignore[arg-type]
+    assert all(d.text for d in deltas)
+    think = "".join(d.text for d in deltas if d.channel is Channel.REASONING)
+    answer = "".join(d.text for d in deltas if d.channel is Channel.CONTENT)
+    return think, answer
+
+
+def test_deepseek_r1_output_starts_inside_the_span() -> None:
+    backend, _ = make_backend(settings(reasoning_parser="deepseek_r1"), script=fx.reply("ab</think>cd"))
+    assert backend.info.reasoning_parser == "deepseek_r1"
+    add(backend, chat("a", "hi"))
+    events = run(backend)
+    check_lifecycle(events, "a")
+    assert channels(events, "a") == ("ab", "cd")
+    fin = finished(events, "a")
+    assert fin.reasoning_tokens == 2 + len(b"</think>")
+    assert fin.completion_tokens == len(b"ab</think>cd") + 1  # and <|im_end|>
+
+
+def test_a_marker_split_across_results_is_never_shown() -> None:
+    # The stop string holds "</thin..." back in the job until ">" shows it is no stop.
+    backend, rec = make_backend(settings(reasoning_parser="deepseek_r1"), script=fx.reply("ab</think>cd"))
+    add(backend, raw("a", "x", stop=("</thinx",)))
+    events = run(backend)
+    assert any("text" not in r for r in rec.results if r.get("stage") == "streaming")  # held
+    assert channels(events, "a") == ("ab", "cd")
+    assert "think" not in "".join(e.text for e in of(events, "a") if isinstance(e, TokenDelta))
+
+
+def test_cut_inside_the_span_is_all_thinking() -> None:
+    backend, _ = make_backend(settings(reasoning_parser="deepseek_r1"), script=fx.reply("abcdef</think>x"))
+    add(backend, chat("a", "hi", max_tokens=4))
+    events = run(backend)
+    assert channels(events, "a") == ("abcd", "")
+    assert finished(events, "a").finish_reason is FinishReason.LENGTH
+
+
+def test_qwen3_budget_zero_switches_the_template_off() -> None:
+    backend, _ = make_backend(settings(reasoning_parser="qwen3"), script=fx.reply("ok"), chat_template=QWEN3)
+    prepared = backend.prepare(chat("a", "hi", reasoning_budget=0))
+    prompt = backend.detokenize(backend.prompt_ids(prepared))
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    add(backend, chat("a", "hi", reasoning_budget=0))
+    events = run(backend)
+    assert channels(events, "a") == ("", "ok")
+    assert finished(events, "a").reasoning_tokens == 0
+
+
+def test_qwen3_thinks_when_it_opens_the_span() -> None:
+    backend, _ = make_backend(
+        settings(reasoning_parser="qwen3"), script=fx.reply("<think>hm</think>yes"), chat_template=QWEN3
+    )
+    add(backend, chat("a", "hi"))
+    events = run(backend)
+    assert channels(events, "a") == ("hm", "yes")
+
+
+def test_what_needs_a_filter_is_refused_while_the_model_may_think() -> None:
+    backend, _ = make_backend(settings(reasoning_parser="deepseek_r1"), script=fx.reply("x"))
+    grammar = 'start: "x"'
+    with pytest.raises(RequestRejected) as e:
+        backend.prepare(chat("a", "hi", grammar=grammar, grammar_param="response_format"))
+    assert e.value.param == "response_format"
+    with pytest.raises(RequestRejected) as e:
+        backend.prepare(chat("a", "hi", logprobs=1))
+    assert e.value.param == "logprobs"
+    # No thinking: the span is closed in the prompt and the grammar is the answer's.
+    add(backend, chat("b", "hi", grammar=grammar, grammar_param="response_format", reasoning_budget=0))
+    events = run(backend)
+    assert channels(events, "b") == ("", "x")
+
+
+def test_no_parser_by_default_on_a_template_without_thinking() -> None:
+    backend, _ = make_backend(script=fx.reply("<think>a</think>b"))
+    assert backend.info.reasoning_parser is None
+    add(backend, chat("a", "hi"))
+    events = run(backend)
+    assert channels(events, "a") == ("", "<think>a</think>b")
+
+
+def test_the_budget_forces_the_end_marker() -> None:
+    # Left alone the model thinks "abab..." to the end; a budget of 3 ends it after "aba".
+    backend, _ = make_backend(settings(reasoning_parser="deepseek_r1"), script=fx.reply("ab" * 20))
+    add(backend, chat("a", "hi", reasoning_budget=3, max_tokens=3 + len(b"</think>") + 2))
+    events = run(backend)
+    think, answer = channels(events, "a")
+    assert think == "aba"
+    assert answer == "ba"  # the script goes on where the marker interrupted it (its own output index)
+    fin = finished(events, "a")
+    assert fin.reasoning_tokens == 3 + len(b"</think>")
+    assert fin.finish_reason is FinishReason.LENGTH
+
+
+def test_no_budget_filter_means_budgets_are_refused() -> None:
+    import dataclasses
+
+    backend, _ = make_backend(settings(reasoning_parser="deepseek_r1"), script=fx.reply("x"))
+    backend._h = dataclasses.replace(backend._h, new_budget_filter=None)
+    with pytest.raises(RequestRejected) as e:
+        backend.prepare(chat("a", "hi", reasoning_budget=5))
+    assert e.value.param == "thinking_budget_tokens"
