@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import click
 import httpx
 import msgspec
 
@@ -47,6 +48,17 @@ class _ReadyBody(msgspec.Struct):
 
 
 _decoder = msgspec.json.Decoder(_ReadyBody)
+
+
+wait_option = click.option(
+    "--wait",
+    "wait_s",
+    type=click.FloatRange(min=0),
+    default=300.0,
+    show_default=True,
+    help="Seconds to wait for a server that is still loading (GET /ready), a line per stage; 0: not at all.",
+)
+"""``--wait`` of the clients that talk to a server (``chat``, ``top``)."""
 
 
 def ready_url(base_url: str) -> str:

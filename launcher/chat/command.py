@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import click
 
 from launcher.chat.apis import APIS
+from launcher.wait import wait_option
 
 DEFAULT_BASE_URL = "http://127.0.0.1:5000/v1"
 """Where ``exl3-sidecar serve`` listens by default; like the OpenAI SDKs' ``base_url``, it ends in ``/v1``."""
@@ -93,14 +94,7 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopp
     help="Seconds the server may send nothing before the client gives up.",
 )
 @click.option("--plain", is_flag=True, help="Plain lines even on a terminal.")
-@click.option(
-    "--wait",
-    "wait_s",
-    type=click.FloatRange(min=0),
-    default=300.0,
-    show_default=True,
-    help="Seconds to wait for a server that is still loading (GET /ready), a line per stage; 0: not at all.",
-)
+@wait_option
 def chat(
     prompt: str | None,
     prompt_file: Path | None,

@@ -9,6 +9,7 @@ import sys
 import click
 
 from launcher.chat.command import EXIT_ERROR, EXIT_INTERRUPTED, base_url_of, server_options
+from launcher.wait import wait_option
 
 DEFAULT_INTERVAL_S = 1.0
 
@@ -47,14 +48,7 @@ DEFAULT_INTERVAL_S = 1.0
     show_default=True,
     help="Seconds the server may send nothing before the client gives up.",
 )
-@click.option(
-    "--wait",
-    "wait_s",
-    type=click.FloatRange(min=0),
-    default=300.0,
-    show_default=True,
-    help="Seconds to wait for a server that is still loading (GET /ready), a line per stage; 0: not at all.",
-)
+@wait_option
 def top(
     base_url: str | None,
     port: int | None,
