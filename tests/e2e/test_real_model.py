@@ -158,8 +158,8 @@ def test_same_long_prompt_twice_hits_prefix_cache(server: Server) -> None:
     assert u2["prompt_tokens"] == total
     assert 0 <= u1["prompt_tokens_details"]["cached_tokens"] <= _template_prefix_len()
     cached2 = u2["prompt_tokens_details"]["cached_tokens"]
-    # whole chunks of 256 (the CPU engine's default), never the last prompt token
-    assert cached2 == (total - 1) // 256 * 256 > 0
+    # whole 16-token blocks (the CPU engine's prefix-cache block), never the last prompt token
+    assert cached2 == (total - 1) // 16 * 16 > 0
     assert progress_of(second)[0]["cache"] == cached2
     assert progress_of(second)[0]["processed"] == cached2
     assert "completion_tokens_details" not in u2  # drafting is off on this server

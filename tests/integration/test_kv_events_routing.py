@@ -38,7 +38,8 @@ from tests.fakes.kv_subscriber import BlockIndex, BlockRemoved, BlockStored, Mes
 
 pytestmark = pytest.mark.slow
 
-BLOCK = 32  # --chunk-size: the CPU engine's prefix-cache entries end at multiples of it
+CHUNK = 32  # --chunk-size
+BLOCK = 16  # the CPU engine's prefix-cache block, min(16, --chunk-size): entries end at its multiples
 PREFIX_CACHE_MB = 8  # 182 positions of float32 KV (46,080 bytes each): the second phase evicts
 STARTUP_S = 300.0
 
@@ -71,7 +72,7 @@ def _start(tmp: Path, i: int) -> Replica:
     env = {k: v for k, v in os.environ.items() if not k.startswith("EXL3_SIDECAR_")}
     cmd = [
         sys.executable, "-m", "launcher", "serve", "--host", "127.0.0.1", "--port", str(port), "--",
-        "--threads", "1", "--chunk-size", str(BLOCK), "--prefix-cache-mb", str(PREFIX_CACHE_MB),
+        "--threads", "1", "--chunk-size", str(CHUNK), "--prefix-cache-mb", str(PREFIX_CACHE_MB),
         "--kv-cache-mb", "256", "--max-batch-size", "2",
         "--kv-events-endpoint", events_addr, "--kv-events-replay-endpoint", replay_addr,
         "--kv-events-topic", f"kv@{name}@SmolLM2-135M-Instruct",
