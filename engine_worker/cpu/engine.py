@@ -864,11 +864,13 @@ class CpuBackend:
     def _choose(self, req: _Request, logits: torch.Tensor) -> tuple[int, Scored | None]:
         """The token for one position's logits, within the grammar, and its score
         when the request asked for logprobs."""
-        forbidden = req.constraint.forbidden() if req.constraint is not None else None
-        if req.banned is not None and req.banned.blocked():
-            forbidden = torch.zeros(self._vocab_size, dtype=torch.bool)
-            forbidden[torch.tensor(req.banned.blocked(), dtype=torch.long)] = True
         forbidden = self._forbidden(req)
+        if req.banned is not None and req.banned.blocked():
+            # After a banned string's rewind: its first token may not come again here.
+            forbidden = (
+                torch.zeros(self._vocab_size, dtype=torch.bool) if forbidden is None else forbidden.clone()
+            )
+            forbidden[torch.tensor(req.banned.blocked(), dtype=torch.long)] = True
         if req.trail is None:
             return req.sampler.sample(logits, forbidden), None
         assert req.params.logprobs is not None
