@@ -532,15 +532,16 @@ class CpuBackend:
         self._prefill_turn = first + 1
         budget = self._chunk_size
         for req in prefilling[first:] + prefilling[:first]:
-            end = min((req.processed // self._chunk_size + 1) * self._chunk_size, req.prompt_len)
+            begin = req.processed // self._chunk_size * self._chunk_size  # where this chunk starts
+            end = min(begin + self._chunk_size, req.prompt_len)
             if end - req.processed <= budget:
                 assert req.kv is not None
                 budget -= end - req.processed
                 chunk = req.prompt_ids[req.processed : end]
                 logits = 1 if end == req.prompt_len else 0
-                # The path by the chunk size, not this chunk's length: the same for a
-                # position in every prompt, a tail after a prefix-cache hit included.
-                segment = Segment(req.kv, chunk, logits, chunk_size=self._chunk_size)
+                # After a prefix-cache hit inside a chunk only its tail runs, on the
+                # path the whole chunk takes (Segment.chunk_tokens).
+                segment = Segment(req.kv, chunk, logits, chunk_tokens=end - begin)
                 work.append(_Work(req, segment, None))
         return work
 

@@ -340,19 +340,17 @@ class Segment:
     last ``logits`` of them are returned (0: none).
 
     A segment with logits for every token (decode: the last token and drafts)
-    attends one query at a time; others (prompt chunks) in masked calls, one per
-    ``BLOCK_TOKENS`` block of positions."""
+    attends one query at a time; others (prompt chunks, and any segment with
+    ``chunk_tokens`` above 1) in one masked call over the keys up to their end."""
 
     kv: SequenceKV
     tokens: Sequence[int]
     logits: int
-    chunk_size: int = 0
-    """For a prompt chunk: the chunk size the prompt is cut by (``--chunk-size``).
-    The path is chosen by it, not by the chunk's own length (a prompt's last
-    chunk, or a chunk's tail after a prefix-cache hit, is shorter), so a position
-    takes the same path in every prompt: the masked attention calls when it is
-    above 1, the dense weights when it is ``DENSE_MIN_TOKENS`` or more. 0: not a
-    chunk of a prompt cut that way (chosen by ``tokens`` and ``logits``)."""
+    chunk_tokens: int = 0
+    """For a prompt chunk: the length of the whole chunk these tokens end (more
+    than ``len(tokens)`` when a prefix-cache hit covered its head). The
+    attention call and the dense weights are chosen by it, so a tail takes the
+    path the whole chunk would. 0: not given (chosen by ``tokens`` and ``logits``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -386,16 +384,15 @@ class _Layer:
     down: QuantizedLinear
 
 
-def _block_spans(row: int, start: int, n: int, whole: bool = True) -> list[tuple[int, int]]:
-    """Rows ``row .. row + n`` of a pass (positions ``start .. start + n``) cut
-    at the ``BLOCK_TOKENS`` boundaries of the positions: one span per block or
-    piece of a block, or with ``whole`` the whole blocks together in one span
-    (the pieces cut by the ends each in their own)."""
+def _block_spans(row: int, start: int, n: int) -> list[tuple[int, int]]:
+    """Rows ``row .. row + n`` of a pass (positions ``start .. start + n``) as
+    spans for the dense weights: the whole ``BLOCK_TOKENS`` blocks of positions
+    in one span, and a span each for the pieces of blocks cut by the chunk's
+    ends (``BLOCK_TOKENS``)."""
     end = start + n
     head = min(end, -(-start // BLOCK_TOKENS) * BLOCK_TOKENS)  # first block boundary
-    blocks = (end - head) // BLOCK_TOKENS
-    inner = [head + BLOCK_TOKENS * i for i in range(1, blocks)] if not whole else []
-    cuts = [start, head, *inner, head + blocks * BLOCK_TOKENS, end]
+    whole = head + (end - head) // BLOCK_TOKENS * BLOCK_TOKENS
+    cuts = [start, head, whole, end]
     return [(row + a - start, row + b - start) for a, b in itertools.pairwise(cuts) if b > a]
 
 
@@ -406,39 +403,28 @@ class _Planned:
     once per pass rather than once per layer.
 
     ``write``: ``[layers, 2, kv_heads, n, head_dim]``, where the pass's KV goes.
-    ``calls``: its attention calls, each query rows ``lo .. hi`` of the pass
-    over keys and values ``[layers, 1, kv_heads, end, head_dim]`` with a causal
-    ``mask`` or none. A prompt chunk attends in one call per ``BLOCK_TOKENS``
-    block of positions (aligned from the first token), over the keys up to the
-    block's end: a fused attention row depends on how many keys its call has,
-    masked or not, so this keeps a position's KV independent of where its chunk
-    ends (a prefix-cache entry's last chunk was cut shorter than a later
-    prompt's). Decode positions attend one call each, as plain decoding does.
+    ``reads``: per attention call, keys and values ``[layers, 1, kv_heads,
+    end, head_dim]``: one call over ``start + n`` positions with ``mask``
+    (a prompt chunk, causal within it), or one per position (decode).
     """
 
     kv: SequenceKV
     offset: int
     n: int
     start: int
+    mask: torch.Tensor | None
     write: torch.Tensor
-    calls: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None]]
+    reads: list[tuple[torch.Tensor, torch.Tensor]]
 
     @classmethod
     def of(cls, kv: SequenceKV, offset: int, n: int, start: int, prompt_chunk: bool) -> _Planned:
         buffer = kv.buffer  # [layers, 2, kv_heads, capacity, head_dim]
-        calls: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        ends = [start + n] if prompt_chunk else range(start + 1, start + n + 1)
+        reads = [(buffer[:, 0:1, :, :end], buffer[:, 1:2, :, :end]) for end in ends]
+        mask = None
         if prompt_chunk:
-            for lo, hi in _block_spans(offset, start, n, whole=False):
-                first, end = start + lo - offset, start + hi - offset
-                mask = torch.arange(end)[None, :] <= torch.arange(first, end)[:, None]
-                calls.append((lo, hi, buffer[:, 0:1, :, :end], buffer[:, 1:2, :, :end], mask))
-        else:
-            for i in range(n):
-                end = start + i + 1
-                calls.append(
-                    (offset + i, offset + i + 1, buffer[:, 0:1, :, :end], buffer[:, 1:2, :, :end], None)
-                )
-        return cls(kv, offset, n, start, buffer[:, :, :, start : start + n], calls)
+            mask = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
+        return cls(kv, offset, n, start, mask, buffer[:, :, :, start : start + n], reads)
 
 
 class LlamaRunner:
@@ -608,14 +594,15 @@ class LlamaRunner:
                 raise ValueError("a segment needs at least one token")
             if start + n > self.max_positions:
                 raise ValueError(f"position {start + n} is past the model's {self.max_positions}")
-        # Prompt chunks of long chunk sizes go last, each through the dense weights
-        # on its own rows (the same calls whatever else is in the pass); the rest
-        # first, through the quantized kernels in one call.
+        # Long prompt chunks go last, each through the dense weights on its own
+        # rows (the same call whatever else is in the pass); the rest first,
+        # through the quantized kernels in one call.
         prompt = [
-            seg.chunk_size > 1 if seg.chunk_size else 1 < len(seg.tokens) != seg.logits for seg in segments
+            seg.chunk_tokens > 1 if seg.chunk_tokens else 1 < len(seg.tokens) != seg.logits
+            for seg in segments
         ]
         dense = [
-            self._dense and p and (seg.chunk_size or len(seg.tokens)) >= DENSE_MIN_TOKENS
+            self._dense and p and max(len(seg.tokens), seg.chunk_tokens) >= DENSE_MIN_TOKENS
             for p, seg in zip(prompt, segments, strict=True)
         ]
         order = [i for i, d in enumerate(dense) if not d] + [i for i, d in enumerate(dense) if d]
@@ -668,13 +655,27 @@ class LlamaRunner:
             outputs = []
             for p in plan:
                 p.write[li].copy_(new_kv if alone else new_kv[:, :, p.offset : p.offset + p.n])
-                for lo, hi, keys, values, mask in p.calls:
+                if p.mask is not None:
+                    keys, values = p.reads[0]
                     outputs.append(
                         F.scaled_dot_product_attention(
-                            queries if hi - lo == tokens else queries[:, :, lo:hi],
+                            queries if alone else queries[:, :, p.offset : p.offset + p.n],
                             keys[li],
                             values[li],
-                            attn_mask=mask,
+                            attn_mask=p.mask,
+                            scale=scale,
+                            enable_gqa=True,
+                        )
+                    )
+                    continue
+                # Decode positions, one query at a time: each is computed exactly as
+                # plain decoding computes it (a verify pass's position included).
+                for i, (keys, values) in enumerate(p.reads, start=p.offset):
+                    outputs.append(
+                        F.scaled_dot_product_attention(
+                            queries if tokens == 1 else queries[:, :, i : i + 1],
+                            keys[li],
+                            values[li],
                             scale=scale,
                             enable_gqa=True,
                         )

@@ -4,7 +4,6 @@ sampling, KV cache and prefix cache."""
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import pytest
 import torch
@@ -252,46 +251,3 @@ def test_prefix_cache_entries_are_found_only_under_their_salt() -> None:
     # The same tokens under another salt are stored beside, never covered by, salt a's entry.
     assert cache.insert([1, 2, 3, 4], _kv(4), salt="b")
     assert len(cache) == 2
-
-
-def test_prefix_cache_hits_and_entries_are_whole_blocks() -> None:
-    cache = PrefixCache(10**6, block_tokens=4)
-    assert not cache.insert([1, 2, 3], _kv(3))  # shorter than a block: nothing stored
-    assert cache.insert(list(range(10)), _kv(10))  # stored as its 8 whole-block tokens
-    assert len(cache) == 1 and cache.bytes_used == 10 * BYTES_PER_TOKEN  # the storage it keeps alive
-    (entry,) = cache._entries.values()
-    assert entry.tokens.tolist() == list(range(8)) and entry.kv.shape[3] == 8
-    for shared, expected in ((3, None), (4, 4), (7, 4), (8, 8), (9, 8)):
-        query = [*range(shared), 99, 99, 99]
-        hit = cache.lookup(query, max_length=20)
-        assert (hit and hit.length) == expected, shared
-    hit = cache.lookup(list(range(10)), max_length=7)  # the cap, then whole blocks
-    assert hit is not None and hit.length == 4
-    with pytest.raises(ValueError, match="block_tokens"):
-        PrefixCache(10, block_tokens=0)
-
-
-def test_prefix_cache_entries_enter_and_leave_through_store_and_evict() -> None:
-    """One place an entry enters and one it leaves (budget, redundancy, clear),
-    each with the entry's tokens: the points that per-block events hook into."""
-    cache = PrefixCache(12 * BYTES_PER_TOKEN, block_tokens=4)
-    stored: list[list[int]] = []
-    evicted: list[list[int]] = []
-    store, evict = cache._store, cache._evict
-
-    def spy_store(entry: Any) -> None:
-        stored.append(entry.tokens.tolist())
-        store(entry)
-
-    def spy_evict(entry_id: int) -> None:
-        evicted.append(cache._entries[entry_id].tokens.tolist())
-        evict(entry_id)
-
-    cache._store, cache._evict = spy_store, spy_evict  # type: ignore[method-assign]
-    cache.insert([1] * 4, _kv(4))
-    cache.insert([1] * 4 + [2] * 4, _kv(8))  # extends the first: it is dropped
-    cache.insert([3] * 8, _kv(8))  # over budget: the least recently used goes
-    cache.clear()
-    assert stored == [[1] * 4, [1] * 4 + [2] * 4, [3] * 8]
-    assert evicted == [[1] * 4, [1] * 4 + [2] * 4, [3] * 8]
-    assert cache.bytes_used == 0 and len(cache) == 0

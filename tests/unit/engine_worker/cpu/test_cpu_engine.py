@@ -179,50 +179,6 @@ def test_output_is_the_same_with_and_without_a_prefix_cache_hit(
         assert [d.logprobs for d in warm.deltas] == [d.logprobs for d in cold.deltas]
 
 
-@pytest.mark.parametrize("tail_words", [1, 3, 9])
-def test_a_shared_prefix_is_cached_to_the_16_token_block(
-    tiny, tokenizer, make_backend, run_one, raw, tail_words
-) -> None:
-    """With the default 256-token chunks, a second prompt sharing s tokens with
-    the first reports floor(s / 16) * 16 of them cached (s from the token ids
-    here, at most its length - 1: the last prompt token is always fed), not
-    floor(s / 256) * 256; and the first prompt again reports all its whole blocks."""
-    backend = make_backend(tiny)
-    assert backend.info.kv_block_tokens == 16
-    first = words(40)  # about 250 tokens: one chunk, cut short
-    second = first + " then " + words(tail_words, 900)
-    ids1, ids2 = ids(tokenizer, first), ids(tokenizer, second)
-    shared = min(lcp(ids1, ids2), len(ids2) - 1)
-    assert shared % 16 and shared > 16  # a partial last block to leave out
-    assert run_one(backend, raw("1", first, max_tokens=1)).started.cached_tokens == 0
-    r2 = run_one(backend, raw("2", second, max_tokens=1))
-    assert r2.started.cached_tokens == r2.finished.cached_tokens == shared // 16 * 16
-    check_order(r2, cached=shared // 16 * 16, total=len(ids2), chunk=256)
-    r3 = run_one(backend, raw("3", first, max_tokens=1))
-    assert r3.started.cached_tokens == (len(ids1) - 1) // 16 * 16
-
-
-def test_a_hit_inside_a_long_chunk_changes_no_bit_of_the_output(
-    shaped, tokenizer, make_backend, run_one, raw
-) -> None:
-    """The default chunks (256, the dense weights) and a hit on a block boundary
-    far inside one: the rest of that chunk is computed as the whole chunk
-    computes it, so the output and its log-probabilities are the same bits as
-    without the cache."""
-    base = words(30)
-    prompt = base + " tail and more words " + words(8, 500)
-    params = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True, "logprobs": 2}
-    cold = run_one(make_backend(shaped, prefix_cache_mb=0), raw("c", prompt, **params))
-    warm_backend = make_backend(shaped)
-    run_one(warm_backend, raw("w0", base, **params))
-    warm = run_one(warm_backend, raw("w1", prompt, **params))
-    shared = lcp(ids(tokenizer, base), ids(tokenizer, prompt))
-    assert warm.started.cached_tokens == shared // 16 * 16 >= 128
-    assert warm.started.cached_tokens % 256  # inside the first chunk
-    assert warm.text == cold.text
-    assert [d.logprobs for d in warm.deltas] == [d.logprobs for d in cold.deltas]
-
-
 def test_prefix_cache_eviction_under_small_budget(tiny, tokenizer, make_backend, run_one, raw) -> None:
     config = tiny.model.config
     head_dim = config.hidden_size // config.num_attention_heads

@@ -11,7 +11,6 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from engine_worker.cpu.llama import (
-    BLOCK_TOKENS,
     DENSE_MIN_TOKENS,
     LlamaRunner,
     Quantization,
@@ -163,39 +162,6 @@ def test_batched_and_verify_passes_are_bitwise_what_a_lone_sequence_gets(
         got = verify if i == 2 else torch.cat(steps_together[i])
         assert torch.equal(got, steps), i  # type: ignore[arg-type]
         assert torch.equal(kvs[i].export(), kv), i
-
-
-@pytest.mark.parametrize("chunk", [48, 256])
-def test_a_prompts_kv_is_bitwise_the_same_wherever_its_chunks_end(smollm_shaped: Any, chunk: int) -> None:
-    """What lets the prefix cache reuse to the block: a prompt's KV computed in
-    chunks of ``chunk`` equals, bit for bit, the KV of the same positions in a
-    shorter prompt (whose last chunk ends earlier) and in a run that starts from
-    that shorter prompt's KV at a block boundary inside a chunk (the chunk's
-    tail alone), the path chosen by the chunk size."""
-    runner = LlamaRunner(smollm_shaped, Quantization.INT4, 512)
-    ids = _ids(300, seed=30, vocab=2000)
-
-    def prefill(kv: Any, n: int, begin: int = 0) -> torch.Tensor | None:
-        logits = None
-        for s in range(begin - begin % chunk, n, chunk):
-            lo, hi = max(s, begin), min(s + chunk, n)
-            logits = runner.forward([Segment(kv, ids[lo:hi], 1, chunk_size=chunk)])[0]
-        return logits
-
-    with torch.inference_mode():
-        full = runner.new_kv(8)
-        full_logits = prefill(full, 300)
-        for short in (85, 101, 250):
-            earlier = runner.new_kv(8)
-            prefill(earlier, short)
-            assert torch.equal(earlier.view(), full.view()[:, :, :, :short]), short
-            hit = short // BLOCK_TOKENS * BLOCK_TOKENS
-            warm = runner.new_kv(8)
-            warm.seed(earlier.view(), hit)
-            warm_logits = prefill(warm, 300, begin=hit)
-            assert torch.equal(warm.view(), full.view()), short
-            assert full_logits is not None and warm_logits is not None
-            assert torch.equal(warm_logits, full_logits), short
 
 
 def test_a_failed_pass_leaves_every_kv_length_unchanged(tiny: Any) -> None:
