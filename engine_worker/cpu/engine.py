@@ -366,7 +366,6 @@ class CpuBackend:
                 "banned_strings cannot be combined with structured output or logprobs on this engine",
                 param="banned_strings",
             )
-        prompt_ids, param = self._tokenize(submit)
         budget = (
             params.reasoning_budget if params.reasoning_budget is not None else self._config.reasoning_budget
         )
@@ -1074,14 +1073,14 @@ class CpuBackend:
         when ``chunk_size`` is smaller).
 
         A prompt is cut into chunks at multiples of ``chunk_size`` from its first
-        token, whatever is cached, and within a chunk the dense weights multiply
-        blocks of ``BLOCK_TOKENS`` positions aligned the same way
-        (``llama.BLOCK_TOKENS``); a prompt chunk's attention runs over the keys up
-        to the chunk's end however many of its rows are computed. So a position's
-        KV does not depend on where the cached prefix ended, as long as it ended
-        on a block boundary (``tests/unit/engine_worker/cpu/test_cpu_engine.py``
-        checks the output bit for bit). Generated tokens are never reused: their
-        KV came from decode, not prefill."""
+        token, whatever is cached, and the dense weights cut a chunk's rows at
+        block boundaries (``llama.BLOCK_TOKENS``), so the positions after a hit
+        meet the same kernels as without it; their bits may still differ in the
+        last place where a kernel's row depends on the rows beside it
+        (``docs/performance.md#batch-invariance``;
+        ``tests/unit/engine_worker/cpu/test_cpu_engine.py`` checks the output of
+        a hit inside a chunk of the embedded model's shape). Generated tokens are
+        never reused: their KV came from decode, not prefill."""
         return positions // self._block * self._block
 
 
