@@ -16,7 +16,10 @@ and one that cannot be written costs only the speed-up. The tensors read back
 are mapped from the file (safetensors' ``safe_open``): pages of the system's file
 cache, read on first touch (the warm-up pass) and shared by workers on one
 machine; a file replaced later (``save`` renames a new one into place) leaves a
-running worker's mapping intact.
+running worker's mapping intact. The kernels need their tensors ``ALIGNMENT``-byte
+aligned: ``save`` pads the header so that the data starts on such a boundary, and
+``load`` copies any tensor that is not (a file written before, or a tensor whose
+predecessors' sizes are not multiples of it).
 """
 
 from __future__ import annotations
@@ -37,6 +40,16 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 """Bump when ``LlamaRunner.quantized_state``'s names or layouts change."""
+
+ALIGNMENT = 64
+"""Bytes a tensor's data must be aligned to, as torch's CPU allocator aligns it.
+safetensors aligns its data section to 8 bytes only, and
+``torch._weight_int8pack_mm`` dies with a general protection fault on int8
+weights at an address 8 bytes past a 64-byte boundary (``--quantization int8``,
+second start, 2026-12-01)."""
+
+_ALIGN_KEY = "align"
+"""Metadata whose value (spaces) pads the header to ``ALIGNMENT``."""
 
 _MODES_PREFIX = "mode:"
 
@@ -62,12 +75,26 @@ def load(path: Path) -> QuantizedState | None:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
             for key in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                tensors[key] = f.get_tensor(key)
+                tensor = f.get_tensor(key)
+                tensors[key] = tensor.clone() if tensor.data_ptr() % ALIGNMENT else tensor
     except Exception as e:  # a truncated or foreign file: rebuild it
         log.warning("ignoring the quantized weights in %s (%s); quantizing again", path, e)
         return None
     modes = {k.removeprefix(_MODES_PREFIX): v for k, v in metadata.items() if k.startswith(_MODES_PREFIX)}
     return QuantizedState(tensors, modes)
+
+
+def _padding(path: Path) -> int:
+    """Characters to add to the header of the safetensors file at ``path`` (a JSON
+    string value in it) so that its data section starts on an ``ALIGNMENT``
+    boundary: the file is an 8-byte little-endian header length, the header
+    (JSON, padded with spaces to a multiple of 8), then the data."""
+    with path.open("rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        unpadded = len(f.read(length).rstrip(b" "))
+    # The padded header ends on a multiple of 8, so start + 8 is aligned exactly
+    # when the unpadded header plus the added characters is ALIGNMENT - 8 modulo it.
+    return (ALIGNMENT - 8 - unpadded) % ALIGNMENT
 
 
 def save(path: Path, state: QuantizedState) -> None:
@@ -79,7 +106,13 @@ def save(path: Path, state: QuantizedState) -> None:
         os.close(fd)
         try:
             metadata = {_MODES_PREFIX + k: v for k, v in state.modes.items()}
-            save_file({k: v.contiguous() for k, v in state.tensors.items()}, tmp, metadata=metadata)
+            tensors = {k: v.contiguous() for k, v in state.tensors.items()}
+            metadata[_ALIGN_KEY] = ""
+            save_file(tensors, tmp, metadata=metadata)
+            pad = _padding(Path(tmp))
+            if pad:  # written again with the header that many bytes longer
+                metadata[_ALIGN_KEY] = " " * pad
+                save_file(tensors, tmp, metadata=metadata)
             os.chmod(tmp, 0o644)
             os.replace(tmp, path)
         finally:

@@ -11,11 +11,12 @@ import os
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 from engine_worker.cpu import weight_cache
 from engine_worker.cpu.engine import CpuBackend
-from engine_worker.cpu.llama import LlamaRunner, Quantization, Segment
+from engine_worker.cpu.llama import LlamaRunner, Quantization, QuantizedState, Segment
 from engine_worker.cpu.model_store import LoadedModel
 from engine_worker.settings import WorkerSettings
 
@@ -40,6 +41,29 @@ def test_a_restored_runner_computes_the_same_logits(
     # 40 tokens: the prompt path through the bfloat16 copies (32+), and 3: the quantized kernels
     for tokens in ([5, 9, 2] * 13 + [7], [5, 9, 2]):
         assert torch.equal(_logits(built, tokens), _logits(restored, tokens))
+
+
+@pytest.mark.parametrize("extra", [0, 3, 61])
+def test_tensors_read_back_are_aligned_for_the_kernels(tmp_path: Path, extra: int) -> None:
+    """``save`` pads the header so the data starts on a 64-byte boundary, whatever
+    the header's length (here a mode name of varying length); a file without the
+    padding (safetensors' own 8-byte alignment) is read into aligned copies.
+    An int8 weight 8 bytes past a boundary crashed ``torch._weight_int8pack_mm``."""
+    tensors = {"a.weight": torch.arange(64 * 9, dtype=torch.int8).view(9, 64), "b.scales": torch.ones(32)}
+    state = QuantizedState(tensors, {"layers.0.qkv": "int8" + "x" * extra})
+    path = tmp_path / "w.safetensors"
+    weight_cache.save(path, state)
+    with path.open("rb") as f:
+        assert (8 + int.from_bytes(f.read(8), "little")) % weight_cache.ALIGNMENT == 0
+    unpadded = tmp_path / "plain.safetensors"
+    safetensors.torch.save_file(tensors, str(unpadded), metadata={"pad": "x" * extra})
+    for file in (path, unpadded):
+        loaded = weight_cache.load(file)
+        assert loaded is not None
+        for name, tensor in tensors.items():
+            assert loaded.tensors[name].data_ptr() % weight_cache.ALIGNMENT == 0, (file, name)
+            assert torch.equal(loaded.tensors[name], tensor)
+    assert weight_cache.load(path).modes == state.modes  # type: ignore[union-attr]
 
 
 def _model_dir(tmp_path: Path) -> Path:
