@@ -68,13 +68,14 @@ DENSE_MIN_TOKENS = 32
 the weights (``dense_prefill``): from about 8 rows a GEMM beats the quantized
 kernels, and from about 32 it pays for reading four times the bytes."""
 BLOCK_TOKENS = 16
-"""The dense weights multiply a prompt chunk's rows in blocks of this many
-positions, aligned to multiples of it from the sequence's first token (one
-batched product for the whole blocks, one each for pieces cut by the chunk's
-ends). A GEMM's row depends on the rows beside it in the call, so this makes a
-position's KV the same whichever chunk it was computed in, as long as chunks
-start on a block boundary: what lets the prefix cache reuse a prefix to the
-block (``CpuBackend``) rather than to the chunk."""
+"""The prefix cache's unit (``CpuBackend``), and how the dense weights cut a prompt
+chunk's rows: at multiples of this many positions from the sequence's first
+token, the whole blocks in one GEMM and each piece cut by the chunk's ends in
+one of its own (``_block_spans``). After a hit that ends on a block boundary
+inside a chunk, the chunk's last partial block meets the same GEMM as without
+the hit; its whole blocks meet a GEMM of fewer rows, whose rows may differ in
+the last bits (a GEMM's row can depend on the rows beside it), and so may
+attention's (docs/performance.md#batch-invariance)."""
 
 
 class Quantization(enum.StrEnum):
@@ -95,10 +96,10 @@ class QuantizedLinear:
     ``mode`` ``int4``/``int8`` quantize ``weight`` (``[out, in]``) once here;
     shapes the int4 kernel cannot take (``in`` not a multiple of 32) fall back
     to int8. ``none`` keeps ``weight`` in its dtype. With ``dense``, a quantized
-    layer also keeps a bfloat16 copy for ``dense_call`` (prompt chunks).
+    layer also keeps a bfloat16 copy for ``dense_raw`` (prompt chunks).
     """
 
-    __slots__ = ("_bias", "_dense", "_int4_scales", "_int8_scales", "_mode", "_weight")
+    __slots__ = ("_bias", "_dense", "_int4_scales", "_int8_scales", "_mode", "_weight", "raw")
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, mode: Quantization, dense: bool = False
@@ -123,6 +124,7 @@ class QuantizedLinear:
         self._dense = (
             weight.to(torch.bfloat16).contiguous() if dense and mode is not Quantization.NONE else None
         )
+        self.raw = self._bind()
 
     @property
     def mode(self) -> Quantization:
@@ -154,44 +156,52 @@ class QuantizedLinear:
         self._int4_scales = state.get("int4_scales")
         self._int8_scales = state.get("int8_scales")
         self._dense = state.get("dense")
+        self.raw = self._bind()
         return self
 
-    def dense_call(self, x: torch.Tensor) -> torch.Tensor:
-        """``y`` from the bfloat16 copy (``dense=True``): a GEMM that pays off over
-        many rows, where the quantized kernels take about as long per row as alone."""
-        assert self._dense is not None
-        y = F.linear(x.to(torch.bfloat16), self._dense).float()
-        if self._bias is not None:
-            y += self._bias
-        return y
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """What ``raw`` takes: bfloat16 for the quantized kernels, else the weight's dtype."""
+        return self._weight.dtype if self._mode is Quantization.NONE else torch.bfloat16
 
-    def dense_raw(self, x: torch.Tensor, blocks: int = 0) -> torch.Tensor:
-        """``dense_call`` without widening a bfloat16 product to float32 (``raw``).
-
-        With ``blocks``, ``x`` is that many blocks of ``BLOCK_TOKENS`` rows,
-        multiplied in one batched product where each block's rows come out as
-        that block alone gives them, whatever the number of blocks."""
-        assert self._dense is not None
-        # One GEMM for all rows, ``blocks`` or not: a batched product of 16-row blocks
-        # (rows independent of the chunk's cut) made prefill ten times slower
-        # (1,764 -> 189 tok/s on 1,012 tokens, benchmarks/cpu_engine.py), so a
-        # prefix-cache hit inside a chunk may differ in the last bits from no hit.
-        y = F.linear(x.to(torch.bfloat16), self._dense)
-        return y if self._bias is None else y.float() + self._bias
-
-    def raw(self, x: torch.Tensor) -> torch.Tensor:
-        """``self(x)`` in the kernel's output dtype: bfloat16 from the quantized
-        kernels (float32 with a bias). Widening bfloat16 is exact, so adding this
-        to a float32 tensor gives the bits ``self(x)`` would."""
-        y: torch.Tensor
+    def _bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``raw``: ``x`` ``[tokens, in]`` in ``input_dtype`` -> ``y`` ``[tokens, out]`` in the
+        kernel's output dtype (bfloat16 from the quantized kernels, float32 with a bias;
+        widening bfloat16 is exact, so adding it to a float32 tensor gives the bits
+        the float32 product would). A closure over the kernel and its tensors: a
+        decode pass makes 120 of these calls, and the method dispatch, mode tests
+        and ``torch.ops`` wrappers they replace cost about a tenth of the pass."""
+        weight, bias = self._weight, self._bias
+        kernel: Callable[[torch.Tensor], torch.Tensor]
         if self._mode is Quantization.INT4:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x.to(torch.bfloat16), self._weight, _INT4_GROUP, self._int4_scales
-            )
+            group_scales, int4 = self._int4_scales, torch._weight_int4pack_mm_for_cpu
+            assert group_scales is not None
+
+            def kernel(x: torch.Tensor) -> torch.Tensor:
+                return int4(x, weight, _INT4_GROUP, group_scales)
+
         elif self._mode is Quantization.INT8:
-            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self._weight, self._int8_scales)
+            row_scales, int8 = self._int8_scales, torch._weight_int8pack_mm
+            assert row_scales is not None
+
+            def kernel(x: torch.Tensor) -> torch.Tensor:
+                return int8(x, weight, row_scales)
+
         else:
-            y = F.linear(x.to(self._weight.dtype), self._weight)
+
+            def kernel(x: torch.Tensor) -> torch.Tensor:
+                return F.linear(x, weight)
+
+        if bias is None:
+            return kernel
+        return lambda x: kernel(x).float() + bias
+
+    def dense_raw(self, x: torch.Tensor) -> torch.Tensor:
+        """``raw`` from the bfloat16 copy (``dense=True``; ``x`` bfloat16): a GEMM that
+        pays off over many rows, where the quantized kernels take about as long per
+        row as alone."""
+        assert self._dense is not None
+        y = F.linear(x, self._dense)
         return y if self._bias is None else y.float() + self._bias
 
     def nbytes(self) -> int:
@@ -203,20 +213,7 @@ class QuantizedLinear:
         return total
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y: torch.Tensor
-        if self._mode is Quantization.INT4:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x.to(torch.bfloat16), self._weight, _INT4_GROUP, self._int4_scales
-            ).float()
-        elif self._mode is Quantization.INT8:
-            y = torch.ops.aten._weight_int8pack_mm(
-                x.to(torch.bfloat16), self._weight, self._int8_scales
-            ).float()
-        else:
-            y = F.linear(x.to(self._weight.dtype), self._weight).float()
-        if self._bias is not None:
-            y += self._bias
-        return y
+        return self.raw(x.to(self.input_dtype)).float()
 
 
 class Int8Head:
@@ -374,6 +371,9 @@ class QuantizedState:
 
 @dataclass(frozen=True, slots=True)
 class _Layer:
+    """One decoder layer's weights; the norms' weights are stored times
+    ``sqrt(hidden_size)`` (``_rms_norm``)."""
+
     input_norm: torch.Tensor
     qkv: QuantizedLinear
     o: QuantizedLinear
@@ -394,16 +394,53 @@ def _block_spans(row: int, start: int, n: int) -> list[tuple[int, int]]:
     return [(row + a - start, row + b - start) for a, b in itertools.pairwise(cuts) if b > a]
 
 
+def _rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    n_eps: torch.Tensor,
+    out: torch.Tensor,
+    scratch: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    """RMSNorm of ``x`` ``[tokens, hidden]`` float32 into ``out`` (its dtype: the next
+    layer's input), in five kernels that allocate nothing (``F.rms_norm``: seven,
+    then a cast): ``x * w / sqrt(mean(x**2) + eps)`` as ``x * (w * sqrt(hidden)) *
+    rsqrt(sum(x**2) + hidden * eps)``, with ``weight`` the norm's weight times
+    ``sqrt(hidden)``, ``n_eps`` the one-element tensor ``hidden * eps`` and
+    ``scratch`` float32 ``([tokens, 1], [tokens, hidden])``. Per row, so a row's
+    result does not depend on the others."""
+    norm, factor = scratch
+    torch.linalg.vector_norm(x, 2, -1, keepdim=True, out=norm)
+    torch.addcmul(n_eps, norm, norm, out=norm).rsqrt_()
+    torch.mul(norm, weight, out=factor)
+    torch.mul(x, factor, out=out)
+
+
+@dataclass(frozen=True, slots=True)
+class _Attention:
+    """One attention call of a pass: ``queries`` ``[1, heads, rows, head_dim]``, per
+    layer ``keys`` / ``values`` ``[1, kv_heads, end, head_dim]``, a causal ``mask``
+    for a prompt chunk, and ``out`` the rows of the pass's attention output it
+    writes (``[rows, heads, head_dim]`` for a ``chunk``, else ``[heads, head_dim]``)."""
+
+    queries: torch.Tensor
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    mask: torch.Tensor | None
+    out: torch.Tensor
+    chunk: bool
+
+
 @dataclass(frozen=True, slots=True)
 class _Planned:
     """One segment's place in a pass: rows ``offset .. offset + n`` of the pass,
-    positions ``start .. start + n`` of ``kv``, and views of its KV buffer taken
-    once per pass rather than once per layer.
+    positions ``start .. start + n`` of ``kv``, and views of its KV buffer per
+    layer, taken once per pass (one ``unbind`` each, not 30 indexing calls).
 
-    ``write``: ``[layers, 2, kv_heads, n, head_dim]``, where the pass's KV goes.
-    ``reads``: per attention call, keys and values ``[layers, 1, kv_heads,
-    end, head_dim]``: one call over ``start + n`` positions with ``mask``
-    (a prompt chunk, causal within it), or one per position (decode).
+    ``keys_out`` / ``values_out``: per layer ``[n, kv_heads, head_dim]``, where the
+    pass's keys and values go (the layout the pass computes them in).
+    ``reads``: per attention call, keys and values per layer ``[1, kv_heads, end,
+    head_dim]``: one call over ``start + n`` positions with ``mask`` (a prompt
+    chunk, causal within it), or one per position (decode).
     """
 
     kv: SequenceKV
@@ -411,18 +448,23 @@ class _Planned:
     n: int
     start: int
     mask: torch.Tensor | None
-    write: torch.Tensor
-    reads: list[tuple[torch.Tensor, torch.Tensor]]
+    keys_out: tuple[torch.Tensor, ...]
+    values_out: tuple[torch.Tensor, ...]
+    reads: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]
 
     @classmethod
     def of(cls, kv: SequenceKV, offset: int, n: int, start: int, prompt_chunk: bool) -> _Planned:
         buffer = kv.buffer  # [layers, 2, kv_heads, capacity, head_dim]
         ends = [start + n] if prompt_chunk else range(start + 1, start + n + 1)
-        reads = [(buffer[:, 0:1, :, :end], buffer[:, 1:2, :, :end]) for end in ends]
+        # [layers, 1, kv_heads, capacity, head_dim]: the fused attention kernel takes 4-d
+        # inputs (3-d ones go to the unfused math path, several times slower).
+        keys, values = buffer[:, 0:1], buffer[:, 1:2]
+        reads = [(keys[:, :, :, :end].unbind(0), values[:, :, :, :end].unbind(0)) for end in ends]
         mask = None
         if prompt_chunk:
             mask = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
-        return cls(kv, offset, n, start, mask, buffer[:, :, :, start : start + n], reads)
+        written = buffer[:, :, :, start : start + n].permute(1, 0, 3, 2, 4)  # [2, layers, n, kv_heads, d]
+        return cls(kv, offset, n, start, mask, written[0].unbind(0), written[1].unbind(0), reads)
 
 
 class LlamaRunner:
@@ -472,6 +514,8 @@ class LlamaRunner:
         self._q_width = self.num_heads * self.head_dim
         self._kv_width = self.num_kv_heads * self.head_dim
         self._scale = self.head_dim**-0.5
+        self._n_eps = torch.tensor([self.hidden_size * self._eps])  # _rms_norm's
+        self._half_swap = torch.tensor([1, 0])  # the halves of a head swapped (RoPE)
         with torch.inference_mode():
             self._embed = decoder.embed_tokens.weight.detach().float()
             self._norm = decoder.norm.weight.detach().float()
@@ -540,7 +584,7 @@ class LlamaRunner:
         restoring = self._restore is not None
         key = f"layers.{i}"
         return _Layer(
-            input_norm=layer.input_layernorm.weight.detach().float(),
+            input_norm=layer.input_layernorm.weight.detach().float() * self.hidden_size**0.5,
             qkv=self._linear(
                 f"{key}.qkv",
                 attn.q_proj.weight if restoring else torch.cat([p.weight for p in projections]),
@@ -548,7 +592,7 @@ class LlamaRunner:
                 quantization,
             ),
             o=self._linear(f"{key}.o", attn.o_proj.weight, attn.o_proj.bias, quantization),
-            post_norm=layer.post_attention_layernorm.weight.detach().float(),
+            post_norm=layer.post_attention_layernorm.weight.detach().float() * self.hidden_size**0.5,
             gate_up=self._linear(
                 f"{key}.gate_up",
                 mlp.gate_proj.weight if restoring else torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
@@ -620,10 +664,8 @@ class LlamaRunner:
         quantized_rows = spans[0][0] if spans else len(ids)
 
         def linear(layer: QuantizedLinear, h: torch.Tensor) -> torch.Tensor:
-            if not spans:
-                return layer.raw(h)
             parts = [layer.raw(h[:quantized_rows])] if quantized_rows else []
-            parts += [layer.dense_raw(h[a:b], blocks=(b - a) // BLOCK_TOKENS) for a, b in spans]
+            parts += [layer.dense_raw(h[a:b]) for a, b in spans]
             return parts[0] if len(parts) == 1 else torch.cat(parts)
 
         index = torch.tensor(positions)
@@ -631,59 +673,72 @@ class LlamaRunner:
         x = self._embed[torch.tensor(ids)]
         tokens = len(ids)
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
-        half, qk_heads = d // 2, heads + kv_heads
-        hidden, eps, scale, intermediate = self.hidden_size, self._eps, self._scale, self._intermediate
-        qk_width = self._q_width + self._kv_width
-        # One segment alone (a lone decode step, most often) needs no slicing of
-        # the pass's rows.
-        alone = len(plan) == 1
-        for li, layer in enumerate(self._layers):
-            h = F.rms_norm(x, (hidden,), layer.input_norm, eps)
-            qkv = linear(layer.qkv, h)  # bfloat16 (float32 with a bias or unquantized)
-            qk = qkv[:, :qk_width].view(tokens, qk_heads, d)
-            # RoPE, rotate_half(x) * sin as the halves swapped times sin with its first
-            # half negated: the same products, bit for bit, in fewer calls. Written
-            # with the values into one float32 block, so one copy writes a segment's KV.
-            block = torch.empty(tokens, qk_heads + kv_heads, d)
-            swapped = qk.view(tokens, qk_heads, 2, half).flip(2).view(tokens, qk_heads, d)
-            torch.add(qk * cos, swapped * sin, out=block[:, :qk_heads])
-            block[:, qk_heads:] = qkv[:, qk_width:].view(tokens, kv_heads, d)
-            new_kv = block[:, heads:].view(tokens, 2, kv_heads, d).permute(1, 2, 0, 3)  # [2, kv_heads, T, d]
-            queries = block[:, :heads].transpose(0, 1)[None]  # [1, heads, T, d]
-            outputs = []
-            for p in plan:
-                p.write[li].copy_(new_kv if alone else new_kv[:, :, p.offset : p.offset + p.n])
-                if p.mask is not None:
-                    keys, values = p.reads[0]
-                    outputs.append(
-                        F.scaled_dot_product_attention(
-                            queries if alone else queries[:, :, p.offset : p.offset + p.n],
-                            keys[li],
-                            values[li],
-                            attn_mask=p.mask,
-                            scale=scale,
-                            enable_gqa=True,
-                        )
-                    )
-                    continue
+        half, qk_heads, q_width = d // 2, heads + kv_heads, self._q_width
+        scale, intermediate, n_eps = self._scale, self._intermediate, self._n_eps
+        qk_width = q_width + self._kv_width
+        # Every intermediate of a layer lives in a buffer made once per pass and
+        # written by the op that computes it (out=), and every view of them is taken
+        # here: a decode pass is ~30 small ops per layer around the matrix
+        # products, and allocations, casts and view calls were a third of them.
+        # The inputs of the linear layers are written in the dtype they take.
+        act = self._layers[0].qkv.input_dtype
+        normed = torch.empty(tokens, self.hidden_size, dtype=act)
+        attended = torch.empty(tokens, heads, d, dtype=act)
+        gated = torch.empty(tokens, intermediate, dtype=act)
+        flat = attended.view(tokens, q_width)
+        norm_scratch = (torch.empty(tokens, 1), torch.empty(tokens, self.hidden_size))
+        qkv = torch.empty(tokens, qk_width + self._kv_width)  # float32
+        qk = qkv[:, :qk_width].view(tokens, qk_heads, d)
+        values = qkv[:, qk_width:].view(tokens, kv_heads, d)
+        # RoPE, rotate_half(x) * sin as the halves swapped times sin with its first
+        # half negated.
+        swapped, cos_term, rotated = (torch.empty(tokens, qk_heads, d) for _ in range(3))
+        halves, swapped_halves = qk.view(tokens, qk_heads, 2, half), swapped.view(tokens, qk_heads, 2, half)
+        queries = rotated[:, :heads].transpose(0, 1)[None]  # [1, heads, T, d]
+        gate_up = torch.empty(tokens, 2 * intermediate)  # float32
+        gate, up, activated = (
+            gate_up[:, :intermediate],
+            gate_up[:, intermediate:],
+            torch.empty(tokens, intermediate),
+        )
+        # Per segment: where its new keys and values come from, and its attention
+        # calls as (queries, reads, mask, where the output goes, the output's view).
+        calls: list[tuple[_Planned, torch.Tensor, torch.Tensor, list[_Attention]]] = []
+        for p in plan:
+            own = slice(p.offset, p.offset + p.n)
+            if p.mask is not None:
+                keys, vals = p.reads[0]
+                attention = [_Attention(queries[:, :, own], keys, vals, p.mask, attended[own], True)]
+            else:
                 # Decode positions, one query at a time: each is computed exactly as
                 # plain decoding computes it (a verify pass's position included).
-                for i, (keys, values) in enumerate(p.reads, start=p.offset):
-                    outputs.append(
-                        F.scaled_dot_product_attention(
-                            queries if tokens == 1 else queries[:, :, i : i + 1],
-                            keys[li],
-                            values[li],
-                            scale=scale,
-                            enable_gqa=True,
-                        )
+                attention = [
+                    _Attention(queries[:, :, i : i + 1], keys, vals, None, attended[i], False)
+                    for i, (keys, vals) in enumerate(p.reads, start=p.offset)
+                ]
+            calls.append((p, rotated[own, heads:], values[own], attention))
+        half_swap = self._half_swap
+        for li, layer in enumerate(self._layers):
+            _rms_norm(x, layer.input_norm, n_eps, normed, norm_scratch)
+            qkv.copy_(layer.qkv.raw(normed) if not spans else linear(layer.qkv, normed))
+            torch.index_select(halves, 2, half_swap, out=swapped_halves)
+            torch.mul(qk, cos, out=cos_term)
+            torch.addcmul(cos_term, swapped, sin, out=rotated)
+            for p, new_keys, new_values, attention in calls:
+                p.keys_out[li].copy_(new_keys)
+                p.values_out[li].copy_(new_values)
+                for a in attention:
+                    out = F.scaled_dot_product_attention(
+                        a.queries, a.keys[li], a.values[li], attn_mask=a.mask, scale=scale, enable_gqa=True
                     )
-            attn = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)  # [1, heads, T, d]
+                    a.out.copy_(out[0].transpose(0, 1) if a.chunk else out[0, :, 0])
             # bfloat16 outputs added to the float32 stream are widened exactly first
-            x = x + linear(layer.o, attn[0].transpose(0, 1).reshape(tokens, self._q_width))
-            h = F.rms_norm(x, (hidden,), layer.post_norm, eps)
-            gate_up = linear(layer.gate_up, h)
-            x = x + linear(layer.down, F.silu(gate_up[:, :intermediate].float()) * gate_up[:, intermediate:])
+            x.add_(layer.o.raw(flat) if not spans else linear(layer.o, flat))
+            _rms_norm(x, layer.post_norm, n_eps, normed, norm_scratch)
+            gate_up.copy_(layer.gate_up.raw(normed) if not spans else linear(layer.gate_up, normed))
+            torch._C._nn.silu(gate, out=activated)  # type: ignore[call-arg]  # silu.out exists; the stub lacks it
+            torch.mul(activated, up, out=gated)
+            x.add_(layer.down.raw(gated) if not spans else linear(layer.down, gated))
         rows: list[int] = []
         for i, p in zip(order, plan, strict=True):
             rows.extend(range(p.offset + p.n - segments[i].logits, p.offset + p.n))

@@ -158,12 +158,14 @@ def test_prefix_cache_reuses_whole_prompt_chunks_not_generated_tokens(
 def test_output_is_the_same_with_and_without_a_prefix_cache_hit(
     shaped, tokenizer, make_backend, run_one, raw, chunk
 ) -> None:
-    """A prompt's KV is computed chunk by chunk at fixed offsets, and the cache
-    reuses whole chunks only, so a hit changes no token (greedy and seeded) and
-    not one bit of the log-probabilities. With chunks of 48 the shared prefix (85
+    """A prompt's KV is computed chunk by chunk at fixed offsets and the cache
+    reuses whole blocks (16 tokens, or the chunk when shorter), so on the
+    embedded model's shape a hit changes no token (greedy and seeded) and not
+    one bit of the log-probabilities. With chunks of 48 the shared prefix (85
     tokens) ends inside the second chunk, which runs through the dense weights
-    (32+ tokens): reusing the prefix up to its end would compute the tail with
-    the quantized ones."""
+    (32+ tokens): the hit covers 80 and the tail's last partial block meets the
+    same dense GEMM as without it (``llama.BLOCK_TOKENS``); reusing the prefix
+    up to its end would compute the tail with the quantized kernels."""
     base = words(19)
     for temperature in (0.0, 1.0):
         params = {"max_tokens": 12, "temperature": temperature, "seed": 3, "ignore_eos": True, "logprobs": 2}
