@@ -419,15 +419,14 @@ def _rms_norm(
 class _Attention:
     """One attention call of a pass: ``queries`` ``[1, heads, rows, head_dim]``, per
     layer ``keys`` / ``values`` ``[1, kv_heads, end, head_dim]``, a causal ``mask``
-    for a prompt chunk, and ``out`` the rows of the pass's attention output it
-    writes (``[rows, heads, head_dim]`` for a ``chunk``, else ``[heads, head_dim]``)."""
+    for a prompt chunk, and ``out`` ``[rows, heads, head_dim]``, the rows of the pass's
+    attention output it writes."""
 
     queries: torch.Tensor
     keys: tuple[torch.Tensor, ...]
     values: tuple[torch.Tensor, ...]
     mask: torch.Tensor | None
     out: torch.Tensor
-    chunk: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -663,10 +662,15 @@ class LlamaRunner:
             positions.extend(range(start, start + n))
         quantized_rows = spans[0][0] if spans else len(ids)
 
-        def linear(layer: QuantizedLinear, h: torch.Tensor) -> torch.Tensor:
+        def split(layer: QuantizedLinear, h: torch.Tensor) -> torch.Tensor:
             parts = [layer.raw(h[:quantized_rows])] if quantized_rows else []
             parts += [layer.dense_raw(h[a:b]) for a, b in spans]
             return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+        def whole(layer: QuantizedLinear, h: torch.Tensor) -> torch.Tensor:
+            return layer.raw(h)
+
+        linear = split if spans else whole  # no slicing of the rows when no chunk is dense
 
         index = torch.tensor(positions)
         cos, sin = self._cos[index], self._sin_signed[index]
@@ -702,25 +706,25 @@ class LlamaRunner:
             torch.empty(tokens, intermediate),
         )
         # Per segment: where its new keys and values come from, and its attention
-        # calls as (queries, reads, mask, where the output goes, the output's view).
+        # calls (queries, reads, mask, where the output goes).
         calls: list[tuple[_Planned, torch.Tensor, torch.Tensor, list[_Attention]]] = []
         for p in plan:
             own = slice(p.offset, p.offset + p.n)
             if p.mask is not None:
                 keys, vals = p.reads[0]
-                attention = [_Attention(queries[:, :, own], keys, vals, p.mask, attended[own], True)]
+                attention = [_Attention(queries[:, :, own], keys, vals, p.mask, attended[own])]
             else:
                 # Decode positions, one query at a time: each is computed exactly as
                 # plain decoding computes it (a verify pass's position included).
                 attention = [
-                    _Attention(queries[:, :, i : i + 1], keys, vals, None, attended[i], False)
+                    _Attention(queries[:, :, i : i + 1], keys, vals, None, attended[i : i + 1])
                     for i, (keys, vals) in enumerate(p.reads, start=p.offset)
                 ]
             calls.append((p, rotated[own, heads:], values[own], attention))
         half_swap = self._half_swap
         for li, layer in enumerate(self._layers):
             _rms_norm(x, layer.input_norm, n_eps, normed, norm_scratch)
-            qkv.copy_(layer.qkv.raw(normed) if not spans else linear(layer.qkv, normed))
+            qkv.copy_(linear(layer.qkv, normed))
             torch.index_select(halves, 2, half_swap, out=swapped_halves)
             torch.mul(qk, cos, out=cos_term)
             torch.addcmul(cos_term, swapped, sin, out=rotated)
@@ -731,14 +735,14 @@ class LlamaRunner:
                     out = F.scaled_dot_product_attention(
                         a.queries, a.keys[li], a.values[li], attn_mask=a.mask, scale=scale, enable_gqa=True
                     )
-                    a.out.copy_(out[0].transpose(0, 1) if a.chunk else out[0, :, 0])
+                    a.out.copy_(out[0].transpose(0, 1))
             # bfloat16 outputs added to the float32 stream are widened exactly first
-            x.add_(layer.o.raw(flat) if not spans else linear(layer.o, flat))
+            x.add_(linear(layer.o, flat))
             _rms_norm(x, layer.post_norm, n_eps, normed, norm_scratch)
-            gate_up.copy_(layer.gate_up.raw(normed) if not spans else linear(layer.gate_up, normed))
+            gate_up.copy_(linear(layer.gate_up, normed))
             torch._C._nn.silu(gate, out=activated)  # type: ignore[call-arg]  # silu.out exists; the stub lacks it
             torch.mul(activated, up, out=gated)
-            x.add_(layer.down.raw(gated) if not spans else linear(layer.down, gated))
+            x.add_(linear(layer.down, gated))
         rows: list[int] = []
         for i, p in zip(order, plan, strict=True):
             rows.extend(range(p.offset + p.n - segments[i].logits, p.offset + p.n))
