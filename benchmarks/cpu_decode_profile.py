@@ -4,7 +4,9 @@ several at once, grouped by kind of work.
 
 Groups (by the profiled op's name): ``int4 matmuls`` (the decoder's linear
 layers), ``LM head`` (oneDNN's int8 product, or ``torch._int_mm``),
-``attention`` (the fused kernel), ``RMSNorm``, ``other torch ops`` (RoPE, KV
+``attention`` (the fused kernel), ``RMSNorm`` (``F.rms_norm``: the final norm;
+the layers' norms are generic kernels, ``llama._rms_norm``, counted with the
+rest), ``other torch ops`` (RoPE, KV
 writes, casts, residual adds, the head's activation quantization), and
 ``Python and dispatch`` (the wall time of the forward passes not inside any op:
 the interpreter running ``LlamaRunner.forward``). The engine's own work around
