@@ -16,8 +16,13 @@ Sections (each a median of ``--repeats``; the prefix cache is off throughout):
 ``--llama-cpp`` adds llama.cpp's row: ``benchmarks/llama_cpp_side.py`` in a
 virtual environment of its own (``.cache/bench/llama-venv``, created on first
 use with ``llama-cpp-python==0.3.36``, a C++ build of about 7 minutes on 2
-cores, ``LLAMA_CMAKE_ARGS``), fed the same token ids. A llama.cpp run that fails
-leaves its row out and says why; this engine's rows are still printed.
+cores, ``LLAMA_CMAKE_ARGS``), fed the same token ids. It stays running and the
+two engines take turns: each round of a measurement runs it on this engine, then
+on llama.cpp, so a change in the machine's speed (this project's benchmark VM
+moves 10-20% within minutes, with its neighbours) falls on both sides of a ratio
+rather than on one. With several ``--quantization`` rows, llama.cpp takes its
+turns beside the first. A llama.cpp process that fails leaves its row out and
+says why; this engine's rows are still printed.
 
 Usage: python benchmarks/cpu_engine.py [--quantization int4,int8,none] [--dtype float32|bfloat16]
        [--threads N] [--repeats N] [--llama-cpp]
@@ -32,10 +37,13 @@ import json
 import os
 import statistics
 import subprocess
+import tempfile
 import time
 import venv
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from engine_worker.admission import checked_prepare
 from engine_worker.cpu import CpuBackend
@@ -43,6 +51,7 @@ from engine_worker.cpu.model_store import LoadedModel, find_embedded_gguf, load_
 from engine_worker.settings import DraftMode, WorkerSettings
 from protocol.messages import ChatMessage, Finished, SamplingParams, Submit, TokenDelta
 
+T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_VENV = ROOT / ".cache" / "bench" / "llama-venv"
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
@@ -135,62 +144,85 @@ def chat(request_id: str, prompt: str) -> Submit:
     return Submit(request_id, params, messages=(ChatMessage("user", prompt),))
 
 
-def bench_prefill(backend: CpuBackend, repeats: int) -> tuple[int, float]:
-    rates, tokens = [], 0
-    for i in range(repeats):
-        params = SamplingParams(max_tokens=1, temperature=0.0)
-        _, fin = run(backend, Submit(f"p{i}", params, prompt=long_prompt()))
-        tokens = fin.prompt_tokens
-        rates.append(fin.prompt_tokens / fin.time_prefill)
-    return tokens, statistics.median(rates)
+def prefill_once(backend: CpuBackend, i: int) -> tuple[int, float]:
+    """The long prompt's token count and prefill tok/s."""
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    _, fin = run(backend, Submit(f"p{i}", params, prompt=long_prompt()))
+    return fin.prompt_tokens, fin.prompt_tokens / fin.time_prefill
 
 
-def bench_decode(backend: CpuBackend, prompt: str, repeats: int) -> tuple[float, Finished, str]:
-    rates: list[float] = []
-    text, fin = "", None
-    for i in range(repeats):
-        text, fin = run(backend, chat(f"d{i}", prompt))
-        rates.append((fin.completion_tokens - 1) / fin.time_decode)
-    assert fin is not None
-    return statistics.median(rates), fin, text
+def decode_once(backend: CpuBackend, prompt: str, i: int) -> tuple[float, Finished, str]:
+    """Greedy decode tok/s (the tokens after the first), ``Finished`` and text."""
+    text, fin = run(backend, chat(f"d{i}", prompt))
+    return (fin.completion_tokens - 1) / fin.time_decode, fin, text
 
 
-def bench_concurrency(backend: CpuBackend, n: int, repeats: int, alone: list[str]) -> tuple[float, bool]:
+def concurrency_once(backend: CpuBackend, n: int, r: int, alone: list[str]) -> tuple[float, bool]:
     """Aggregate tok/s of ``n`` requests at once, and whether each text equals its text alone."""
-    rates, same = [], True
-    for r in range(repeats):
-        submits = [chat(f"c{r}-{i}", story(i)) for i in range(n)]
-        t0 = time.perf_counter()
-        texts, finished = run_many(backend, submits)
-        rates.append(sum(f.completion_tokens for f in finished) / (time.perf_counter() - t0))
-        same = same and texts == [alone[i % len(alone)] for i in range(n)]
-    return statistics.median(rates), same
+    submits = [chat(f"c{r}-{i}", story(i)) for i in range(n)]
+    t0 = time.perf_counter()
+    texts, finished = run_many(backend, submits)
+    rate = sum(f.completion_tokens for f in finished) / (time.perf_counter() - t0)
+    return rate, texts == [alone[i % len(alone)] for i in range(n)]
 
 
-def llama_cpp(job: dict[str, object]) -> dict[str, object]:
-    """Run ``llama_cpp_side.py`` in its own environment (created on first use)."""
-    python = LLAMA_VENV / "bin" / "python"
-    if (
-        not python.exists()
-        or subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode
-    ):
-        print(f"creating {LLAMA_VENV} with {LLAMA_CPP_PYTHON} (a C++ build, ~7 min on 2 cores)", flush=True)
-        venv.create(LLAMA_VENV, with_pip=True)
-        subprocess.run(
-            [python, "-m", "pip", "install", "-q", "--no-cache-dir", LLAMA_CPP_PYTHON, "numpy"],
-            check=True,
-            env={**os.environ, "CMAKE_ARGS": os.environ.get("CMAKE_ARGS", LLAMA_CMAKE_ARGS)},
+class LlamaCppFailed(Exception):
+    """The llama.cpp process died or answered nothing; its stderr's tail."""
+
+
+class LlamaCpp:
+    """``llama_cpp_side.py`` in its own environment (created on first use), kept
+    running so that its measurements can alternate with this engine's."""
+
+    def __init__(self, gguf: Path, threads: int, n_seq_max: int) -> None:
+        python = LLAMA_VENV / "bin" / "python"
+        if (
+            not python.exists()
+            or subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode
+        ):
+            print(f"creating {LLAMA_VENV} with {LLAMA_CPP_PYTHON} (a C++ build, ~7 min)", flush=True)
+            venv.create(LLAMA_VENV, with_pip=True)
+            subprocess.run(
+                [python, "-m", "pip", "install", "-q", "--no-cache-dir", LLAMA_CPP_PYTHON, "numpy"],
+                check=True,
+                env={**os.environ, "CMAKE_ARGS": os.environ.get("CMAKE_ARGS", LLAMA_CMAKE_ARGS)},
+            )
+        self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (lives as long as the process: close())
+        self._process = subprocess.Popen(
+            [python, str(Path(__file__).with_name("llama_cpp_side.py"))],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            env={**os.environ, "LLAMA_LOG_LEVEL": "error"},
         )
-    out = subprocess.run(
-        [python, str(Path(__file__).with_name("llama_cpp_side.py"))],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, "LLAMA_LOG_LEVEL": "error"},
-    )
-    result: dict[str, object] = json.loads(out.stdout)
-    return result
+        loaded = self.ask({"gguf": str(gguf), "threads": threads, "n_seq_max": n_seq_max})
+        self.version = str(loaded["version"])
+
+    def ask(self, job: dict[str, object]) -> dict[str, object]:
+        """One measurement (``llama_cpp_side.py`` lists them). Raises ``LlamaCppFailed``."""
+        assert self._process.stdin is not None and self._process.stdout is not None
+        try:
+            self._process.stdin.write(json.dumps(job) + "\n")
+            self._process.stdin.flush()
+            line = self._process.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if not line:
+            self._process.wait()
+            self._stderr.seek(0)
+            raise LlamaCppFailed(f"exit status {self._process.returncode}\n{self._stderr.read()[-2000:]}")
+        answer: dict[str, object] = json.loads(line)
+        return answer
+
+    def rate(self, job: dict[str, object]) -> float:
+        return float(self.ask(job)["tok_s"])  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        if self._process.stdin is not None:
+            self._process.stdin.close()
+        self._process.wait()
+        self._stderr.close()
 
 
 @dataclass
@@ -203,10 +235,26 @@ class Row:
     concurrency: dict[int, tuple[float, bool]]  # requests at once -> aggregate tok/s, same text as alone
 
 
+@dataclass
+class TheirRow:
+    """llama.cpp's numbers, each measured in turn with this engine's."""
+
+    version: str
+    prefill: float = 0.0
+    decode: dict[str, float] = field(default_factory=dict)  # prompt -> tok/s
+    concurrency: dict[int, float] = field(default_factory=dict)  # sequences at once -> aggregate tok/s
+
+
 PROMPTS = {"repetitive": "Repeat the following text exactly:\n\n" + PASSAGE, "open-ended": story(0)}
 
 
-def measure(loaded: LoadedModel, quantization: str, args: argparse.Namespace) -> tuple[Row, CpuBackend, int]:
+def measure(
+    loaded: LoadedModel, quantization: str, args: argparse.Namespace, theirs: LlamaCpp | None
+) -> tuple[Row, int, TheirRow | None]:
+    """This engine's row for ``quantization``; with ``theirs``, llama.cpp's row too,
+    each of its measurements taken right after the same one of this engine's
+    (a round per repeat), on the token ids this engine feeds (chat template
+    applied). A llama.cpp failure leaves its row out (``None``) and says why."""
     common = {
         "prefix_cache_mb": 0,
         "quantization": quantization,
@@ -214,28 +262,84 @@ def measure(loaded: LoadedModel, quantization: str, args: argparse.Namespace) ->
         "threads": args.threads,
     }
     t0 = time.perf_counter()
-    plain = CpuBackend.from_loaded(loaded, WorkerSettings(**common))  # type: ignore[arg-type]
+    plain = CpuBackend.from_loaded(loaded, WorkerSettings(**common))
     ngram = CpuBackend.from_loaded(
         loaded,
-        WorkerSettings(**common, draft_mode=DraftMode.NGRAM, num_draft_tokens=args.num_draft_tokens),  # type: ignore[arg-type]
+        WorkerSettings(**common, draft_mode=DraftMode.NGRAM, num_draft_tokens=args.num_draft_tokens),
     )
     print(
         f"{quantization}: {plain.runner.weight_bytes() / 2**20:.0f} MiB of weights read per decode step, "
         f"backend ready in {time.perf_counter() - t0:.1f} s",
         flush=True,
     )
-    tokens, prefill = bench_prefill(plain, args.repeats)
+    ids = {name: list(plain.prepare(chat("ids", p)).prompt.ids) for name, p in PROMPTS.items()}
+    story_ids = [list(plain.prepare(chat("ids", story(i))).prompt.ids) for i in range(max(CONCURRENCY))]
+    row_theirs = None if theirs is None else TheirRow(theirs.version)
+
+    def their_rate(job: dict[str, object]) -> float | None:
+        nonlocal row_theirs
+        if theirs is None or row_theirs is None:
+            return None
+        try:
+            return theirs.rate(job)
+        except LlamaCppFailed as e:
+            print(f"llama.cpp's row left out: {e}", flush=True)
+            row_theirs = None
+            return None
+
+    def rounds(ours: Callable[[int], T], job: dict[str, object]) -> tuple[list[T], list[float]]:
+        mine, others = [], []
+        for i in range(args.repeats):
+            mine.append(ours(i))
+            rate = their_rate(job)
+            if rate is not None:
+                others.append(rate)
+        return mine, others
+
+    long_ids = ids_of_long_prompt(loaded)
+    prefills, their_prefills = rounds(lambda i: prefill_once(plain, i), {"prefill": long_ids})
+    tokens = prefills[0][0]
+    prefill = statistics.median(rate for _, rate in prefills)
     decode: dict[str, tuple[float, float, Finished, bool]] = {}
+    their_decode: dict[str, float] = {}
     for name, prompt in PROMPTS.items():
-        plain_rate, _, plain_text = bench_decode(plain, prompt, args.repeats)
-        draft_rate, fin, draft_text = bench_decode(ngram, prompt, args.repeats)
-        decode[name] = (plain_rate, draft_rate, fin, plain_text == draft_text)
+        plains, theirs_decode = rounds(
+            lambda i, prompt=prompt: decode_once(plain, prompt, i),  # type: ignore[misc]
+            {"decode": ids[name], "max_tokens": MAX_TOKENS},
+        )
+        drafts = [decode_once(ngram, prompt, i) for i in range(args.repeats)]
+        decode[name] = (
+            statistics.median(r for r, _, _ in plains),
+            statistics.median(r for r, _, _ in drafts),
+            drafts[-1][1],
+            plains[-1][2] == drafts[-1][2],
+        )
+        if theirs_decode:
+            their_decode[name] = statistics.median(theirs_decode)
     alone = [run(plain, chat(f"a{i}", story(i)))[0] for i in range(max(CONCURRENCY))]
-    concurrency = {n: bench_concurrency(plain, n, args.repeats, alone) for n in CONCURRENCY}
+    concurrency: dict[int, tuple[float, bool]] = {}
+    their_concurrency: dict[int, float] = {}
+    for n in CONCURRENCY:
+        results, theirs_c = rounds(
+            lambda r, n=n: concurrency_once(plain, n, r, alone),  # type: ignore[misc]
+            {"concurrency": [story_ids[i % len(story_ids)] for i in range(n)], "max_tokens": MAX_TOKENS},
+        )
+        concurrency[n] = (statistics.median(r for r, _ in results), all(same for _, same in results))
+        if theirs_c:
+            their_concurrency[n] = statistics.median(theirs_c)
     name = "int4 (default)" if quantization == "int4" else quantization
     if quantization == "none":
         name = args.dtype
-    return Row(name, prefill, decode, concurrency), plain, tokens
+    if row_theirs is not None:
+        row_theirs.prefill = statistics.median(their_prefills)
+        row_theirs.decode = their_decode
+        row_theirs.concurrency = their_concurrency
+    return Row(name, prefill, decode, concurrency), tokens, row_theirs
+
+
+def ids_of_long_prompt(loaded: LoadedModel) -> list[int]:
+    ids: list[int] = list(loaded.tokenizer(long_prompt())["input_ids"])
+    return ids
 
 
 def main() -> None:
@@ -245,7 +349,7 @@ def main() -> None:
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="with none")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for both engines")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds per measurement (median)")
     parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp's row (own venv)")
     defaults = WorkerSettings()
     parser.add_argument("--num-draft-tokens", type=int, default=defaults.num_draft_tokens)
@@ -259,46 +363,22 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     loaded: LoadedModel = load_embedded(dtype=args.dtype if quantizations == ["none"] else "float32")
     print(f"model {loaded.model_id}, {args.threads} threads, median of {args.repeats}")
-    rows: list[Row] = []
-    backend: CpuBackend | None = None
-    tokens = 0
-    for quantization in quantizations:
-        row, backend, tokens = measure(loaded, quantization, args)
-        rows.append(row)
-    assert backend is not None
-
-    theirs: dict[str, object] | None = None
+    llama_cpp: LlamaCpp | None = None
     if args.llama_cpp:
-        # the token ids this engine feeds (chat template applied)
-        chat_ids = [
-            list(backend.prepare(chat("ids", p)).prompt.ids)
-            for p in [PROMPTS["repetitive"], PROMPTS["open-ended"], *(story(i) for i in range(8))]
-        ]
-        job = {"gguf": str(find_embedded_gguf()), "threads": args.threads, "max_tokens": MAX_TOKENS}
-        prefill_ids = list(loaded.tokenizer(long_prompt())["input_ids"])
         try:
-            theirs = llama_cpp(
-                {
-                    **job,
-                    "prefill_ids": prefill_ids,
-                    "decode_ids": chat_ids[:2],
-                    "concurrency": [],
-                    "repeats": args.repeats,
-                }
-            )
-            concurrency = llama_cpp(
-                {
-                    **job,
-                    "prefill_ids": chat_ids[2],
-                    "decode_ids": chat_ids[2:],
-                    "concurrency": list(CONCURRENCY),
-                    "repeats": args.repeats,
-                }
-            )
-            theirs["concurrency"] = concurrency["concurrency"]
-        except subprocess.CalledProcessError as e:
-            print(f"llama.cpp's row left out: {e}\n{(e.stderr or '')[-2000:]}", flush=True)
-            theirs = None
+            llama_cpp = LlamaCpp(find_embedded_gguf(), args.threads, max(CONCURRENCY))
+        except (LlamaCppFailed, subprocess.CalledProcessError) as e:
+            print(f"llama.cpp's row left out: {e}", flush=True)
+    rows: list[Row] = []
+    theirs: TheirRow | None = None
+    tokens = 0
+    for k, quantization in enumerate(quantizations):
+        # llama.cpp takes its turns beside the first configuration only
+        row, tokens, measured = measure(loaded, quantization, args, llama_cpp if k == 0 else None)
+        rows.append(row)
+        theirs = measured if k == 0 else theirs
+    if llama_cpp is not None:
+        llama_cpp.close()
 
     print()
     print(
@@ -322,29 +402,22 @@ def main() -> None:
             + " |"
         )
     if theirs is not None:
-        their_decode = theirs["decode_tok_s"]
-        their_c = theirs["concurrency"]
-        their_prefill = theirs["prefill_tok_s"]
-        assert (
-            isinstance(their_decode, list) and isinstance(their_c, dict) and isinstance(their_prefill, float)
-        )
-        their_base = float(their_c["1"])
+        their_c, their_base = theirs.concurrency, theirs.concurrency[1]
         print(
-            f"| llama.cpp (llama-cpp-python {theirs['version']}) | {their_prefill:.0f} tok/s "
-            f"| {their_decode[0]:.1f} / {their_decode[1]:.1f} tok/s | — | "
-            + " | ".join(
-                f"{float(their_c[str(n)]):.0f} tok/s ({float(their_c[str(n)]) / their_base:.2f}x)"
-                for n in CONCURRENCY
-            )
+            f"| llama.cpp (llama-cpp-python {theirs.version}) | {theirs.prefill:.0f} tok/s "
+            f"| {theirs.decode['repetitive']:.1f} / {theirs.decode['open-ended']:.1f} tok/s | — | "
+            + " | ".join(f"{their_c[n]:.0f} tok/s ({their_c[n] / their_base:.2f}x)" for n in CONCURRENCY)
             + " |"
         )
         print()
-        for row in rows:
+        for k, row in enumerate(rows):
             rep, opn = row.decode["repetitive"], row.decode["open-ended"]
+            turns = "in turns" if k == 0 else "llama.cpp measured beside the first row"
             print(
-                f"{row.name} / llama.cpp: prefill {row.prefill / their_prefill:.2f}x, "
-                f"decode {rep[0] / their_decode[0]:.2f}x / {opn[0] / their_decode[1]:.2f}x, "
-                f"8 at once {row.concurrency[8][0] / float(their_c['8']):.2f}x"
+                f"{row.name} / llama.cpp ({turns}): prefill {row.prefill / theirs.prefill:.2f}x, "
+                f"decode {rep[0] / theirs.decode['repetitive']:.2f}x / "
+                f"{opn[0] / theirs.decode['open-ended']:.2f}x, "
+                f"8 at once {row.concurrency[8][0] / their_c[8]:.2f}x"
             )
     print()
     for row in rows:

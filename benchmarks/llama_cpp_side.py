@@ -1,27 +1,31 @@
 """The llama.cpp row of ``benchmarks/cpu_engine.py``: the same measurements on the
-same GGUF, through llama-cpp-python's low-level API.
+same GGUF, through llama-cpp-python's low-level API, one at a time on request, so
+that the two engines can take turns (a measurement of one, then the same of the
+other) and a drift in the machine's speed lands on both.
 
 Runs in its own virtual environment (``cpu_engine.py --llama-cpp`` creates it),
-so it imports nothing of this project. Reads one JSON object on stdin:
+so it imports nothing of this project. Reads JSON objects, one per line, on stdin
+and answers each with one JSON line on stdout:
 
-    {"gguf": PATH, "threads": N, "prefill_ids": [...], "decode_ids": [[...], ...],
-     "max_tokens": N, "concurrency": [1, 2, 4, 8], "repeats": N}
+- first ``{"gguf": PATH, "threads": N, "n_seq_max": N}``: loads the model,
+  answers ``{"version": ...}``;
+- ``{"prefill": [ids]}``: the whole prompt in one ``llama_decode`` (llama.cpp's
+  own batching into ``n_ubatch``), answers ``{"tok_s": ...}``;
+- ``{"decode": [ids], "max_tokens": N}``: greedy, one sequence; tok/s of the
+  tokens after the first over their time, and ``tokens``;
+- ``{"concurrency": [[ids], ...], "max_tokens": N}``: those sequences decoded
+  in one batch per step; aggregate tok/s = every output token over the wall
+  time from the first prefill to the last token, and each one's ``tokens``.
 
-and prints one JSON object: ``prefill_tok_s`` (the whole prompt in one
-``llama_decode``, llama.cpp's own batching into ``n_ubatch``), ``decode_tok_s``
-per prompt of ``decode_ids`` (greedy, one sequence, tokens after the first
-over their time), and ``concurrency`` (level -> aggregate tok/s: that many
-sequences, each its own ``decode_ids`` prompt cycled, decoded in one batch per
-step, every output token over the wall time from the first prefill to the
-last token). Greedy is the argmax of the logits, as the engine's greedy
-sampler; end-of-sequence is ignored, as ``ignore_eos`` is on the other side.
+Greedy is the argmax of the logits, as the engine's greedy sampler;
+end-of-sequence is ignored, as ``ignore_eos`` is on the other side. The process
+ends at the end of its input.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
-import statistics
 import sys
 import time
 from typing import Any
@@ -30,27 +34,27 @@ import llama_cpp as llama
 import numpy as np
 
 
-def main() -> None:
-    job = json.load(sys.stdin)
-    threads = int(job["threads"])
-    max_tokens = int(job["max_tokens"])
-    levels = [int(n) for n in job["concurrency"]]
-    prompts: list[list[int]] = job["decode_ids"]
-    quiet = llama.llama_log_callback(lambda level, text, user_data: None)
-    llama.llama_log_set(quiet, ctypes.c_void_p())  # llama.cpp logs every tensor it loads
-    llama.llama_backend_init()
-    model = llama.llama_model_load_from_file(job["gguf"].encode(), llama.llama_model_default_params())
-    vocab_size = llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(model))
-    params = llama.llama_context_default_params()
-    params.n_ctx = 8192
-    params.n_seq_max = max(levels, default=1)
-    params.n_threads = threads
-    params.n_threads_batch = threads
-    ctx = llama.llama_init_from_model(model, params)
-    memory = llama.llama_get_memory(ctx)
-    batch = llama.llama_batch_init(max(2048, len(job["prefill_ids"])), 0, params.n_seq_max)
+class Engine:
+    """One llama.cpp context over the GGUF; every measurement starts from an empty KV cache."""
 
-    def decode(items: list[tuple[int, int, int, bool]]) -> None:
+    def __init__(self, gguf: str, threads: int, n_seq_max: int) -> None:
+        self._quiet = llama.llama_log_callback(lambda level, text, user_data: None)
+        llama.llama_log_set(self._quiet, ctypes.c_void_p())  # llama.cpp logs every tensor it loads
+        llama.llama_backend_init()
+        self.model = llama.llama_model_load_from_file(gguf.encode(), llama.llama_model_default_params())
+        self.vocab_size = llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(self.model))
+        params = llama.llama_context_default_params()
+        params.n_ctx = 8192
+        params.n_seq_max = n_seq_max
+        params.n_threads = threads
+        params.n_threads_batch = threads
+        self.ctx = llama.llama_init_from_model(self.model, params)
+        self.memory = llama.llama_get_memory(self.ctx)
+        self.batch = llama.llama_batch_init(4096, 0, n_seq_max)
+
+    def decode(self, items: list[tuple[int, int, int, bool]]) -> None:
+        """One ``llama_decode`` of (token, position, sequence, wants logits) items."""
+        batch = self.batch
         batch.n_tokens = len(items)
         for i, (token, pos, seq, logits) in enumerate(items):
             batch.token[i] = token
@@ -58,64 +62,58 @@ def main() -> None:
             batch.n_seq_id[i] = 1
             batch.seq_id[i][0] = seq
             batch.logits[i] = logits
-        if llama.llama_decode(ctx, batch) != 0:
+        if llama.llama_decode(self.ctx, batch) != 0:
             raise RuntimeError("llama_decode failed")
 
-    def argmax(index: int) -> int:
-        row = np.ctypeslib.as_array(llama.llama_get_logits_ith(ctx, index), shape=(vocab_size,))
+    def argmax(self, index: int) -> int:
+        row = np.ctypeslib.as_array(llama.llama_get_logits_ith(self.ctx, index), shape=(self.vocab_size,))
         return int(row.argmax())
 
-    def clear() -> None:
-        llama.llama_memory_clear(memory, True)
-
-    result: dict[str, Any] = {"version": llama.__version__}
-    ids = job["prefill_ids"]
-    rates = []
-    for _ in range(job["repeats"]):
-        clear()
+    def prefill(self, ids: list[int]) -> dict[str, Any]:
+        llama.llama_memory_clear(self.memory, True)
         t0 = time.perf_counter()
-        decode([(t, p, 0, p == len(ids) - 1) for p, t in enumerate(ids)])
-        argmax(len(ids) - 1)
-        rates.append(len(ids) / (time.perf_counter() - t0))
-    result["prefill_tok_s"] = statistics.median(rates)
+        self.decode([(t, p, 0, p == len(ids) - 1) for p, t in enumerate(ids)])
+        self.argmax(len(ids) - 1)
+        return {"tok_s": len(ids) / (time.perf_counter() - t0)}
 
-    def run(n: int) -> tuple[float, list[list[int]]]:
-        """``n`` sequences at once; aggregate tok/s and each one's tokens."""
-        clear()
-        seqs = [prompts[i % len(prompts)] for i in range(n)]
+    def greedy(self, ids: list[int], max_tokens: int) -> dict[str, Any]:
+        llama.llama_memory_clear(self.memory, True)
+        self.decode([(t, pos, 0, pos == len(ids) - 1) for pos, t in enumerate(ids)])
+        tokens = [self.argmax(len(ids) - 1)]
+        t0 = time.perf_counter()
+        for step in range(1, max_tokens):
+            self.decode([(tokens[-1], len(ids) + step - 1, 0, True)])
+            tokens.append(self.argmax(0))
+        return {"tok_s": (max_tokens - 1) / (time.perf_counter() - t0), "tokens": tokens}
+
+    def concurrency(self, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+        llama.llama_memory_clear(self.memory, True)
         t0 = time.perf_counter()
         out: list[list[int]] = []
-        for s, p in enumerate(seqs):  # prefill one by one (the engine also feeds prompts in chunks)
-            decode([(t, pos, s, pos == len(p) - 1) for pos, t in enumerate(p)])
-            out.append([argmax(len(p) - 1)])
+        for s, p in enumerate(prompts):  # prefill one by one (the engine also feeds prompts in chunks)
+            self.decode([(t, pos, s, pos == len(p) - 1) for pos, t in enumerate(p)])
+            out.append([self.argmax(len(p) - 1)])
         for step in range(1, max_tokens):
-            decode([(out[s][-1], len(p) + step - 1, s, True) for s, p in enumerate(seqs)])
-            for s in range(n):
-                out[s].append(argmax(s))
-        t_end = time.perf_counter()
-        return n * max_tokens / (t_end - t0), out
+            self.decode([(out[s][-1], len(p) + step - 1, s, True) for s, p in enumerate(prompts)])
+            for s in range(len(prompts)):
+                out[s].append(self.argmax(s))
+        wall = time.perf_counter() - t0
+        return {"tok_s": len(prompts) * max_tokens / wall, "tokens": out}
 
-    decode_rates = []
-    for p in prompts:
-        rs = []
-        for _ in range(job["repeats"]):
-            clear()
-            decode([(t, pos, 0, pos == len(p) - 1) for pos, t in enumerate(p)])
-            token = argmax(len(p) - 1)
-            t0 = time.perf_counter()
-            for step in range(1, max_tokens):
-                decode([(token, len(p) + step - 1, 0, True)])
-                token = argmax(0)
-            rs.append((max_tokens - 1) / (time.perf_counter() - t0))
-        decode_rates.append(statistics.median(rs))
-    result["decode_tok_s"] = decode_rates
-    result["concurrency"] = {
-        str(n): statistics.median(run(n)[0] for _ in range(job["repeats"])) for n in levels
-    }
-    llama.llama_batch_free(batch)
-    llama.llama_free(ctx)
-    llama.llama_model_free(model)
-    json.dump(result, sys.stdout)
+
+def main() -> None:
+    first = json.loads(sys.stdin.readline())
+    engine = Engine(first["gguf"], int(first["threads"]), int(first["n_seq_max"]))
+    print(json.dumps({"version": llama.__version__}), flush=True)
+    for line in sys.stdin:
+        job = json.loads(line)
+        if "prefill" in job:
+            answer = engine.prefill(job["prefill"])
+        elif "decode" in job:
+            answer = engine.greedy(job["decode"], int(job["max_tokens"]))
+        else:
+            answer = engine.concurrency(job["concurrency"], int(job["max_tokens"]))
+        print(json.dumps(answer), flush=True)
 
 
 if __name__ == "__main__":
