@@ -10,22 +10,26 @@ so sequences of different lengths need no padding.
 
 Weights, by ``Quantization``:
 
-- ``int4`` (default): groups of 32 input weights with a scale and an offset,
-  torch's ``_weight_int4pack_mm_for_cpu`` with bfloat16 activations. The
-  embedded GGUF is Q4_1 (groups of 32, scale and minimum), so this holds the
-  same 16 levels per group the GGUF holds (scale and offset rounded to
-  bfloat16); about a quarter of float32's bytes per token.
+- ``int4`` (default): groups of 32 input weights with a scale and an offset.
+  The embedded GGUF is Q4_1 (groups of 32, scale and minimum), so this holds
+  the same 16 levels per group the GGUF holds; about a quarter of float32's
+  bytes per token. Where the CPU has AVX-512 VNNI (``vnni.available()``), the
+  products are ``vnni.Product``: int8 activations in groups of 32 times the
+  codes in integers, scale and minimum in float16 (llama.cpp's Q4_1 x Q8_1
+  arithmetic); elsewhere torch's ``_weight_int4pack_mm_for_cpu`` with
+  bfloat16 activations, scale and offset in bfloat16.
 - ``int8``: one scale per output channel, ``_weight_int8pack_mm``.
 - ``none``: the loaded dtype (float32 or bfloat16), ``torch.nn.functional.linear``.
 
 The LM head (tied to the embeddings in SmolLM2, Q8_0 in its GGUF) is int8 with
-either quantization (``Int8Head``: float32 logits). Measured against float32 on
-600 tokens of English text (teacher-forced): int4 with this head agrees on 98.8%
-of greedy tokens, KL 0.0006 nats, the same perplexity to 0.1%. An
-int4 head (KL 0.029) and int8 x one-term int8 activations (it turned SmolLM2's
-greedy answer to "What is the capital of France?" away from Paris) were
-measured and left out. The residual stream, norms, RoPE, attention and KV
-cache stay float32.
+either quantization (``Int8Head``: float32 logits). Against float32
+(``benchmarks/cpu_quality.py``, 409 tokens teacher-forced), int4 with this head
+agrees on 93.6% of greedy tokens through the VNNI kernel (KL 0.0034 nats) and
+96.8% through torch's (KL 0.0014), both within 0.5% of float32's perplexity.
+For the head, an int4 weight (KL 0.029) and one int8 term per row of
+activations (it turned SmolLM2's greedy answer to "What is the capital of
+France?" away from Paris) were measured and left out. The residual stream,
+norms, RoPE, attention and KV cache stay float32.
 
 Prompt chunks of ``DENSE_MIN_TOKENS`` or more run through bfloat16 copies of
 the quantized weights (``dense_prefill``): a GEMM over many rows is about 1.7x
@@ -37,11 +41,13 @@ sequence runs alone or batched, and whether a decode position comes alone or in
 a verify pass with drafts. The quantized kernels compute each row of a batched
 linear as they compute it alone (float32 and bfloat16 GEMMs do not: with
 ``none`` this holds only approximately); norms and activations are per row;
-attention runs per segment, decode positions one query at a time (the fused
-kernel's result for a row depends on the other rows of its call, and one bit
-of difference flips bfloat16 roundings downstream). Prompt chunks start at
+attention runs per segment, decode positions one query at a time (on VNNI
+machines all of a pass's in one ``vnni.DecodeAttention`` call per layer, each
+by the same arithmetic whatever the others; elsewhere one fused call each: the
+fused kernel's result for a row depends on the other rows of its call, and one
+bit of difference flips bfloat16 roundings downstream). Prompt chunks start at
 fixed offsets (``CpuBackend``), so their masked calls are the same too.
-Checked by ``tests/unit/engine_worker/cpu/test_llama.py``.
+Checked by ``tests/unit/engine_worker/cpu/test_llama.py`` (both int4 kernels).
 
 Supported: ``model_type`` llama, mistral (no sliding window) and qwen2 (q/k/v
 biases), SiLU MLP, RMSNorm, any RoPE scaling transformers' rotary embedding
@@ -59,6 +65,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine_worker.cpu import vnni
 from engine_worker.cpu.kv_cache import SequenceKV
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -99,7 +106,7 @@ class QuantizedLinear:
     layer also keeps a bfloat16 copy for ``dense_raw`` (prompt chunks).
     """
 
-    __slots__ = ("_bias", "_dense", "_int4_scales", "_int8_scales", "_mode", "_weight", "raw")
+    __slots__ = ("_bias", "_dense", "_int4_scales", "_int8_scales", "_mode", "_vnni", "_weight", "raw")
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None, mode: Quantization, dense: bool = False
@@ -112,14 +119,21 @@ class QuantizedLinear:
         self._bias = None if bias is None else bias.detach().float()
         self._int4_scales: torch.Tensor | None = None
         self._int8_scales: torch.Tensor | None = None
-        if mode is Quantization.INT4:
+        self._vnni: dict[str, torch.Tensor] | None = None
+        if mode is Quantization.INT4 and vnni.available() and vnni.supports(*weight.shape):
+            try:
+                self._vnni = vnni.pack(*_int4_codes(weight.float()))
+                self._weight = self._vnni["codes"]
+            except ValueError:  # weights past float16's range: torch's kernel below
+                self._vnni = None
+        if mode is Quantization.INT4 and self._vnni is None:
             self._weight, self._int4_scales = _pack_int4(weight.float())
-        elif mode is Quantization.INT8:
+        if mode is Quantization.INT8:
             w = weight.float()
             scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
             self._weight = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
             self._int8_scales = scales.to(torch.bfloat16)
-        else:
+        if mode is Quantization.NONE:
             self._weight = weight.contiguous()
         self._dense = (
             weight.to(torch.bfloat16).contiguous() if dense and mode is not Quantization.NONE else None
@@ -134,9 +148,12 @@ class QuantizedLinear:
         """The tensors this layer computes with (bias aside: it comes from the model
         unchanged), by name, for ``from_state``; what ``weight_cache`` stores."""
         out = {"weight": self._weight}
+        vnni_parts = self._vnni or {}
         for name, tensor in (
             ("int4_scales", self._int4_scales),
             ("int8_scales", self._int8_scales),
+            ("vnni_scales", vnni_parts.get("scales")),
+            ("vnni_lows", vnni_parts.get("lows")),
             ("dense", self._dense),
         ):
             if tensor is not None:
@@ -155,13 +172,21 @@ class QuantizedLinear:
         self._weight = state["weight"]
         self._int4_scales = state.get("int4_scales")
         self._int8_scales = state.get("int8_scales")
+        self._vnni = None
+        if "vnni_scales" in state:
+            self._vnni = {"codes": self._weight, "scales": state["vnni_scales"], "lows": state["vnni_lows"]}
+            if not vnni.matches(self._vnni):  # another layout: quantize again (the caller's KeyError)
+                raise KeyError("vnni layout")
         self._dense = state.get("dense")
         self.raw = self._bind()
         return self
 
     @property
     def input_dtype(self) -> torch.dtype:
-        """What ``raw`` takes: bfloat16 for the quantized kernels, else the weight's dtype."""
+        """What ``raw`` takes: float32 for the VNNI kernel (it quantizes the rows
+        itself), bfloat16 for torch's quantized kernels, else the weight's dtype."""
+        if self._vnni is not None:
+            return torch.float32
         return self._weight.dtype if self._mode is Quantization.NONE else torch.bfloat16
 
     def _bind(self) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -173,7 +198,9 @@ class QuantizedLinear:
         and ``torch.ops`` wrappers they replace cost about a tenth of the pass."""
         weight, bias = self._weight, self._bias
         kernel: Callable[[torch.Tensor], torch.Tensor]
-        if self._mode is Quantization.INT4:
+        if self._vnni is not None:
+            kernel = vnni.Product(self._vnni)  # its result is reused by its next call: see __call__
+        elif self._mode is Quantization.INT4:
             group_scales, int4 = self._int4_scales, torch._weight_int4pack_mm_for_cpu
             assert group_scales is not None
 
@@ -201,19 +228,29 @@ class QuantizedLinear:
         pays off over many rows, where the quantized kernels take about as long per
         row as alone."""
         assert self._dense is not None
-        y = F.linear(x, self._dense)
+        y = F.linear(x.to(torch.bfloat16), self._dense)
         return y if self._bias is None else y.float() + self._bias
 
     def nbytes(self) -> int:
         """Bytes of weight data read per forward pass."""
         total = self._weight.numel() * self._weight.element_size()
-        for extra in (self._int4_scales, self._int8_scales, self._bias):
+        vnni_parts = self._vnni or {}
+        for extra in (
+            self._int4_scales,
+            self._int8_scales,
+            self._bias,
+            vnni_parts.get("scales"),
+            vnni_parts.get("lows"),
+        ):
             if extra is not None:
                 total += extra.numel() * extra.element_size()
         return total
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.raw(x.to(self.input_dtype)).float()
+        """``x`` ``[tokens, in]`` -> a new ``[tokens, out]`` float32 tensor (``raw``'s
+        result may be a buffer its next call overwrites)."""
+        y = self.raw(x.to(self.input_dtype))
+        return y.clone() if y.dtype == torch.float32 else y.float()
 
 
 class Int8Head:
@@ -315,16 +352,24 @@ def _pack_onednn_int8(codes: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
-def _pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight`` ``[out, in]`` float32 as 16 levels per group of 32 inputs: the
-    packed codes and ``[in/32, out, 2]`` bfloat16 (scale, offset), the kernel's
-    layout, where a weight is ``(code - 8) * scale + offset``."""
+def _int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight`` ``[out, in]`` float32 as 16 levels per group of 32 inputs (Q4_1's):
+    codes ``[out, in]`` int32 0..15, and ``scale`` and ``low`` ``[out, in/32]``
+    float32, where a weight is ``scale * code + low``."""
     out_features, in_features = weight.shape
     groups = weight.view(out_features, in_features // _INT4_GROUP, _INT4_GROUP)
     low = groups.amin(dim=-1)
     scale = ((groups.amax(dim=-1) - low) / 15.0).clamp(min=1e-12)
     codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.view(out_features, in_features), 1)
+    return codes.view(out_features, in_features), scale, low
+
+
+def _pack_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` ``[out, in]`` float32 in torch's int4 kernel's layout: the packed
+    codes and ``[in/32, out, 2]`` bfloat16 (scale, offset), where a weight is
+    ``(code - 8) * scale + offset``."""
+    codes, scale, low = _int4_codes(weight)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     scales_and_offsets = torch.stack([scale, low + 8.0 * scale], dim=-1).transpose(0, 1).contiguous()
     return packed, scales_and_offsets.to(torch.bfloat16)
 
@@ -536,6 +581,9 @@ class LlamaRunner:
                 # head keeps only oneDNN's packed copy (Int8Head), so it is made anew.
                 self._head = Int8Head(head.weight)
             self._restore = None
+            self._native_attention = vnni.attention_available(
+                self.head_dim, self.num_heads, self.num_kv_heads
+            )
             # cos/sin per position from the model's own rotary embedding (any RoPE
             # scaling it implements, attention scaling included).
             positions = torch.arange(max_positions)[None]
@@ -708,11 +756,22 @@ class LlamaRunner:
         # Per segment: where its new keys and values come from, and its attention
         # calls (queries, reads, mask, where the output goes).
         calls: list[tuple[_Planned, torch.Tensor, torch.Tensor, list[_Attention]]] = []
+        # Decode positions attend through one native call per layer for all of them
+        # where this machine runs it (float32 activations), else one fused call each.
+        native = act == torch.float32 and self._native_attention
+        decode_items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
         for p in plan:
             own = slice(p.offset, p.offset + p.n)
             if p.mask is not None:
                 keys, vals = p.reads[0]
                 attention = [_Attention(queries[:, :, own], keys, vals, p.mask, attended[own])]
+            elif native:
+                # each position over the keys up to its own, as a lone decode step reads them
+                attention = []
+                decode_items += [
+                    (rotated[i, :heads], p.kv.buffer, attended[i], p.start + j + 1)
+                    for j, i in enumerate(range(p.offset, p.offset + p.n))
+                ]
             else:
                 # Decode positions, one query at a time: each is computed exactly as
                 # plain decoding computes it (a verify pass's position included).
@@ -721,6 +780,7 @@ class LlamaRunner:
                     for i, (keys, vals) in enumerate(p.reads, start=p.offset)
                 ]
             calls.append((p, rotated[own, heads:], values[own], attention))
+        decode = vnni.DecodeAttention(d, heads, kv_heads, scale, decode_items) if decode_items else None
         half_swap = self._half_swap
         for li, layer in enumerate(self._layers):
             _rms_norm(x, layer.input_norm, n_eps, normed, norm_scratch)
@@ -736,6 +796,8 @@ class LlamaRunner:
                         a.queries, a.keys[li], a.values[li], attn_mask=a.mask, scale=scale, enable_gqa=True
                     )
                     a.out.copy_(out[0].transpose(0, 1))
+            if decode is not None:
+                decode(li)
             # bfloat16 outputs added to the float32 stream are widened exactly first
             x.add_(linear(layer.o, flat))
             _rms_norm(x, layer.post_norm, n_eps, normed, norm_scratch)

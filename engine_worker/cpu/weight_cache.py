@@ -10,7 +10,8 @@ depends only on the weights, the options and torch, so the first start saves it
 The file's name carries a fingerprint of what the result depends on: the model
 folder's resolved path and each ``config.json`` / weights file's size and
 modification time, ``--quantization``, ``--dense-prefill``, the torch version (the
-int4 kernel's packed layout is torch's) and ``FORMAT``. A changed model or option
+int4 kernel's packed layout is torch's), which int4 kernel this machine runs
+(``vnni`` or torch's: their layouts differ) and ``FORMAT``. A changed model or option
 never matches a stale file; a file that cannot be read is ignored (and rebuilt),
 and one that cannot be written costs only the speed-up. The tensors read back
 are mapped from the file (safetensors' ``safe_open``): pages of the system's file
@@ -34,11 +35,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from engine_worker.cpu import vnni
 from engine_worker.cpu.llama import QuantizedState
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 3
 """Bump when ``LlamaRunner.quantized_state``'s names or layouts change."""
 
 ALIGNMENT = 64
@@ -58,7 +60,8 @@ def cache_file(cache_dir: Path, model_dir: Path, quantization: str, dense_prefil
     """Where the quantized weights of ``model_dir`` under these options are kept."""
     h = hashlib.sha256()
     root = model_dir.resolve()
-    h.update(f"{FORMAT}\0{root}\0{quantization}\0{dense_prefill}\0{torch.__version__}\0".encode())
+    kernel = "vnni" if vnni.available() else "torch"
+    h.update(f"{FORMAT}\0{root}\0{quantization}\0{dense_prefill}\0{torch.__version__}\0{kernel}\0".encode())
     for p in sorted(root.iterdir()):
         if p.name == "config.json" or p.suffix in (".safetensors", ".bin"):
             st = p.stat()

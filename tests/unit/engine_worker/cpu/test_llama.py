@@ -4,12 +4,16 @@ batched, and in a verify pass)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from engine_worker.cpu import vnni
 from engine_worker.cpu.llama import (
     DENSE_MIN_TOKENS,
     LlamaRunner,
@@ -18,6 +22,26 @@ from engine_worker.cpu.llama import (
     Segment,
     UnsupportedModel,
 )
+
+KERNELS = [
+    pytest.param(Quantization.INT4, "vnni", id="int4-vnni"),
+    pytest.param(Quantization.INT4, "torch", id="int4-torch"),
+    pytest.param(Quantization.INT8, "torch", id="int8"),
+]
+"""The quantized kernels: int4 through ``vnni`` (where the CPU runs it) and through
+torch's ``_weight_int4pack_mm_for_cpu``, and int8."""
+
+
+@contextmanager
+def _kernel(kernel: str) -> Iterator[None]:
+    """Layers built inside use ``kernel`` for int4 (skips ``vnni`` where unavailable)."""
+    if kernel == "vnni":
+        if not vnni.available():
+            pytest.skip("this CPU does not run the VNNI kernel (AVX-512 VNNI, llvmlite)")
+        yield
+    else:
+        with mock.patch.object(vnni, "available", return_value=False):
+            yield
 
 
 def _ids(n: int, seed: int, vocab: int = 49152) -> list[int]:
@@ -75,11 +99,13 @@ def test_qwen2_biases_and_truncated_kv_match_transformers() -> None:
     torch.testing.assert_close(again, expected[25:], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("mode", [Quantization.INT4, Quantization.INT8])
-def test_quantized_linear_rows_are_computed_as_alone(mode: Quantization) -> None:
+@pytest.mark.parametrize(("mode", "kernel"), KERNELS)
+def test_quantized_linear_rows_are_computed_as_alone(mode: Quantization, kernel: str) -> None:
     weight = torch.randn(192, 96, generator=torch.Generator().manual_seed(3))
     x = torch.randn(40, 96, generator=torch.Generator().manual_seed(4))
-    linear = QuantizedLinear(weight, None, mode)
+    with _kernel(kernel):
+        linear = QuantizedLinear(weight, None, mode)
+    assert (linear.input_dtype == torch.float32) == (kernel == "vnni")
     alone = torch.cat([linear(x[i : i + 1]) for i in range(40)])
     for m in (2, 3, 4, 5, 8, 17, 40):
         assert torch.equal(linear(x[:m]), alone[:m]), m
@@ -89,9 +115,11 @@ def test_quantized_linear_rows_are_computed_as_alone(mode: Quantization) -> None
     assert error < (0.1 if mode is Quantization.INT4 else 0.02)
 
 
-def test_int4_reproduces_weights_that_have_16_levels_per_group() -> None:
+@pytest.mark.parametrize("kernel", ["vnni", "torch"])
+def test_int4_reproduces_weights_that_have_16_levels_per_group(kernel: str) -> None:
     """Q4_1-style weights (a scale and a minimum per 32 inputs, codes 0..15) come
-    back to within the bfloat16 rounding of scale and offset."""
+    back to within the bfloat16 rounding of scale and offset (torch's kernel; the
+    VNNI kernel keeps them in float32, and a one-hot row quantizes exactly)."""
     gen = torch.Generator().manual_seed(5)
     codes = torch.randint(0, 16, (64, 128), generator=gen).float()
     codes[:, ::32] = 0  # every group uses its lowest and highest level
@@ -99,7 +127,8 @@ def test_int4_reproduces_weights_that_have_16_levels_per_group() -> None:
     scale = torch.rand(64, 4, generator=gen) * 0.01 + 0.001
     low = -8 * scale + torch.randn(64, 4, generator=gen) * 0.001
     weight = (codes.view(64, 4, 32) * scale[..., None] + low[..., None]).view(64, 128)
-    linear = QuantizedLinear(weight, None, Quantization.INT4)
+    with _kernel(kernel):
+        linear = QuantizedLinear(weight, None, Quantization.INT4)
     identity = torch.eye(128)
     recovered = linear(identity).T  # [out, in]
     # scale and offset are stored in bfloat16: relative error 2^-8 each
@@ -131,11 +160,12 @@ def smollm_shaped() -> Any:
         return LlamaForCausalLM(config).eval()
 
 
-@pytest.mark.parametrize("mode", [Quantization.INT4, Quantization.INT8])
+@pytest.mark.parametrize(("mode", "kernel"), KERNELS)
 def test_batched_and_verify_passes_are_bitwise_what_a_lone_sequence_gets(
-    smollm_shaped: Any, mode: Quantization
+    smollm_shaped: Any, mode: Quantization, kernel: str
 ) -> None:
-    runner = LlamaRunner(smollm_shaped, mode, 512)
+    with _kernel(kernel):
+        runner = LlamaRunner(smollm_shaped, mode, 512)
     prompts = [_ids(n, seed=10 + n, vocab=2000) for n in (5, 33, 70, 12)]
     follow = [_ids(12, seed=20 + i, vocab=2000) for i in range(4)]
     with torch.inference_mode():
