@@ -119,3 +119,33 @@ def test_a_layer_restored_from_its_state_computes_the_same() -> None:
     restored = QuantizedLinear.from_state(state, None, linear.mode)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(8))
     assert torch.equal(restored(x), linear(x))
+
+
+@needs_vnni
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
+def test_decode_attention_matches_the_fused_kernel(heads: int, kv_heads: int, head_dim: int) -> None:
+    """Every item over its own length of its own buffer's layer, with grouped KV heads,
+    against ``scaled_dot_product_attention`` query by query."""
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    layers, scale = 3, head_dim**-0.5
+    buffers = [torch.randn(layers, 2, kv_heads, capacity, head_dim, generator=gen) for capacity in (40, 1200)]
+    lengths = [(0, 1), (0, 17), (1, 300), (1, 1200), (0, 40)]  # (buffer, positions)
+    q = torch.randn(len(lengths), heads, head_dim, generator=gen) * 3  # peaked softmaxes too
+    out = torch.full((len(lengths), heads, head_dim), float("nan"))
+    assert vnni.attention_available(head_dim, heads, kv_heads)
+    attention = vnni.DecodeAttention(
+        head_dim, heads, kv_heads, scale, [(q[i], buffers[b], out[i], n) for i, (b, n) in enumerate(lengths)]
+    )
+    for layer in range(layers):
+        attention(layer)
+        for i, (b, n) in enumerate(lengths):
+            keys, values = buffers[b][layer, 0:1, :, :n], buffers[b][layer, 1:2, :, :n]
+            expected = torch.nn.functional.scaled_dot_product_attention(
+                q[i][None, :, None], keys, values, scale=scale, enable_gqa=True
+            )[0, :, 0]
+            torch.testing.assert_close(out[i], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_shapes_it_refuses() -> None:
+    assert not vnni.attention_available(40, 8, 2)  # a head that does not fill whole vectors
+    assert not vnni.attention_available(64, 9, 2)  # query heads not a multiple of the KV heads
