@@ -40,6 +40,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -447,17 +448,42 @@ def matches(weights: dict[str, torch.Tensor]) -> bool:
     )
 
 
+class _Scratch(threading.local):
+    """The activations' int8 copy, their group scales and a product's result, shared
+    by every ``Product`` of a thread (a pass runs its products one after another,
+    and each result is consumed before the next product): their size is the
+    largest product a pass has made, not one buffer per layer and row count."""
+
+    def __init__(self) -> None:
+        self.codes = torch.empty(0, dtype=torch.int8)
+        self.floats = torch.empty(0)
+        self.out = torch.empty(0)
+        self.generation = 0
+
+    def fit(self, codes: int, floats: int, out: int) -> None:
+        """Grow the buffers to hold these many elements (each at least 1.5x when it grows)."""
+        grown = False
+        if self.codes.numel() < codes:
+            self.codes, grown = torch.empty(max(codes, self.codes.numel() * 3 // 2), dtype=torch.int8), True
+        if self.floats.numel() < floats:
+            self.floats, grown = torch.empty(max(floats, self.floats.numel() * 3 // 2)), True
+        if self.out.numel() < out:
+            self.out, grown = torch.empty(max(out, self.out.numel() * 3 // 2)), True
+        self.generation += grown
+
+
+_SCRATCH = _Scratch()
+
+
 class Product:
-    """``y = x @ W.T`` for one packed weight (``pack``): ``x`` ``[rows, K]`` float32
-    contiguous, ``y`` ``[rows, N]`` float32, on ``torch.get_num_threads()`` threads
-    of torch's OpenMP team. ``available()`` must be true.
+    """``y = x @ W.T`` for one packed weight (``pack``): ``x`` ``[rows, K]`` float32,
+    ``y`` ``[rows, N]`` float32, on ``torch.get_num_threads()`` threads of torch's
+    OpenMP team. ``available()`` must be true.
 
-    The activations' int8 copy and, without ``out``, the result live in buffers
-    kept per row count (a decode pass calls each layer's product once per layer
-    and row count), so a call allocates nothing: a result returned without
-    ``out`` is valid until the next call with as many rows."""
+    Without ``out``, the result is a view of a buffer every ``Product`` of the
+    thread shares (``_Scratch``): valid until the thread's next product."""
 
-    __slots__ = ("_buffers", "_compiled", "blocks", "groups", "weights")
+    __slots__ = ("_args", "_compiled", "_key", "_view", "blocks", "groups", "weights")
 
     def __init__(self, weights: dict[str, torch.Tensor]) -> None:
         compiled = _compiled()
@@ -465,51 +491,38 @@ class Product:
         self._compiled = compiled
         self.weights = weights
         self.blocks, self.groups = int(weights["codes"].shape[0]), int(weights["codes"].shape[1])
-        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, _Args]] = {}
-
-    def _for(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, _Args]:
-        found = self._buffers.get(rows)
-        if found is None:
-            k, n = self.groups * GROUP, self.blocks * LANES
-            xq = torch.empty(rows, k, dtype=torch.int8)
-            xd, xs, y = torch.empty(rows, self.groups), torch.empty(rows, self.groups), torch.empty(rows, n)
-            w = self.weights
-            args = _Args(
-                w["codes"].data_ptr(),
-                w["scales"].data_ptr(),
-                w["lows"].data_ptr(),
-                xq.data_ptr(),
-                xd.data_ptr(),
-                xs.data_ptr(),
-                y.data_ptr(),
-                self.blocks,
-                self.groups,
-                k,
-                n,
-                rows,
-            )
-            found = self._buffers[rows] = (xq, xd, xs, y, args)
-        return found
+        w = weights
+        self._args = _Args(w["codes"].data_ptr(), w["scales"].data_ptr(), w["lows"].data_ptr())
+        self._args.blocks, self._args.groups = self.blocks, self.groups
+        self._args.k, self._args.n = self.groups * GROUP, self.blocks * LANES
+        self._key = (-1, -1)  # (rows, scratch generation) the pointers in _args are for
+        self._view = torch.empty(0)  # the shared result buffer as [rows, N], for that key
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
-        _, _, _, y, args = self._for(rows)
+        args, scratch = self._args, _SCRATCH
+        k, n, groups = args.k, args.n, self.groups
         if not x.is_contiguous():
             x = x.contiguous()
+        if self._key != (rows, scratch.generation):
+            scratch.fit(rows * k, 2 * rows * groups, rows * n)
+            floats = scratch.floats.data_ptr()
+            args.xq, args.xd, args.xs = scratch.codes.data_ptr(), floats, floats + rows * groups * 4
+            args.rows = rows
+            self._key = (rows, scratch.generation)
+            self._view = scratch.out[: rows * n].view(rows, n)
         compiled = self._compiled
-        compiled.quantize(x.data_ptr(), rows, x.shape[1], args.xq, args.xd, args.xs)
-        if out is not None:
-            args.y = out.data_ptr()
-            y = out
-        else:
-            args.y = y.data_ptr()
+        compiled.quantize(x.data_ptr(), rows, k, args.xq, args.xd, args.xs)
+        if out is None:
+            out = self._view
+        args.y = out.data_ptr()
         compiled.linear(ctypes.byref(args), min(torch.get_num_threads(), self.blocks))
-        return y
+        return out
 
 
 def linear(x: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
     """``x`` ``[rows, K]`` float32 times a packed weight, into a new ``[rows, N]``
-    tensor (``Product`` keeps its buffers between calls)."""
+    tensor (a ``Product`` returns a view of buffers it shares)."""
     return Product(weights)(x).clone()
 
 
