@@ -175,8 +175,6 @@ class QuantizedLinear:
         self._vnni = None
         if "vnni_scales" in state:
             self._vnni = {"codes": self._weight, "scales": state["vnni_scales"], "lows": state["vnni_lows"]}
-            if not vnni.matches(self._vnni):  # another layout: quantize again (the caller's KeyError)
-                raise KeyError("vnni layout")
         self._dense = state.get("dense")
         self.raw = self._bind()
         return self
@@ -482,9 +480,10 @@ class _Planned:
 
     ``keys_out`` / ``values_out``: per layer ``[n, kv_heads, head_dim]``, where the
     pass's keys and values go (the layout the pass computes them in).
-    ``reads``: per attention call, keys and values per layer ``[1, kv_heads, end,
-    head_dim]``: one call over ``start + n`` positions with ``mask`` (a prompt
-    chunk, causal within it), or one per position (decode).
+    ``reads``: per fused attention call, keys and values per layer ``[1, kv_heads,
+    end, head_dim]``: one call over ``start + n`` positions with ``mask`` (a prompt
+    chunk, causal within it), or one per position (decode; none where
+    ``vnni.DecodeAttention`` reads the buffer itself: ``fused_decode`` false).
     """
 
     kv: SequenceKV
@@ -497,9 +496,11 @@ class _Planned:
     reads: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]
 
     @classmethod
-    def of(cls, kv: SequenceKV, offset: int, n: int, start: int, prompt_chunk: bool) -> _Planned:
+    def of(
+        cls, kv: SequenceKV, offset: int, n: int, start: int, prompt_chunk: bool, fused_decode: bool
+    ) -> _Planned:
         buffer = kv.buffer  # [layers, 2, kv_heads, capacity, head_dim]
-        ends = [start + n] if prompt_chunk else range(start + 1, start + n + 1)
+        ends = [start + n] if prompt_chunk else range(start + 1, start + n + 1) if fused_decode else []
         # [layers, 1, kv_heads, capacity, head_dim]: the fused attention kernel takes 4-d
         # inputs (3-d ones go to the unfused math path, several times slower).
         keys, values = buffer[:, 0:1], buffer[:, 1:2]
@@ -581,8 +582,11 @@ class LlamaRunner:
                 # head keeps only oneDNN's packed copy (Int8Head), so it is made anew.
                 self._head = Int8Head(head.weight)
             self._restore = None
-            self._native_attention = vnni.attention_available(
-                self.head_dim, self.num_heads, self.num_kv_heads
+            # decode attention in one native call per layer where this machine runs it;
+            # it reads and writes float32, the layers' activations with the VNNI kernel
+            # (and with float32 weights)
+            self._native_attention = self._layers[0].qkv.input_dtype == torch.float32 and (
+                vnni.attention_available(self.head_dim, self.num_heads, self.num_kv_heads)
             )
             # cos/sin per position from the model's own rotary embedding (any RoPE
             # scaling it implements, attention scaling included).
@@ -705,7 +709,16 @@ class LlamaRunner:
             seg.kv.reserve(start + n)
             if dense[i]:
                 spans += _block_spans(len(ids), start, n)
-            plan.append(_Planned.of(seg.kv, len(ids), n, start, prompt_chunk=prompt[i]))
+            plan.append(
+                _Planned.of(
+                    seg.kv,
+                    len(ids),
+                    n,
+                    start,
+                    prompt_chunk=prompt[i],
+                    fused_decode=not self._native_attention,
+                )
+            )
             ids.extend(seg.tokens)
             positions.extend(range(start, start + n))
         quantized_rows = spans[0][0] if spans else len(ids)
@@ -757,15 +770,14 @@ class LlamaRunner:
         # calls (queries, reads, mask, where the output goes).
         calls: list[tuple[_Planned, torch.Tensor, torch.Tensor, list[_Attention]]] = []
         # Decode positions attend through one native call per layer for all of them
-        # where this machine runs it (float32 activations), else one fused call each.
-        native = act == torch.float32 and self._native_attention
+        # where this machine runs it, else one fused call each.
         decode_items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
         for p in plan:
             own = slice(p.offset, p.offset + p.n)
             if p.mask is not None:
                 keys, vals = p.reads[0]
                 attention = [_Attention(queries[:, :, own], keys, vals, p.mask, attended[own])]
-            elif native:
+            elif self._native_attention:
                 # each position over the keys up to its own, as a lone decode step reads them
                 attention = []
                 decode_items += [

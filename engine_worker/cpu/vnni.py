@@ -44,6 +44,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,6 +56,10 @@ LANES = 16
 """Outputs per vector (16 int32 / float32 lanes of a 512-bit register)."""
 CHUNKS = (8, 4, 2, 1)
 """Rows per call of the product, largest first: the codes unpacked once serve them all."""
+
+LAYOUT = "q4_1-f16-lanes16"
+"""``pack``'s layout, in the weight cache's fingerprint: change it with the layout,
+so that a file in another one is never read back."""
 
 PREFETCH_BYTES = 4096
 PREFETCH_LOCALITY = 3
@@ -68,7 +73,15 @@ the caches) 112-117 and 144-254 µs."""
 _REQUIRED_FEATURES = ("avx512f", "avx512bw", "avx512vnni")
 
 _Fn = Callable[..., None]
-ZERO = "zeroinitializer"  # a splat's shuffle mask: lane 0 everywhere
+
+
+def _broadcast(name: str, scalar: str, element: str = "float") -> list[str]:
+    """IR lines making ``%name`` a ``<16 x element>`` with ``scalar`` in every lane."""
+    vector = f"<16 x {element}>"
+    return [
+        f"  %{name}0 = insertelement {vector} undef, {element} {scalar}, i32 0",
+        f"  %{name} = shufflevector {vector} %{name}0, {vector} undef, <16 x i32> zeroinitializer",
+    ]
 
 
 def _splat(value: str, n: int) -> str:
@@ -200,8 +213,7 @@ def _gemm_ir(rows: int) -> str:
                 f"  %xo{r}_{q} = add i64 %xg, {q}",
                 f"  %xp{r}_{q} = getelementptr i32, ptr %xqr{r}, i64 %xo{r}_{q}",
                 f"  %xv{r}_{q} = load i32, ptr %xp{r}_{q}, align 1",
-                f"  %xi{r}_{q} = insertelement <16 x i32> undef, i32 %xv{r}_{q}, i32 0",
-                f"  %xb{r}_{q} = shufflevector <16 x i32> %xi{r}_{q}, <16 x i32> undef, <16 x i32> {ZERO}",
+                *_broadcast(f"xb{r}_{q}", f"%xv{r}_{q}", "i32"),
                 f"  %xc{r}_{q} = bitcast <16 x i32> %xb{r}_{q} to <64 x i8>",
                 f"  %s{r}_{q} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {prev}, "
                 f"<64 x i8> %c{q}, <64 x i8> %xc{r}_{q})",
@@ -209,10 +221,8 @@ def _gemm_ir(rows: int) -> str:
             prev = f"%s{r}_{q}"
         body += [
             f"  %f{r} = sitofp <16 x i32> {prev} to <16 x float>",
-            f"  %dv{r}0 = insertelement <16 x float> undef, float %d{r}, i32 0",
-            f"  %dv{r} = shufflevector <16 x float> %dv{r}0, <16 x float> undef, <16 x i32> {ZERO}",
-            f"  %lsv{r}0 = insertelement <16 x float> undef, float %ls{r}, i32 0",
-            f"  %lsv{r} = shufflevector <16 x float> %lsv{r}0, <16 x float> undef, <16 x i32> {ZERO}",
+            *_broadcast(f"dv{r}", f"%d{r}"),
+            *_broadcast(f"lsv{r}", f"%ls{r}"),
             f"  %t{r}a = fmul <16 x float> %f{r}, %sv",
             f"  %t{r}b = fmul <16 x float> %t{r}a, %dv{r}",
             f"  %t{r}c = fmul <16 x float> %lv, %lsv{r}",
@@ -335,6 +345,9 @@ declare <16 x float> @llvm.maxnum.v16f32(<16 x float>, <16 x float>)
 declare <16 x float> @llvm.rint.v16f32(<16 x float>)
 declare float @llvm.vector.reduce.fmax.v16f32(<16 x float>)
 declare i32 @llvm.vector.reduce.add.v16i32(<16 x i32>)
+declare float @expf(float)
+declare float @llvm.fabs.f32(float)
+declare float @llvm.vector.reduce.fadd.v16f32(float, <16 x float>)
 """
 
 
@@ -353,16 +366,35 @@ class _Compiled:
 
 def _openmp_symbols() -> dict[str, int] | None:
     """Addresses of the OpenMP runtime's entry points in the library torch loaded
-    (its wheel bundles libgomp), or ``None`` if torch's is not GNU OpenMP."""
+    (its wheel bundles libgomp) and of libm's ``expf``, for the generated code; or
+    ``None`` if torch's OpenMP is not GNU's."""
     for line in Path("/proc/self/maps").read_text().splitlines():
         path = line.split()[-1] if line.count(" ") >= 5 else ""
         if Path(path).name.startswith("libgomp"):
             lib = ctypes.CDLL(path)
-            return {
+            symbols = {
                 name: int(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0)
                 for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")
             }
+            symbols["expf"] = int(ctypes.cast(ctypes.CDLL("libm.so.6").expf, ctypes.c_void_p).value or 0)
+            return symbols
     return None
+
+
+def _jit(functions: str) -> object:
+    """An execution engine holding ``functions`` (IR text, using ``_DECLARATIONS``)
+    compiled for this CPU. Raises ``RuntimeError`` (llvmlite's for LLVM's errors)."""
+    import llvmlite.binding as llvm
+
+    cpu = llvm.get_host_cpu_name()
+    machine = llvm.Target.from_default_triple().create_target_machine(
+        cpu=cpu, features=llvm.get_host_cpu_features().flatten(), opt=3
+    )
+    module = llvm.parse_assembly(_DECLARATIONS + functions + f'attributes #0 = {{ "target-cpu"="{cpu}" }}\n')
+    module.verify()
+    engine = llvm.create_mcjit_compiler(module, machine)
+    engine.finalize_object()
+    return engine
 
 
 @functools.cache
@@ -382,17 +414,9 @@ def _compiled() -> _Compiled | None:
             return None
         for name, address in symbols.items():
             llvm.add_symbol(name, address)
-        cpu = llvm.get_host_cpu_name()
-        machine = llvm.Target.from_default_triple().create_target_machine(
-            cpu=cpu, features=features.flatten(), opt=3
+        engine: Any = _jit(
+            _quantize_ir() + "".join(_gemm_ir(r) for r in CHUNKS) + _run_rows_ir() + _parallel_ir()
         )
-        ir = _DECLARATIONS + _quantize_ir() + "".join(_gemm_ir(r) for r in CHUNKS)
-        ir += _run_rows_ir() + _parallel_ir()
-        ir += f'attributes #0 = {{ "target-cpu"="{cpu}" }}\n'
-        module = llvm.parse_assembly(ir)
-        module.verify()
-        engine = llvm.create_mcjit_compiler(module, machine)
-        engine.finalize_object()
     except (RuntimeError, OSError) as e:  # llvmlite reports LLVM's errors as RuntimeError
         log.warning("the VNNI int4 kernel could not be compiled (%s); using torch's", e)
         return None
@@ -433,19 +457,6 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> dict[st
         return half.reshape(n // LANES, LANES, g).permute(0, 2, 1).contiguous()
 
     return {"codes": packed, "scales": lanes(scale), "lows": lanes(low)}
-
-
-def matches(weights: dict[str, torch.Tensor]) -> bool:
-    """Whether ``weights`` (read back from the weight cache) are in ``pack``'s layout
-    and dtypes; a layout change must also bump ``weight_cache.FORMAT``."""
-    codes, scales, lows = weights["codes"], weights["scales"], weights["lows"]
-    return (
-        codes.dtype == torch.uint8
-        and codes.dim() == 4
-        and tuple(codes.shape[2:]) == (4, 64)
-        and scales.dtype == lows.dtype == torch.float16
-        and tuple(scales.shape) == tuple(lows.shape) == (codes.shape[0], codes.shape[1], LANES)
-    )
 
 
 class _Scratch(threading.local):
@@ -489,7 +500,7 @@ class Product:
         compiled = _compiled()
         assert compiled is not None
         self._compiled = compiled
-        self.weights = weights
+        self.weights = weights  # kept alive: _args holds their addresses
         self.blocks, self.groups = int(weights["codes"].shape[0]), int(weights["codes"].shape[1])
         w = weights
         self._args = _Args(w["codes"].data_ptr(), w["scales"].data_ptr(), w["lows"].data_ptr())
@@ -518,12 +529,6 @@ class Product:
         args.y = out.data_ptr()
         compiled.linear(ctypes.byref(args), min(torch.get_num_threads(), self.blocks))
         return out
-
-
-def linear(x: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``x`` ``[rows, K]`` float32 times a packed weight, into a new ``[rows, N]``
-    tensor (a ``Product`` returns a view of buffers it shares)."""
-    return Product(weights)(x).clone()
 
 
 ITEM_FIELDS = ("q", "kv", "out", "capacity", "length")
@@ -598,10 +603,8 @@ def _attention_ir(head_dim: int, group: int, kv_heads: int) -> str:
             f"  %m{g}_next = select i1 %up{g}, float %sc{g}, float %m{g}",
             f"  %sm{g} = fmul float %s{g}, %corr{g}",
             f"  %s{g}_next = fadd float %sm{g}, %p{g}",
-            f"  %cv{g}0 = insertelement <16 x float> undef, float %corr{g}, i32 0",
-            f"  %cv{g} = shufflevector <16 x float> %cv{g}0, <16 x float> undef, <16 x i32> {ZERO}",
-            f"  %pv{g}0 = insertelement <16 x float> undef, float %p{g}, i32 0",
-            f"  %pv{g} = shufflevector <16 x float> %pv{g}0, <16 x float> undef, <16 x i32> {ZERO}",
+            *_broadcast(f"cv{g}", f"%corr{g}"),
+            *_broadcast(f"pv{g}", f"%p{g}"),
         ]
         for j in range(vecs):
             lines += [
@@ -616,10 +619,7 @@ def _attention_ir(head_dim: int, group: int, kv_heads: int) -> str:
         "store:",
     ]
     for g in range(group):
-        lines += [
-            f"  %iv{g}0 = insertelement <16 x float> undef, float %s{g}_next, i32 0",
-            f"  %iv{g} = shufflevector <16 x float> %iv{g}0, <16 x float> undef, <16 x i32> {ZERO}",
-        ]
+        lines += _broadcast(f"iv{g}", f"%s{g}_next")
         for j in range(vecs):
             lines += [
                 f"  %o{g}_{j} = fdiv <16 x float> %a{g}_{j}_next, %iv{g}",
@@ -704,16 +704,6 @@ class _Job(ctypes.Structure):
     ]
 
 
-_ATTENTION_DECLARATIONS = """
-declare void @GOMP_parallel(ptr, ptr, i32, i32)
-declare i32 @omp_get_thread_num()
-declare i32 @omp_get_num_threads()
-declare float @expf(float)
-declare float @llvm.fabs.f32(float)
-declare float @llvm.vector.reduce.fadd.v16f32(float, <16 x float>)
-"""
-
-
 @functools.cache
 def _attention(head_dim: int, group: int, kv_heads: int) -> tuple[object, _Fn] | None:
     """The decode attention kernel for this shape (compiled on first use), or
@@ -721,20 +711,8 @@ def _attention(head_dim: int, group: int, kv_heads: int) -> tuple[object, _Fn] |
     vectors."""
     if _compiled() is None or head_dim % LANES or head_dim > 256:
         return None
-    import llvmlite.binding as llvm
-
-    llvm.add_symbol("expf", int(ctypes.cast(ctypes.CDLL("libm.so.6").expf, ctypes.c_void_p).value or 0))
-    cpu = llvm.get_host_cpu_name()
-    machine = llvm.Target.from_default_triple().create_target_machine(
-        cpu=cpu, features=llvm.get_host_cpu_features().flatten(), opt=3
-    )
-    ir = _ATTENTION_DECLARATIONS + _attention_ir(head_dim, group, kv_heads)
-    ir += f'attributes #0 = {{ "target-cpu"="{cpu}" }}\n'
     try:
-        module = llvm.parse_assembly(ir)
-        module.verify()
-        engine = llvm.create_mcjit_compiler(module, machine)
-        engine.finalize_object()
+        engine: Any = _jit(_attention_ir(head_dim, group, kv_heads))
     except RuntimeError as e:
         log.warning("the decode attention kernel could not be compiled (%s); using torch's", e)
         return None

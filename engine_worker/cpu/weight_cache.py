@@ -11,7 +11,7 @@ The file's name carries a fingerprint of what the result depends on: the model
 folder's resolved path and each ``config.json`` / weights file's size and
 modification time, ``--quantization``, ``--dense-prefill``, the torch version (the
 int4 kernel's packed layout is torch's), which int4 kernel this machine runs
-(``vnni`` or torch's: their layouts differ) and ``FORMAT``. A changed model or option
+(``vnni.LAYOUT`` or torch's: their layouts differ) and ``FORMAT``. A changed model or option
 never matches a stale file; a file that cannot be read is ignored (and rebuilt),
 and one that cannot be written costs only the speed-up. The tensors read back
 are mapped from the file (safetensors' ``safe_open``): pages of the system's file
@@ -60,7 +60,7 @@ def cache_file(cache_dir: Path, model_dir: Path, quantization: str, dense_prefil
     """Where the quantized weights of ``model_dir`` under these options are kept."""
     h = hashlib.sha256()
     root = model_dir.resolve()
-    kernel = "vnni" if vnni.available() else "torch"
+    kernel = vnni.LAYOUT if vnni.available() else "torch"
     h.update(f"{FORMAT}\0{root}\0{quantization}\0{dense_prefill}\0{torch.__version__}\0{kernel}\0".encode())
     for p in sorted(root.iterdir()):
         if p.name == "config.json" or p.suffix in (".safetensors", ".bin"):

@@ -51,7 +51,7 @@ def test_the_product_is_bitwise_the_integer_reference(rows: int) -> None:
     codes, scale, low = _q4(48, 96, seed=rows)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(100 + rows))
     x[0, 32:64] = 0  # an all-zero group: scale 0, no division by zero
-    got = vnni.linear(x, vnni.pack(codes, scale, low))
+    got = vnni.Product(vnni.pack(codes, scale, low))(x)
     assert torch.equal(got, _reference(x, codes, scale, low))
 
 
@@ -75,7 +75,7 @@ def test_close_to_the_float_product_of_the_same_weights() -> None:
     weight = (codes.view(32, 8, 32) * scale[..., None] + low[..., None]).view(32, 256)
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(4))
     exact = x @ weight.T
-    error = (vnni.linear(x, vnni.pack(codes, scale, low)) - exact).abs().max() / exact.abs().max()
+    error = (vnni.Product(vnni.pack(codes, scale, low))(x) - exact).abs().max() / exact.abs().max()
     assert error < 0.02  # int8 activations per group of 32: about 1/254 of each group's largest
 
 
