@@ -14,18 +14,26 @@ Sections (each a median of ``--repeats``; the prefix cache is off throughout):
   ratio to 1 request, and whether every request's text equals its text alone.
 
 ``--llama-cpp`` adds llama.cpp's row: ``benchmarks/llama_cpp_side.py`` in a
-virtual environment of its own (``.cache/bench/llama-venv``, created on first
-use with ``llama-cpp-python==0.3.36``, a C++ build of about 7 minutes on 2
-cores, ``LLAMA_CMAKE_ARGS``), fed the same token ids. It stays running and the
-two engines take turns: each round of a measurement runs it on this engine, then
+virtual environment of its own (``.cache/bench/llama-venv-<build>``, created on
+first use with ``llama-cpp-python==0.3.36``, a C++ build of about 7 minutes on 2
+cores, ``llama_cmake_args``: the ISA extensions this CPU has), fed the same token
+ids. It stays running and the two engines take turns: each round of a measurement runs it on this engine, then
 on llama.cpp, so a change in the machine's speed (this project's benchmark VM
 moves 10-20% within minutes, with its neighbours) falls on both sides of a ratio
 rather than on one. With several ``--quantization`` rows, llama.cpp takes its
 turns beside the first. A llama.cpp process that fails leaves its row out and
 says why; this engine's rows are still printed.
 
+How long: on 2 cores (AMD EPYC Zen 4 and Intel Xeon alike) about a minute per
+``--quantization`` row at ``--repeats 3`` (int4; float32 takes about twice that),
+twice that with ``--llama-cpp``, plus the model's load and llama.cpp's first build.
+``--budget-s`` bounds the measuring (default ``budget_s``: 3 minutes a row at
+``--repeats 3``, scaled by the repeats, twice with ``--llama-cpp``): an engine step
+or a llama.cpp answer that comes past it stops the run, which says where it was
+and prints no table. The time taken is printed at the end.
+
 Usage: python benchmarks/cpu_engine.py [--quantization int4,int8,none] [--dtype float32|bfloat16]
-       [--threads N] [--repeats N] [--llama-cpp]
+       [--threads N] [--repeats N] [--llama-cpp] [--budget-s S]
 
 ``--quantization`` takes a list: one row per configuration, in one run.
 """
@@ -33,8 +41,10 @@ Usage: python benchmarks/cpu_engine.py [--quantization int4,int8,none] [--dtype 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import select
 import statistics
 import subprocess
 import tempfile
@@ -53,20 +63,72 @@ from protocol.messages import ChatMessage, Finished, SamplingParams, Submit, Tok
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
-LLAMA_VENV = ROOT / ".cache" / "bench" / "llama-venv"
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
-LLAMA_CMAKE_ARGS = (
-    "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
-    "-DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON "
-    "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
-)
-"""How llama.cpp is built unless ``CMAKE_ARGS`` says otherwise: AVX-512 with VNNI
-and BF16 (what a native build gives an AVX-512 EPYC), without AMX. A native build
-on a Xeon with AMX repacks the Q4_1 weights for AMX, and in this project's
-benchmark VM (2026-12-01) the first ``llama_decode`` then dies with SIGSEGV (the
-kernel logs a general protection fault in ``libggml-cpu.so``). ``GGML_NATIVE``
-must be off for the AMX options to apply."""
+LLAMA_ISA = {
+    "AVX": "avx",
+    "AVX2": "avx2",
+    "FMA": "fma",
+    "F16C": "f16c",
+    "BMI2": "bmi2",
+    "AVX_VNNI": "avx_vnni",
+    "AVX512": "avx512f",
+    "AVX512_VBMI": "avx512vbmi",
+    "AVX512_VNNI": "avx512_vnni",
+    "AVX512_BF16": "avx512_bf16",
+}
+"""llama.cpp's ``GGML_*`` build options for x86 and the ``/proc/cpuinfo`` flag each needs."""
+
+
+def llama_cmake_args() -> str:
+    """How llama.cpp is built unless ``CMAKE_ARGS`` says otherwise: each ``LLAMA_ISA``
+    extension this CPU has, AMX off. Not ``GGML_NATIVE``: a native build on a Xeon
+    with AMX repacks the Q4_1 weights for AMX, and in this project's benchmark VM
+    (2026-12-01) the first ``llama_decode`` then died with SIGSEGV (a general
+    protection fault in ``libggml-cpu.so``); ``GGML_NATIVE`` must be off for the AMX
+    options to apply. Not a fixed list either: the one this replaced turned on
+    AVX-VNNI (the VEX encoding), which an AMD EPYC (Zen 4) lacks, and llama.cpp
+    died there with SIGILL on its first product."""
+    flags: set[str] = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.partition(":")[2].split())
+            break
+    isa = " ".join(f"-DGGML_{name}={'ON' if flag in flags else 'OFF'}" for name, flag in LLAMA_ISA.items())
+    return f"-DGGML_NATIVE=OFF {isa} -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+
+
+def llama_venv(cmake_args: str) -> Path:
+    """The virtual environment of llama.cpp built with ``cmake_args`` (one per build:
+    a checkout moved to another CPU builds again rather than running the wrong ISA)."""
+    digest = hashlib.sha256(f"{LLAMA_CPP_PYTHON}\0{cmake_args}".encode()).hexdigest()[:10]
+    return ROOT / ".cache" / "bench" / f"llama-venv-{digest}"
+
+
 MAX_TOKENS = 128
+ROW_BUDGET_S = 180.0
+"""``--budget-s``' default per ``--quantization`` row at ``--repeats 3`` (``budget_s``)."""
+
+
+class OverBudget(Exception):
+    """The run went past ``--budget-s``; where it was."""
+
+
+DEADLINE = float("inf")
+"""``time.perf_counter()`` past which the run stops (``main`` sets it)."""
+
+
+def budget_s(rows: int, repeats: int, llama_cpp: bool) -> float:
+    """The default ``--budget-s``: ``ROW_BUDGET_S`` per row, scaled by ``repeats / 3``,
+    twice that with llama.cpp's turns."""
+    return ROW_BUDGET_S * rows * max(repeats, 1) / 3 * (2 if llama_cpp else 1)
+
+
+def check_budget(where: str) -> None:
+    """Raise ``OverBudget`` once the run is past ``DEADLINE``."""
+    if time.perf_counter() > DEADLINE:
+        raise OverBudget(where)
+
+
 CONCURRENCY = (1, 2, 4, 8)
 
 PASSAGE = (
@@ -130,6 +192,7 @@ def run_many(backend: CpuBackend, submits: list[Submit]) -> tuple[list[str], lis
     text: dict[str, list[str]] = {s.request_id: [] for s in submits}
     finished: dict[str, Finished] = {}
     while backend.active_ids():
+        check_budget(f"this engine, request {submits[0].request_id}")
         for event in backend.step():
             if isinstance(event, TokenDelta):
                 text[event.request_id].append(event.text)
@@ -175,17 +238,19 @@ class LlamaCpp:
     running so that its measurements can alternate with this engine's."""
 
     def __init__(self, gguf: Path, threads: int, n_seq_max: int) -> None:
-        python = LLAMA_VENV / "bin" / "python"
+        cmake_args = os.environ.get("CMAKE_ARGS", llama_cmake_args())
+        env_dir = llama_venv(cmake_args)
+        python = env_dir / "bin" / "python"
         if (
             not python.exists()
             or subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode
         ):
-            print(f"creating {LLAMA_VENV} with {LLAMA_CPP_PYTHON} (a C++ build, ~7 min)", flush=True)
-            venv.create(LLAMA_VENV, with_pip=True)
+            print(f"creating {env_dir} with {LLAMA_CPP_PYTHON} (a C++ build, ~7 min)", flush=True)
+            venv.create(env_dir, with_pip=True)
             subprocess.run(
                 [python, "-m", "pip", "install", "-q", "--no-cache-dir", LLAMA_CPP_PYTHON, "numpy"],
                 check=True,
-                env={**os.environ, "CMAKE_ARGS": os.environ.get("CMAKE_ARGS", LLAMA_CMAKE_ARGS)},
+                env={**os.environ, "CMAKE_ARGS": cmake_args},
             )
         self._stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (lives as long as the process: close())
         self._process = subprocess.Popen(
@@ -205,6 +270,10 @@ class LlamaCpp:
         try:
             self._process.stdin.write(json.dumps(job) + "\n")
             self._process.stdin.flush()
+            wait = max(DEADLINE - time.perf_counter(), 0.0) if float("inf") != DEADLINE else None
+            if not select.select([self._process.stdout], [], [], wait)[0]:
+                self._process.kill()
+                raise OverBudget(f"llama.cpp, {next(iter(job))}")
             line = self._process.stdout.readline()
         except BrokenPipeError:
             line = ""
@@ -272,6 +341,7 @@ def measure(
         f"backend ready in {time.perf_counter() - t0:.1f} s",
         flush=True,
     )
+    print(f"{quantization}: {plain.kernel_choice.line()}", flush=True)
     ids = {name: list(plain.prepare(chat("ids", p)).prompt.ids) for name, p in PROMPTS.items()}
     story_ids = [list(plain.prepare(chat("ids", story(i))).prompt.ids) for i in range(max(CONCURRENCY))]
     row_theirs = None if theirs is None else TheirRow(theirs.version)
@@ -353,6 +423,7 @@ def main() -> None:
     parser.add_argument("--llama-cpp", action="store_true", help="add llama.cpp's row (own venv)")
     defaults = WorkerSettings()
     parser.add_argument("--num-draft-tokens", type=int, default=defaults.num_draft_tokens)
+    parser.add_argument("--budget-s", type=float, default=None, help="stop past this (default: budget_s)")
     args = parser.parse_args()
     quantizations = args.quantization.split(",")
     if any(q not in ("int4", "int8", "none") for q in quantizations):
@@ -360,9 +431,11 @@ def main() -> None:
 
     import torch
 
+    global DEADLINE
     torch.set_num_threads(args.threads)
     loaded: LoadedModel = load_embedded(dtype=args.dtype if quantizations == ["none"] else "float32")
-    print(f"model {loaded.model_id}, {args.threads} threads, median of {args.repeats}")
+    budget = args.budget_s or budget_s(len(quantizations), args.repeats, args.llama_cpp)
+    print(f"model {loaded.model_id}, {args.threads} threads, median of {args.repeats}, budget {budget:.0f} s")
     llama_cpp: LlamaCpp | None = None
     if args.llama_cpp:
         try:
@@ -372,11 +445,20 @@ def main() -> None:
     rows: list[Row] = []
     theirs: TheirRow | None = None
     tokens = 0
-    for k, quantization in enumerate(quantizations):
-        # llama.cpp takes its turns beside the first configuration only
-        row, tokens, measured = measure(loaded, quantization, args, llama_cpp if k == 0 else None)
-        rows.append(row)
-        theirs = measured if k == 0 else theirs
+    started = time.perf_counter()  # llama.cpp's build and load are not measuring
+    DEADLINE = started + budget
+    try:
+        for k, quantization in enumerate(quantizations):
+            # llama.cpp takes its turns beside the first configuration only
+            row, tokens, measured = measure(loaded, quantization, args, llama_cpp if k == 0 else None)
+            rows.append(row)
+            theirs = measured if k == 0 else theirs
+    except OverBudget as e:
+        raise SystemExit(
+            f"stopped: past the budget of {budget:.0f} s ({e}; rows done: "
+            f"{', '.join(r.name for r in rows) or 'none'}). A machine this slow is a finding: "
+            "see docs/performance.md for the figures to expect"
+        ) from None
     if llama_cpp is not None:
         llama_cpp.close()
 
@@ -427,6 +509,7 @@ def main() -> None:
             f"open-ended {opn[3]}; batched as alone: "
             + ", ".join(f"{n} at once {row.concurrency[n][1]}" for n in CONCURRENCY)
         )
+    print(f"\nmeasured in {time.perf_counter() - started:.0f} s (budget {budget:.0f} s)")
 
 
 if __name__ == "__main__":

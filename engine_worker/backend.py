@@ -59,6 +59,8 @@ class ModelInfo:
       (``engine_worker.admission`` refuses them otherwise).
     - ``reasoning_parser``: the family whose thinking the backend splits from the
       answer (``engine_worker.reasoning``), ``Ready.reasoning_parser``.
+    - ``kernels``: the CPU engine's kernel per product (``Ready.kernels``); empty
+      for engines that choose none.
     """
 
     model_id: str
@@ -79,6 +81,7 @@ class ModelInfo:
     context_settings: str = "setting: max_seq_len"
     banned_strings: bool = False
     reasoning_parser: str | None = None
+    kernels: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

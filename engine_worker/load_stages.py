@@ -38,6 +38,7 @@ class Stage(enum.StrEnum):
     IMPORT = "import"
     CONVERT = "convert"
     LOAD_WEIGHTS = "load_weights"
+    KERNELS = "kernels"
     QUANTIZE = "quantize"
     WARM_UP = "warm_up"
     READY = "ready"

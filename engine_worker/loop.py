@@ -209,6 +209,7 @@ class EngineLoop:
             chat_template=info.chat_template,
             kv_block_tokens=info.kv_block_tokens,
             reasoning_parser=info.reasoning_parser,
+            kernels=dict(info.kernels) or None,
         )
 
     def run(self, stop: threading.Event) -> None:

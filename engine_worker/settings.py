@@ -41,6 +41,31 @@ class DraftMode(enum.StrEnum):
     MTP = "mtp"  # exllamav3: the model's own multi-token-prediction head
 
 
+CPU_KERNELS: dict[str, tuple[str, ...]] = {
+    "head": ("int_mm", "vnni", "onednn"),
+    "layers": ("vnni", "torch"),
+    "attention": ("llvm", "sdpa"),
+}
+"""``--cpu-kernels``' vocabulary: each product the CPU engine can run more than one
+way and its kernels (``engine_worker.cpu.kernel_choice.CANDIDATES``, written here so
+settings import nothing heavy; a test keeps the two equal)."""
+
+
+def parse_cpu_kernels(text: str) -> dict[str, str]:
+    """``--cpu-kernels`` (``head=int_mm,layers=torch``, any subset of ``CPU_KERNELS``)
+    as ``{role: kernel}``. Raises ``ValueError`` naming the option."""
+    chosen: dict[str, str] = {}
+    for part in text.split(","):
+        role, sep, name = (p.strip() for p in part.partition("="))
+        if not sep or role not in CPU_KERNELS or name not in CPU_KERNELS[role] or role in chosen:
+            raise ValueError(
+                f"--cpu-kernels {text!r}: expected role=kernel pairs, each role once, from "
+                + "; ".join(f"{r}={'|'.join(k)}" for r, k in CPU_KERNELS.items())
+            )
+        chosen[role] = name
+    return chosen
+
+
 def default_cache_dir() -> Path:
     """``$XDG_CACHE_HOME/exl3-sidecar``, or ``~/.cache/exl3-sidecar``."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -181,6 +206,12 @@ class WorkerSettings(LinkSettings):
         "[cpu] Keep bfloat16 copies of quantized weights for prompt chunks of 32+ tokens: about 1.7x "
         "faster prefill for 2 bytes per parameter more memory.",
     )
+    cpu_kernels: str | None = setting(
+        None,
+        "[cpu] Force kernels instead of the start-up choice by measured speed, for diagnosis: "
+        "head=int_mm|vnni|onednn, layers=vnni|torch, attention=llvm|sdpa, comma-separated, any subset "
+        "(default: the fastest exact one of each, measured once per CPU and kept in --cache-dir).",
+    )
     kv_cache_mb: int = setting(
         4096,
         "[cpu] Memory for the KV cache of running sequences, MiB; each reserves its prompt plus "
@@ -302,6 +333,10 @@ class WorkerSettings(LinkSettings):
             raise ValueError(
                 f"ngram_match_max={self.ngram_match_max} is below ngram_match_min={self.ngram_match_min}"
             )
+        if self.cpu_kernels is not None:
+            if self.backend != "cpu":
+                raise ValueError(f"cpu_kernels: backend={self.backend} has no CPU kernels to choose")
+            parse_cpu_kernels(self.cpu_kernels)
         if self.kv_events_endpoint is None:
             for name in ("kv_events_topic", "kv_events_replay_endpoint"):
                 if getattr(self, name) is not None:

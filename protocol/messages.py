@@ -325,13 +325,18 @@ class Ready(_Msg, frozen=True, tag="ready"):
     """The reasoning parser the worker splits output with (``deepseek_r1``,
     ``qwen3``, ``gpt_oss``, ``mistral``), ``None`` for none: then every delta
     is ``content``."""
+    kernels: dict[str, str] | None = None
+    """The CPU engine's kernel for each product it can run more than one way
+    (``{"head": "int_mm", "layers": "vnni", "attention": "llvm"}``, chosen at
+    start by measured speed: ``engine_worker.cpu.kernel_choice``); ``None`` for
+    other engines."""
 
 
 class Loading(_Msg, frozen=True, tag="loading"):
     """Worker -> proxy while the worker loads its model, before its first ``Ready``
     (answers to ``Hello`` wait for the load): the load stage it is in, on each
     change and at least once a second. ``stage``: ``import``, ``convert``,
-    ``load_weights``, ``quantize``, ``warm_up`` (``engine_worker.load_stages.Stage``);
+    ``load_weights``, ``kernels``, ``quantize``, ``warm_up`` (``engine_worker.load_stages.Stage``);
     ``label``: the stage in words for people (``"quantize weights (int4)"``);
     ``done`` of ``total`` units of it (``total`` 0: not counted); ``elapsed_ms``:
     milliseconds in the stage; ``load_ms``: since the load began."""

@@ -65,7 +65,7 @@ from engine_worker.admission import full_reservation
 from engine_worker.backend import Backend, ModelInfo, Prepared, RequestRejected, check_token_ids
 from engine_worker.client_text import ControlTokens, control_tokens
 from engine_worker.constraints import GrammarUnsupported, TokenConstraint, Vocabulary, compile_grammar
-from engine_worker.cpu import weight_cache
+from engine_worker.cpu import kernel_choice, weight_cache
 from engine_worker.cpu.banned import BannedStrings
 from engine_worker.cpu.detokenize import IncrementalDetokenizer
 from engine_worker.cpu.kv_cache import SequenceKV
@@ -265,6 +265,7 @@ class CpuBackend:
             kv_block_tokens=self._block,
             cache_salt=True,
             reasoning_parser=self._reasoning.name if self._reasoning is not None else None,
+            kernels=tuple(self._runner.kernels.names().items()),
         )
         stages.stage(Stage.WARM_UP, "warm up (one forward pass)")
         self._warm_up()
@@ -280,11 +281,24 @@ class CpuBackend:
         ``weight_cache`` when an earlier start kept them, else quantized (the
         ``quantize`` stage, by layer) and kept for the next start."""
         config = self._config
+        stages.stage(Stage.KERNELS, "choose kernels (measured speed)")
+        choice = kernel_choice.resolve(
+            loaded.model,
+            quantization,
+            forced=config.cpu_kernels,
+            cache_dir=config.cache_dir if loaded.folder is not None else None,
+        )
+        logger.info("%s", choice.line())
+        self._kernel_choice = choice
         cache_path = None
         quantized = None
         if quantization is not Quantization.NONE and loaded.folder is not None:
             cache_path = weight_cache.cache_file(
-                config.cache_dir, loaded.folder, quantization.value, config.dense_prefill
+                config.cache_dir,
+                loaded.folder,
+                quantization.value,
+                config.dense_prefill,
+                choice.kernels.layers,
             )
             quantized = weight_cache.load(cache_path)
         layers = int(getattr(self._text_config, "num_hidden_layers", 0) or 0)
@@ -298,11 +312,17 @@ class CpuBackend:
                 config.dense_prefill,
                 quantized=quantized,
                 progress=stages.advance,
+                kernels=choice.kernels,
             )
         except KeyError as e:  # a cached file of another shape: quantize again
             logger.warning("the cached quantized weights lack %s; quantizing again", e)
             runner = runner_class(
-                loaded.model, quantization, self._max_context, config.dense_prefill, progress=stages.advance
+                loaded.model,
+                quantization,
+                self._max_context,
+                config.dense_prefill,
+                progress=stages.advance,
+                kernels=choice.kernels,
             )
             quantized = None
         if quantized is None and cache_path is not None:
@@ -319,6 +339,11 @@ class CpuBackend:
         """A backend over an already loaded model (tests, benchmarks);
         ``runner_class`` replaces the forward pass (tests script its logits)."""
         return cls(config or WorkerSettings(), loaded=loaded, runner_class=runner_class)
+
+    @property
+    def kernel_choice(self) -> kernel_choice.Choice:
+        """How the kernels were chosen at start (``kernel_choice.resolve``)."""
+        return self._kernel_choice
 
     @property
     def runner(self) -> LlamaRunner:

@@ -65,7 +65,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine_worker.cpu import vnni
+from engine_worker.cpu import vnni, vnni_head
 from engine_worker.cpu.kv_cache import SequenceKV
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -93,6 +93,51 @@ class Quantization(enum.StrEnum):
     NONE = "none"
 
 
+HEAD_ONEDNN, HEAD_INT_MM, HEAD_VNNI, HEAD_FLOAT = "onednn", "int_mm", "vnni", "float"
+LAYERS_VNNI, LAYERS_TORCH = "vnni", "torch"
+ATTENTION_LLVM, ATTENTION_SDPA = "llvm", "sdpa"
+
+
+@dataclass(frozen=True, slots=True)
+class Kernels:
+    """Which kernel runs each product that this engine can run more than one way
+    (``kernel_choice`` measures them at start; ``--cpu-kernels`` forces them).
+
+    - ``head``, the LM head: ``int_mm``, ``vnni`` or ``onednn`` (``Int8Head``);
+      ``float`` with ``--quantization none``.
+    - ``layers``, the int4 linear layers: ``vnni`` (``vnni.Product``) or ``torch``
+      (``_weight_int4pack_mm_for_cpu``); ``torch`` is also the name of torch's
+      int8 and float products, the only ones for those quantizations.
+    - ``attention``, decode attention: ``llvm`` (``vnni.DecodeAttention``, one
+      call per layer for every decode position; it needs float32 activations,
+      so the ``vnni`` layers or unquantized float32 ones) or ``sdpa`` (torch's
+      fused kernel, one call per position).
+    """
+
+    head: str = HEAD_INT_MM
+    layers: str = LAYERS_TORCH
+    attention: str = ATTENTION_SDPA
+
+    @classmethod
+    def default(cls, quantization: Quantization, dtype: torch.dtype = torch.float32) -> Kernels:
+        """What the CPU's flags allow, without measuring: the VNNI layers and LLVM
+        attention where they run, ``int_mm`` for the head (never far from the
+        fastest; ``onednn`` can be a hundred times slower: ``Int8Head``)."""
+        layers = LAYERS_TORCH
+        if quantization is Quantization.INT4 and vnni.available():
+            layers = LAYERS_VNNI
+        head = HEAD_FLOAT if quantization is Quantization.NONE else HEAD_INT_MM
+        float_activations = layers == LAYERS_VNNI or (
+            quantization is Quantization.NONE and dtype == torch.float32
+        )
+        attention = ATTENTION_LLVM if float_activations and vnni.available() else ATTENTION_SDPA
+        return cls(head, layers, attention)
+
+    def names(self) -> dict[str, str]:
+        """``{"head": ..., "layers": ..., "attention": ...}``."""
+        return {"head": self.head, "layers": self.layers, "attention": self.attention}
+
+
 class UnsupportedModel(Exception):
     """The model's architecture is not one ``LlamaRunner`` implements."""
 
@@ -104,12 +149,20 @@ class QuantizedLinear:
     shapes the int4 kernel cannot take (``in`` not a multiple of 32) fall back
     to int8. ``none`` keeps ``weight`` in its dtype. With ``dense``, a quantized
     layer also keeps a bfloat16 copy for ``dense_raw`` (prompt chunks).
+    ``int4_kernel`` (``Kernels.layers``): ``vnni`` (``vnni.Product``, where this
+    CPU runs it and the shape fits; else torch's) or ``torch``; ``None``: ``vnni``
+    where available.
     """
 
     __slots__ = ("_bias", "_dense", "_int4_scales", "_int8_scales", "_mode", "_vnni", "_weight", "raw")
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, mode: Quantization, dense: bool = False
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        mode: Quantization,
+        dense: bool = False,
+        int4_kernel: str | None = None,
     ) -> None:
         weight = weight.detach()
         in_features = weight.shape[1]
@@ -120,7 +173,8 @@ class QuantizedLinear:
         self._int4_scales: torch.Tensor | None = None
         self._int8_scales: torch.Tensor | None = None
         self._vnni: dict[str, torch.Tensor] | None = None
-        if mode is Quantization.INT4 and vnni.available() and vnni.supports(*weight.shape):
+        wants_vnni = int4_kernel == LAYERS_VNNI or (int4_kernel is None and vnni.available())
+        if mode is Quantization.INT4 and wants_vnni and vnni.available() and vnni.supports(*weight.shape):
             try:
                 self._vnni = vnni.pack(*_int4_codes(weight.float()))
                 self._weight = self._vnni["codes"]
@@ -143,6 +197,11 @@ class QuantizedLinear:
     @property
     def mode(self) -> Quantization:
         return self._mode
+
+    @property
+    def kernel(self) -> str:
+        """``Kernels.layers``' name of the product this layer runs."""
+        return LAYERS_VNNI if self._vnni is not None else LAYERS_TORCH
 
     def state(self) -> dict[str, torch.Tensor]:
         """The tensors this layer computes with (bias aside: it comes from the model
@@ -255,45 +314,77 @@ class Int8Head:
     """The LM head: ``[tokens, hidden]`` float32 -> ``[tokens, vocab]`` float32 logits.
 
     Weights int8 with a scale per output channel (the embedded GGUF's embedding
-    is Q8_0); activations as two int8 terms per token, ``x ~ s1*q1 + s2*q2``
-    (the second quantizes what the first left over: about 14 bits), both rows
-    multiplied in one integer product, exact in int32 and VNNI-fast.
+    is Q8_0, ``int8_rows``); activations as two int8 terms per token, ``x ~ s1*q1
+    + s2*q2`` (the second quantizes what the first left over: about 14 bits),
+    both rows multiplied in one integer product, exact in int32 and VNNI-fast.
     Logits come out in float32: the weight-only int8 kernel returns bfloat16,
     whose 0.125 steps at logit 25 tie SmolLM2's two best first tokens for "What
     is the capital of France?" (0.08 apart in float32), and eight rows cost it
     three times one row where this head takes about 2.7 times.
 
-    The integer product runs through oneDNN with the weights packed once here
-    (``onednn::qlinear_pointwise``, unit scales, float32 out): ``torch._int_mm``
-    reorders the whole 28 MiB weight on every call, which made the head a fifth
-    of a decode step (``docs/performance.md#where-a-decode-step-goes``). The
-    packed product is used only when it equals ``torch._int_mm`` exactly on a
-    probe of extreme activations (an int32 sum of at most 576 * 127 * 127 is
-    exact in float32; a kernel that saturated 16-bit partial sums, as
-    non-VNNI int8 paths can, would differ there); otherwise ``torch._int_mm``.
+    The integer product, by ``kernel`` (``Kernels.head``):
+
+    - ``int_mm``: ``torch._int_mm`` on the weights as stored. On the Intel Xeon
+      with AMX it reorders the whole 28 MiB weight on every call (a fifth of a
+      decode step there, ``docs/performance.md#where-a-decode-step-goes``); on
+      an AMD EPYC (Zen 4) 1.0 ms for the two rows of one decode step.
+    - ``vnni``: ``vnni_head.Product``, an LLVM-generated ``vpdpbusd`` kernel
+      reading each weight byte once for up to 16 activation rows.
+    - ``onednn``: oneDNN's product on weights packed once here
+      (``onednn::qlinear_pointwise``, unit scales, float32 out). It packs for
+      the best ISA oneDNN finds: with AMX a tile layout (``BA16a64b4a``) that
+      only AMX reads fast; on a CPU without AMX only oneDNN's reference matmul
+      reads it (605 ms for those two rows on the EPYC). Which is faster is
+      measured at start (``kernel_choice``), never assumed from CPU flags.
+
+    Both give the same int32 sums where the kernel is exact (``exact_on_probe``:
+    a kernel that saturated 16-bit partial sums, as non-VNNI int8 paths can,
+    would not be), so the same logits bit for bit. Raises ``ValueError`` for
+    ``onednn`` where this torch has no oneDNN int8 product.
     """
 
-    __slots__ = ("_ones", "_packed", "_scales", "_weight_t", "_zeros")
+    __slots__ = ("_ones", "_packed", "_scales", "_vnni", "_weight_t", "_zeros", "kernel")
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        w = weight.detach().float()
-        self._scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
-        codes = torch.round(w / self._scales[:, None]).clamp(-127, 127).to(torch.int8)
-        # [hidden, vocab], a transposed view of [vocab, hidden]: _int_mm's fastest layout here
-        self._weight_t: torch.Tensor | None = codes.t()
+    def __init__(self, weight: torch.Tensor, kernel: str = HEAD_INT_MM) -> None:
+        codes, scales = int8_rows(weight)
+        self._init(codes, scales, kernel)
+
+    @classmethod
+    def of_codes(cls, codes: torch.Tensor, scales: torch.Tensor, kernel: str) -> Int8Head:
+        """The head over ``int8_rows``' result (several candidates share one quantization)."""
+        self = cls.__new__(cls)
+        self._init(codes, scales, kernel)
+        return self
+
+    def _init(self, codes: torch.Tensor, scales: torch.Tensor, kernel: str) -> None:
+        self.kernel = kernel
+        self._scales = scales
         vocab = codes.shape[0]
         self._ones = torch.ones(vocab)
         self._zeros = torch.zeros(vocab, dtype=torch.long)
-        self._packed: torch.Tensor | None = _pack_onednn_int8(codes)
-        if self._packed is not None and self._exact_on_probe(codes):
-            self._weight_t = None  # one copy of the weights is enough
+        self._packed: torch.Tensor | None = None
+        # [hidden, vocab], a transposed view of [vocab, hidden]: _int_mm's fastest layout
+        self._weight_t: torch.Tensor | None = None
+        self._vnni: vnni_head.Product | None = None
+        if kernel == HEAD_VNNI:
+            if not vnni_head.available():
+                raise ValueError("the VNNI head kernel does not run on this CPU or install")
+            self._vnni = vnni_head.Product(vnni_head.pack(codes))
+        elif kernel == HEAD_ONEDNN:
+            self._packed = _pack_onednn_int8(codes)
+            if self._packed is None:
+                raise ValueError("this torch has no oneDNN int8 product (onednn::qlinear_prepack)")
+        elif kernel == HEAD_INT_MM:
+            self._weight_t = codes.t()
         else:
-            self._packed = None
+            raise ValueError(f"no LM head kernel {kernel!r}")
 
-    def _exact_on_probe(self, codes: torch.Tensor) -> bool:
-        """Whether the packed product equals ``torch._int_mm`` on activations of
-        +-127 everywhere and +-127 following the sign of the weights' first rows
-        (the largest partial sums a kernel can meet), and on random ones."""
+    def exact_on_probe(self, codes: torch.Tensor) -> bool:
+        """Whether this head's product equals ``torch._int_mm`` over ``codes`` (the
+        weights it was made from) on activations of +-127 everywhere and +-127
+        following the sign of the weights' first rows (the largest partial sums a
+        kernel can meet), and on random ones (an int32 sum of at most hidden * 127 *
+        127 is exact in float32)."""
         hidden = codes.shape[1]
         signs = torch.where(codes[:4] >= 0, 127, -127).to(torch.int8)
         probe = torch.cat(
@@ -308,19 +399,23 @@ class Int8Head:
             )
         )
         try:
-            packed = self._products(probe)
+            products = self._products(probe)
         except RuntimeError:
             return False
-        return torch.equal(packed, torch._int_mm(probe, codes.t()).float())
+        return torch.equal(products, torch._int_mm(probe, codes.t()).float())
 
     def nbytes(self) -> int:
         weights = self._packed if self._packed is not None else self._weight_t
+        if self._vnni is not None:
+            weights = self._vnni.packed
         assert weights is not None
         return weights.numel() + self._scales.numel() * 4
 
     def _products(self, q: torch.Tensor) -> torch.Tensor:
         """``q`` ``[rows, hidden]`` int8 times the int8 weights: ``[rows, vocab]``
         float32 holding the exact int32 sums."""
+        if self._vnni is not None:
+            return self._vnni(q)
         if self._packed is not None:
             products: torch.Tensor = torch.ops.onednn.qlinear_pointwise(
                 q, 1.0, 0, self._packed, self._ones, self._zeros, None, 1.0, 0, torch.float32, "none", [], ""
@@ -338,6 +433,15 @@ class Int8Head:
         low = torch.round(rest / low_scale)
         products = self._products(torch.cat((high, low)).to(torch.int8))
         return (products[:rows] * high_scale + products[rows:] * low_scale) * self._scales
+
+
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` ``[out, in]`` as int8 codes ``[out, in]`` and a float32 scale per
+    output row (``w ~ scale * code``, codes -127..127)."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    codes = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return codes, scales
 
 
 def _pack_onednn_int8(codes: torch.Tensor) -> torch.Tensor | None:
@@ -533,6 +637,7 @@ class LlamaRunner:
         *,
         quantized: QuantizedState | None = None,
         progress: Callable[[int], None] | None = None,
+        kernels: Kernels | None = None,
     ) -> None:
         config = model.config.get_text_config(decoder=True)
         model_type = getattr(config, "model_type", None)
@@ -554,6 +659,7 @@ class LlamaRunner:
         self.head_dim = int(getattr(config, "head_dim", None) or self.hidden_size // self.num_heads)
         self.vocab_size = int(config.vocab_size)
         self.quantization = quantization
+        self.kernels = kernels or Kernels.default(quantization, model.dtype)
         self._eps = float(config.rms_norm_eps)
         self._intermediate = int(config.intermediate_size)
         self._q_width = self.num_heads * self.head_dim
@@ -578,15 +684,23 @@ class LlamaRunner:
             if quantization is Quantization.NONE:
                 self._head = QuantizedLinear(head.weight, None, quantization)
             else:
-                # Not kept in ``quantized``: per-channel int8 takes milliseconds, and the
-                # head keeps only oneDNN's packed copy (Int8Head), so it is made anew.
-                self._head = Int8Head(head.weight)
+                # Not kept in ``quantized``: per-channel int8 takes milliseconds, and
+                # oneDNN's packed copy is the kernel's own (Int8Head), so it is made anew.
+                self._head = Int8Head(head.weight, self.kernels.head)
             self._restore = None
-            # decode attention in one native call per layer where this machine runs it;
-            # it reads and writes float32, the layers' activations with the VNNI kernel
-            # (and with float32 weights)
-            self._native_attention = self._layers[0].qkv.input_dtype == torch.float32 and (
-                vnni.attention_available(self.head_dim, self.num_heads, self.num_kv_heads)
+            # decode attention in one native call per layer where chosen and this
+            # machine runs it; it reads and writes float32, the layers' activations
+            # with the VNNI kernel (and with float32 weights)
+            self._native_attention = (
+                self.kernels.attention == ATTENTION_LLVM
+                and self._layers[0].qkv.input_dtype == torch.float32
+                and vnni.attention_available(self.head_dim, self.num_heads, self.num_kv_heads)
+            )
+            # what runs, as asked where this machine and the shapes allow it
+            self.kernels = Kernels(
+                self.kernels.head if quantization is not Quantization.NONE else HEAD_FLOAT,
+                self._layers[0].qkv.kernel,
+                ATTENTION_LLVM if self._native_attention else ATTENTION_SDPA,
             )
             # cos/sin per position from the model's own rotary embedding (any RoPE
             # scaling it implements, attention scaling included).
@@ -605,7 +719,7 @@ class LlamaRunner:
     ) -> QuantizedLinear:
         if self._restore is not None:
             return QuantizedLinear.from_state(self._restore.part(key), bias, self._restore.mode(key))
-        return QuantizedLinear(weight, bias, quantization, self._dense)
+        return QuantizedLinear(weight, bias, quantization, self._dense, self.kernels.layers)
 
     def quantized_state(self) -> QuantizedState:
         """The quantized linear layers, for a later runner's ``quantized`` (the LM

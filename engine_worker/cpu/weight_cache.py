@@ -10,17 +10,17 @@ depends only on the weights, the options and torch, so the first start saves it
 The file's name carries a fingerprint of what the result depends on: the model
 folder's resolved path and each ``config.json`` / weights file's size and
 modification time, ``--quantization``, ``--dense-prefill``, the torch version (the
-int4 kernel's packed layout is torch's), which int4 kernel this machine runs
-(``vnni.LAYOUT`` or torch's: their layouts differ) and ``FORMAT``. A changed model or option
-never matches a stale file; a file that cannot be read is ignored (and rebuilt),
-and one that cannot be written costs only the speed-up. The tensors read back
-are mapped from the file (safetensors' ``safe_open``): pages of the system's file
-cache, read on first touch (the warm-up pass) and shared by workers on one
-machine; a file replaced later (``save`` renames a new one into place) leaves a
-running worker's mapping intact. The kernels need their tensors ``ALIGNMENT``-byte
-aligned: ``save`` pads the header so that the data starts on such a boundary, and
-``load`` copies any tensor that is not (a file written before, or a tensor whose
-predecessors' sizes are not multiples of it).
+int4 kernel's packed layout is torch's), which int4 kernel the layers run
+(``vnni.LAYOUT`` or torch's, as ``kernel_choice`` chose: their layouts differ) and
+``FORMAT``. A changed model or option never matches a stale file; a file that cannot
+be read is ignored (and rebuilt), and one that cannot be written costs only the
+speed-up. The tensors read back are mapped from the file (safetensors'
+``safe_open``): pages of the system's file cache, read on first touch (the warm-up
+pass) and shared by workers on one machine; a file replaced later (``save`` renames
+a new one into place) leaves a running worker's mapping intact. The kernels need
+their tensors ``ALIGNMENT``-byte aligned: ``save`` pads the header so that the data
+starts on such a boundary, and ``load`` copies any tensor that is not (a file
+written before, or a tensor whose predecessors' sizes are not multiples of it).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine_worker.cpu import vnni
-from engine_worker.cpu.llama import QuantizedState
+from engine_worker.cpu.llama import LAYERS_VNNI, QuantizedState
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +56,14 @@ _ALIGN_KEY = "align"
 _MODES_PREFIX = "mode:"
 
 
-def cache_file(cache_dir: Path, model_dir: Path, quantization: str, dense_prefill: bool) -> Path:
-    """Where the quantized weights of ``model_dir`` under these options are kept."""
+def cache_file(
+    cache_dir: Path, model_dir: Path, quantization: str, dense_prefill: bool, int4_kernel: str
+) -> Path:
+    """Where the quantized weights of ``model_dir`` under these options are kept,
+    ``int4_kernel`` the layers' kernel (``llama.Kernels.layers``: its layout)."""
     h = hashlib.sha256()
     root = model_dir.resolve()
-    kernel = vnni.LAYOUT if vnni.available() else "torch"
+    kernel = vnni.LAYOUT if int4_kernel == LAYERS_VNNI and vnni.available() else "torch"
     h.update(f"{FORMAT}\0{root}\0{quantization}\0{dense_prefill}\0{torch.__version__}\0{kernel}\0".encode())
     for p in sorted(root.iterdir()):
         if p.name == "config.json" or p.suffix in (".safetensors", ".bin"):

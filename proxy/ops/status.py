@@ -183,6 +183,7 @@ def worker_status(state: ProxyState, now: float) -> WorkerStatus | None:
         step_s=_round(hb.step_s) if hb is not None else None,
         heartbeat_age_s=_round(now - hb_at) if hb_at is not None else None,
         uptime_s=_round(now - since, 1) if since is not None else None,
+        kernels=ready.kernels,
     )
 
 

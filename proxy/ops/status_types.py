@@ -46,7 +46,9 @@ class WorkerStatus(msgspec.Struct, kw_only=True, gc=False):
     ``kv_cache_used_tokens`` that many tokens; ``queued``: requests in its queue
     (``max_queue`` its limit); ``step_s``: seconds inside the current engine step;
     ``heartbeat_age_s``: since the latest heartbeat arrived (the heartbeat fields
-    are ``None`` before the first); ``uptime_s``: since this worker's handshake."""
+    are ``None`` before the first); ``uptime_s``: since this worker's handshake;
+    ``kernels``: the CPU engine's kernel per product (``Ready.kernels``; ``None``
+    for other engines)."""
 
     up: bool
     worker_id: str
@@ -64,6 +66,7 @@ class WorkerStatus(msgspec.Struct, kw_only=True, gc=False):
     step_s: float | None
     heartbeat_age_s: float | None
     uptime_s: float | None
+    kernels: dict[str, str] | None = None
 
 
 class TotalsStatus(msgspec.Struct, kw_only=True, gc=False):

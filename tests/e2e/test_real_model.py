@@ -248,6 +248,18 @@ def test_greedy_answer_is_sensible(server: Server) -> None:
     assert "Paris" in r.json()["choices"][0]["message"]["content"]
 
 
+def test_the_kernels_chosen_at_start_are_shown_and_logged(server: Server) -> None:
+    """The start-up choice (``engine_worker.cpu.kernel_choice``) in ``/props``,
+    ``/v1/status`` and the worker's one log line, all naming the same kernels."""
+    props = httpx.get(server.base_url + "/props", timeout=10).json()["kernels"]
+    status = httpx.get(server.base_url + "/v1/status", timeout=10).json()["worker"]["kernels"]
+    assert props == status and set(props) == {"head", "layers", "attention"}
+    assert props["head"] in ("int_mm", "vnni", "onednn") and props["layers"] in ("vnni", "torch")
+    line = next(ln for ln in server.log_path.read_text().splitlines() if "CPU kernels:" in ln)
+    for role, name in props.items():
+        assert f"{role}={name} (" in line
+
+
 @pytest.mark.parametrize(
     ("raw", "param_hint"),
     [

@@ -47,6 +47,7 @@ async def test_tabby_routes(tmp_path: Path) -> None:
             assert props["default_generation_settings"] == {"n_ctx": params["max_seq_len"]}
             assert props["total_slots"] == params["max_batch_size"]
             assert isinstance(props["chat_template"], str)
+            assert props["kernels"] is None  # the CPU engine's alone
 
             for method, path in (
                 ("POST", "/v1/model/load"),

@@ -113,6 +113,9 @@ class Props(msgspec.Struct, kw_only=True, gc=False):
     default_generation_settings: GenerationSettings
     total_slots: int
     chat_template: str = ""
+    kernels: dict[str, str] | None = None
+    """Not llama.cpp's: the CPU engine's kernel per product, chosen at start by
+    measured speed (``Ready.kernels``); null for other engines."""
 
 
 def _json(body: msgspec.Struct) -> web.Response:
@@ -147,13 +150,16 @@ async def model_list(request: web.Request) -> web.Response:
 
 async def props(request: web.Request) -> web.Response:
     """``GET /props``: context size, slots (most sequences at once) and the chat template."""
-    card = _card(request.app[STATE])
+    state = request.app[STATE]
+    card = _card(state)
     p = card.parameters
+    worker = state.engine.worker
     return _json(
         Props(
             default_generation_settings=GenerationSettings(p.max_seq_len),
             total_slots=p.max_batch_size,
             chat_template=p.prompt_template_content or "",
+            kernels=worker.kernels if worker is not None else None,
         )
     )
 

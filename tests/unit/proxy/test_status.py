@@ -162,6 +162,7 @@ async def test_each_request_shows_its_stage_and_numbers(
     assert (w.running, w.queued, w.kv_cache_usage) == (len(fake._tasks), 2, 0.25)
     assert w.heartbeat_age_s is not None and 0.5 <= w.heartbeat_age_s < 5
     assert w.uptime_s is not None and 30 <= w.uptime_s < 40
+    assert w.kernels is None  # the fake worker's handshake names none
     assert (st.proxy.in_flight, st.proxy.max_in_flight, st.proxy.draining) == (4, 16, False)
 
     # So far: the prefill's computed tokens, the decode's prompt and tokens.
@@ -224,6 +225,18 @@ async def test_behind_the_api_key_when_keys_are_set(make_client: MakeClient) -> 
     assert (await resp.json())["error"]["code"] == "invalid_api_key"
     st = await get_status(client, Authorization="Bearer sk-status-1")
     assert st.requests == [] and st.worker is not None
+
+
+async def test_the_cpu_engines_kernels_come_from_its_handshake(
+    make_client: MakeClient, fake: FakeEngineClient
+) -> None:
+    kernels = {"head": "int_mm", "layers": "vnni", "attention": "llvm"}
+    fake.worker_ready = msgspec.structs.replace(WORKER, kernels=kernels)
+    client = await make_client()
+    st = msgspec.json.decode(await (await client.get("/v1/status")).read())
+    assert st["worker"]["kernels"] == kernels
+    props = await (await client.get("/props")).json()
+    assert props["kernels"] == kernels
 
 
 async def test_before_the_handshake_the_worker_is_null(

@@ -104,10 +104,12 @@ def test_without_the_kernel_int4_uses_torchs_and_the_cache_keeps_another_file(tm
     (model / "config.json").write_text("{}")
     with mock.patch.object(vnni, "available", return_value=False):
         linear = QuantizedLinear(weight, None, Quantization.INT4)
-        without = weight_cache.cache_file(tmp_path, model, "int4", True)
+        without = weight_cache.cache_file(tmp_path, model, "int4", True, "vnni")
     assert linear.input_dtype == torch.bfloat16 and "vnni_scales" not in linear.state()
+    assert linear.kernel == "torch"
     with mock.patch.object(vnni, "available", return_value=True):
-        assert weight_cache.cache_file(tmp_path, model, "int4", True) != without
+        assert weight_cache.cache_file(tmp_path, model, "int4", True, "vnni") != without
+        assert weight_cache.cache_file(tmp_path, model, "int4", True, "torch") == without
 
 
 @needs_vnni

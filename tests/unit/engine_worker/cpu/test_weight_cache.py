@@ -14,7 +14,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from engine_worker.cpu import weight_cache
+from engine_worker.cpu import vnni, weight_cache
 from engine_worker.cpu.engine import CpuBackend
 from engine_worker.cpu.llama import LlamaRunner, Quantization, QuantizedState, Segment
 from engine_worker.cpu.model_store import LoadedModel
@@ -76,13 +76,15 @@ def _model_dir(tmp_path: Path) -> Path:
 
 def test_the_file_name_changes_with_the_weights_and_the_options(tmp_path: Path) -> None:
     d = _model_dir(tmp_path)
-    base = weight_cache.cache_file(tmp_path, d, "int4", True)
-    assert base == weight_cache.cache_file(tmp_path, d, "int4", True)
+    base = weight_cache.cache_file(tmp_path, d, "int4", True, "vnni")
+    assert base == weight_cache.cache_file(tmp_path, d, "int4", True, "vnni")
     assert base.parent == tmp_path / "quantized" and base.name.startswith("model-int4-")
-    assert base != weight_cache.cache_file(tmp_path, d, "int8", True)
-    assert base != weight_cache.cache_file(tmp_path, d, "int4", False)
+    assert base != weight_cache.cache_file(tmp_path, d, "int8", True, "vnni")
+    assert base != weight_cache.cache_file(tmp_path, d, "int4", False, "vnni")
+    if vnni.available():  # the other layout is another file
+        assert base != weight_cache.cache_file(tmp_path, d, "int4", True, "torch")
     (d / "model.safetensors").write_bytes(b"y" * 11)  # new weights
-    assert base != weight_cache.cache_file(tmp_path, d, "int4", True)
+    assert base != weight_cache.cache_file(tmp_path, d, "int4", True, "vnni")
 
 
 def test_an_unreadable_file_is_ignored(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -117,8 +119,10 @@ def test_the_backend_quantizes_once_then_reads_the_file(
     assert len(files) == 1 and os.path.getsize(files[0]) > 0
     stages = [r.getMessage() for r in caplog.records if r.getMessage().endswith("started")]
     assert stages == [
+        "load: choose kernels (measured speed): started",
         "load: quantize weights (int4): started",
         "load: warm up (one forward pass): started",
+        "load: choose kernels (measured speed): started",
         "load: read weights (int4): started",
         "load: warm up (one forward pass): started",
     ]
