@@ -24,9 +24,11 @@ rather than on one. With several ``--quantization`` rows, llama.cpp takes its
 turns beside the first. A llama.cpp process that fails leaves its row out and
 says why; this engine's rows are still printed.
 
-How long: on 2 cores (AMD EPYC Zen 4 and Intel Xeon alike) about a minute per
-``--quantization`` row at ``--repeats 3`` (int4; float32 takes about twice that),
-twice that with ``--llama-cpp``, plus the model's load and llama.cpp's first build.
+How long, measuring (the model's load and llama.cpp's first build aside), on 2
+cores of an AMD EPYC (Zen 4), 2026-12-04: about 50 s for the int4 row at
+``--repeats 3``, 95 s with ``--llama-cpp``; 393 s for ``--quantization
+int4,int8,none --llama-cpp`` (the float32 row alone about 200 s). On the Intel
+Xeon with AMX the three rows took about 5 minutes (2026-12-02).
 ``--budget-s`` bounds the measuring (default ``budget_s``: 3 minutes a row at
 ``--repeats 3``, scaled by the repeats, twice with ``--llama-cpp``): an engine step
 or a llama.cpp answer that comes past it stops the run, which says where it was
