@@ -75,7 +75,7 @@ _REQUIRED_FEATURES = ("avx512f", "avx512bw", "avx512vnni")
 _Fn = Callable[..., None]
 
 
-def _broadcast(name: str, scalar: str, element: str = "float") -> list[str]:
+def broadcast(name: str, scalar: str, element: str = "float") -> list[str]:
     """IR lines making ``%name`` a ``<16 x element>`` with ``scalar`` in every lane."""
     vector = f"<16 x {element}>"
     return [
@@ -213,7 +213,7 @@ def _gemm_ir(rows: int) -> str:
                 f"  %xo{r}_{q} = add i64 %xg, {q}",
                 f"  %xp{r}_{q} = getelementptr i32, ptr %xqr{r}, i64 %xo{r}_{q}",
                 f"  %xv{r}_{q} = load i32, ptr %xp{r}_{q}, align 1",
-                *_broadcast(f"xb{r}_{q}", f"%xv{r}_{q}", "i32"),
+                *broadcast(f"xb{r}_{q}", f"%xv{r}_{q}", "i32"),
                 f"  %xc{r}_{q} = bitcast <16 x i32> %xb{r}_{q} to <64 x i8>",
                 f"  %s{r}_{q} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {prev}, "
                 f"<64 x i8> %c{q}, <64 x i8> %xc{r}_{q})",
@@ -221,8 +221,8 @@ def _gemm_ir(rows: int) -> str:
             prev = f"%s{r}_{q}"
         body += [
             f"  %f{r} = sitofp <16 x i32> {prev} to <16 x float>",
-            *_broadcast(f"dv{r}", f"%d{r}"),
-            *_broadcast(f"lsv{r}", f"%ls{r}"),
+            *broadcast(f"dv{r}", f"%d{r}"),
+            *broadcast(f"lsv{r}", f"%ls{r}"),
             f"  %t{r}a = fmul <16 x float> %f{r}, %sv",
             f"  %t{r}b = fmul <16 x float> %t{r}a, %dv{r}",
             f"  %t{r}c = fmul <16 x float> %lv, %lsv{r}",
@@ -254,19 +254,15 @@ def _gemm_ir(rows: int) -> str:
     return "\n".join(head + body) + "\n"
 
 
-def _run_rows_ir() -> str:
-    """``run_rows(codes, scales, lows, xq, xd, xs, y, nb0, nb1, groups, k, n, rows)``:
-    output blocks ``nb0 .. nb1`` of all ``rows``, through ``gemm8`` while 8 rows
-    are left, then ``gemm4``, ``gemm2``, ``gemm1``."""
-    lines = [
-        "define void @run_rows(ptr %codes, ptr %scales, ptr %lows, ptr %xq, ptr %xd, ptr %xs, ptr %y, "
-        "i64 %nb0, i64 %nb1, i64 %groups, i64 %k, i64 %n, i64 %rows) #0 {",
-        "entry:",
-        f"  br label %loop{CHUNKS[0]}",
-    ]
+def row_chunks(chunks: tuple[int, ...], body: Callable[[int], list[str]]) -> list[str]:
+    """IR lines looping over ``%rows`` rows from ``%entry``: ``body(c)`` (the lines of
+    one chunk of ``c`` rows starting at row ``%row{c}``) while ``c`` rows are left,
+    for each ``c`` of ``chunks`` in turn (largest first), then a branch to
+    ``%exit``, which the caller defines."""
+    lines = [f"  br label %loop{chunks[0]}"]
     start = "0, %entry"
-    for i, c in enumerate(CHUNKS):
-        after = f"loop{CHUNKS[i + 1]}" if i + 1 < len(CHUNKS) else "exit"
+    for i, c in enumerate(chunks):
+        after = f"loop{chunks[i + 1]}" if i + 1 < len(chunks) else "exit"
         lines += [
             f"loop{c}:",
             f"  %row{c} = phi i64 [{start}], [%row{c}_next, %body{c}]",
@@ -274,44 +270,28 @@ def _run_rows_ir() -> str:
             f"  %fits{c} = icmp sge i64 %left{c}, {c}",
             f"  br i1 %fits{c}, label %body{c}, label %{after}",
             f"body{c}:",
-            f"  %xqo{c} = mul i64 %row{c}, %k",
-            f"  %xqp{c} = getelementptr i8, ptr %xq, i64 %xqo{c}",
-            f"  %xgo{c} = mul i64 %row{c}, %groups",
-            f"  %xdp{c} = getelementptr float, ptr %xd, i64 %xgo{c}",
-            f"  %xsp{c} = getelementptr float, ptr %xs, i64 %xgo{c}",
-            f"  %yo{c} = mul i64 %row{c}, %n",
-            f"  %yp{c} = getelementptr float, ptr %y, i64 %yo{c}",
-            f"  call void @gemm{c}(ptr %codes, ptr %scales, ptr %lows, ptr %xqp{c}, ptr %xdp{c}, "
-            f"ptr %xsp{c}, ptr %yp{c}, i64 %nb0, i64 %nb1, i64 %groups, i64 %k, i64 %n)",
+            *body(c),
             f"  %row{c}_next = add i64 %row{c}, {c}",
             f"  br label %loop{c}",
         ]
         start = f"%row{c}, %loop{c}"
-    lines += ["exit:", "  ret void", "}"]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
-ARG_FIELDS = ("codes", "scales", "lows", "xq", "xd", "xs", "y", "blocks", "groups", "k", "n", "rows")
-"""``linear``'s argument block: 7 pointers, then 5 int64."""
-
-
-def _parallel_ir() -> str:
-    """``linear(args, threads)``: ``run_rows`` over the output blocks split evenly
-    between ``threads`` threads of the OpenMP team torch uses (``GOMP_parallel``,
-    what GCC emits for ``#pragma omp parallel``), so the kernel shares torch's
-    thread pool rather than competing with it for the cores."""
-    lines = [
-        f"%args = type {{ {', '.join(['ptr'] * 7 + ['i64'] * 5)} }}",
-        "define void @outlined(ptr %a) #0 {",
-        "entry:",
-    ]
-    for i, name in enumerate(ARG_FIELDS):
-        ty = "ptr" if i < 7 else "i64"
+def outlined_prologue(struct: str, fields: tuple[str, ...], pointers: int) -> list[str]:
+    """IR lines opening an OpenMP outlined function's body: ``%{field}`` loaded
+    from the argument block ``%a`` (type ``%{struct}``: ``pointers`` pointers, then
+    int64s), and this thread's share of ``%blocks`` output blocks as ``%nb0 ..
+    %nb1`` (split evenly between the team's threads)."""
+    lines = []
+    for i, name in enumerate(fields):
+        ty = "ptr" if i < pointers else "i64"
         lines += [
-            f"  %{name}p = getelementptr %args, ptr %a, i32 0, i32 {i}",
+            f"  %{name}p = getelementptr %{struct}, ptr %a, i32 0, i32 {i}",
             f"  %{name} = load {ty}, ptr %{name}p",
         ]
-    lines += [
+    return [
+        *lines,
         "  %tid32 = call i32 @omp_get_thread_num()",
         "  %nt32 = call i32 @omp_get_num_threads()",
         "  %tid = sext i32 %tid32 to i64",
@@ -321,15 +301,71 @@ def _parallel_ir() -> str:
         "  %tid1 = add i64 %tid, 1",
         "  %hi = mul i64 %blocks, %tid1",
         "  %nb1 = udiv i64 %hi, %nt",
+    ]
+
+
+def parallel_entry(name: str, outlined: str) -> list[str]:
+    """IR lines of ``name(args, threads)``: ``outlined(args)`` on ``threads`` threads
+    of the OpenMP team torch uses (``GOMP_parallel``, what GCC emits for ``#pragma
+    omp parallel``)."""
+    return [
+        f"define void @{name}(ptr %a, i32 %threads) #0 {{",
+        "entry:",
+        f"  call void @GOMP_parallel(ptr @{outlined}, ptr %a, i32 %threads, i32 0)",
+        "  ret void",
+        "}",
+    ]
+
+
+def _run_rows_ir() -> str:
+    """``run_rows(codes, scales, lows, xq, xd, xs, y, nb0, nb1, groups, k, n, rows)``:
+    output blocks ``nb0 .. nb1`` of all ``rows``, through ``gemm8`` while 8 rows
+    are left, then ``gemm4``, ``gemm2``, ``gemm1``."""
+
+    def chunk(c: int) -> list[str]:
+        return [
+            f"  %xqo{c} = mul i64 %row{c}, %k",
+            f"  %xqp{c} = getelementptr i8, ptr %xq, i64 %xqo{c}",
+            f"  %xgo{c} = mul i64 %row{c}, %groups",
+            f"  %xdp{c} = getelementptr float, ptr %xd, i64 %xgo{c}",
+            f"  %xsp{c} = getelementptr float, ptr %xs, i64 %xgo{c}",
+            f"  %yo{c} = mul i64 %row{c}, %n",
+            f"  %yp{c} = getelementptr float, ptr %y, i64 %yo{c}",
+            f"  call void @gemm{c}(ptr %codes, ptr %scales, ptr %lows, ptr %xqp{c}, ptr %xdp{c}, "
+            f"ptr %xsp{c}, ptr %yp{c}, i64 %nb0, i64 %nb1, i64 %groups, i64 %k, i64 %n)",
+        ]
+
+    lines = [
+        "define void @run_rows(ptr %codes, ptr %scales, ptr %lows, ptr %xq, ptr %xd, ptr %xs, ptr %y, "
+        "i64 %nb0, i64 %nb1, i64 %groups, i64 %k, i64 %n, i64 %rows) #0 {",
+        "entry:",
+        *row_chunks(CHUNKS, chunk),
+        "exit:",
+        "  ret void",
+        "}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+ARG_FIELDS = ("codes", "scales", "lows", "xq", "xd", "xs", "y", "blocks", "groups", "k", "n", "rows")
+"""``linear``'s argument block: 7 pointers, then 5 int64."""
+
+
+def _parallel_ir() -> str:
+    """``linear(args, threads)``: ``run_rows`` over the output blocks split evenly
+    between ``threads`` threads of the OpenMP team torch uses (``parallel_entry``),
+    so the kernel shares torch's thread pool rather than competing with it for the
+    cores."""
+    lines = [
+        f"%args = type {{ {', '.join(['ptr'] * 7 + ['i64'] * 5)} }}",
+        "define void @outlined(ptr %a) #0 {",
+        "entry:",
+        *outlined_prologue("args", ARG_FIELDS, 7),
         "  call void @run_rows(ptr %codes, ptr %scales, ptr %lows, ptr %xq, ptr %xd, ptr %xs, ptr %y, "
         "i64 %nb0, i64 %nb1, i64 %groups, i64 %k, i64 %n, i64 %rows)",
         "  ret void",
         "}",
-        "define void @linear(ptr %a, i32 %threads) #0 {",
-        "entry:",
-        "  call void @GOMP_parallel(ptr @outlined, ptr %a, i32 %threads, i32 0)",
-        "  ret void",
-        "}",
+        *parallel_entry("linear", "outlined"),
     ]
     return "\n".join(lines) + "\n"
 
@@ -381,7 +417,7 @@ def _openmp_symbols() -> dict[str, int] | None:
     return None
 
 
-def _jit(functions: str) -> object:
+def jit(functions: str) -> object:
     """An execution engine holding ``functions`` (IR text, using ``_DECLARATIONS``)
     compiled for this CPU. Raises ``RuntimeError`` (llvmlite's for LLVM's errors)."""
     import llvmlite.binding as llvm
@@ -414,7 +450,7 @@ def _compiled() -> _Compiled | None:
             return None
         for name, address in symbols.items():
             llvm.add_symbol(name, address)
-        engine: Any = _jit(
+        engine: Any = jit(
             _quantize_ir() + "".join(_gemm_ir(r) for r in CHUNKS) + _run_rows_ir() + _parallel_ir()
         )
     except (RuntimeError, OSError) as e:  # llvmlite reports LLVM's errors as RuntimeError
@@ -603,8 +639,8 @@ def _attention_ir(head_dim: int, group: int, kv_heads: int) -> str:
             f"  %m{g}_next = select i1 %up{g}, float %sc{g}, float %m{g}",
             f"  %sm{g} = fmul float %s{g}, %corr{g}",
             f"  %s{g}_next = fadd float %sm{g}, %p{g}",
-            *_broadcast(f"cv{g}", f"%corr{g}"),
-            *_broadcast(f"pv{g}", f"%p{g}"),
+            *broadcast(f"cv{g}", f"%corr{g}"),
+            *broadcast(f"pv{g}", f"%p{g}"),
         ]
         for j in range(vecs):
             lines += [
@@ -619,7 +655,7 @@ def _attention_ir(head_dim: int, group: int, kv_heads: int) -> str:
         "store:",
     ]
     for g in range(group):
-        lines += _broadcast(f"iv{g}", f"%s{g}_next")
+        lines += broadcast(f"iv{g}", f"%s{g}_next")
         for j in range(vecs):
             lines += [
                 f"  %o{g}_{j} = fdiv <16 x float> %a{g}_{j}_next, %iv{g}",
@@ -712,7 +748,7 @@ def _attention(head_dim: int, group: int, kv_heads: int) -> tuple[object, _Fn] |
     if _compiled() is None or head_dim % LANES or head_dim > 256:
         return None
     try:
-        engine: Any = _jit(_attention_ir(head_dim, group, kv_heads))
+        engine: Any = jit(_attention_ir(head_dim, group, kv_heads))
     except RuntimeError as e:
         log.warning("the decode attention kernel could not be compiled (%s); using torch's", e)
         return None

@@ -85,7 +85,7 @@ def _rows_ir(rows: int) -> str:
             f"  %xo{r} = add i64 %xr{r}, %p4",
             f"  %xp{r} = getelementptr i8, ptr %xq, i64 %xo{r}",
             f"  %xv{r} = load i32, ptr %xp{r}, align 1",
-            *vnni._broadcast(f"xb{r}x", f"%xv{r}", "i32"),
+            *vnni.broadcast(f"xb{r}x", f"%xv{r}", "i32"),
             f"  %xc{r} = bitcast <16 x i32> %xb{r}x to <64 x i8>",
             f"  %acc{r}_next = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> %acc{r}, "
             f"<64 x i8> %wv, <64 x i8> %xc{r})",
@@ -102,7 +102,7 @@ def _rows_ir(rows: int) -> str:
             f"  %sp{r} = getelementptr i32, ptr %xs, i64 {r}",
             f"  %s{r} = load i32, ptr %sp{r}, align 4",
             f"  %c{r} = shl i32 %s{r}, 7",
-            *vnni._broadcast(f"cv{r}x", f"%c{r}", "i32"),
+            *vnni.broadcast(f"cv{r}x", f"%c{r}", "i32"),
             f"  %d{r} = sub <16 x i32> %acc{r}_next, %cv{r}x",
             f"  %f{r} = sitofp <16 x i32> %d{r} to <16 x float>",
             f"  %yr{r} = mul i64 %n, {r}",
@@ -124,36 +124,9 @@ def _rows_ir(rows: int) -> str:
 def _dispatch_ir() -> str:
     """``head_outlined(args)``: this thread's share of the output blocks, all rows,
     in chunks of ``CHUNKS``; ``head(args, threads)`` runs it on torch's OpenMP team."""
-    fields = ", ".join(["ptr"] * 4 + ["i64"] * 4)
-    lines = [f"%hargs = type {{ {fields} }}", "define void @head_outlined(ptr %a) #0 {", "entry:"]
-    for i, name in enumerate(_FIELDS):
-        ty = "ptr" if i < 4 else "i64"
-        lines += [
-            f"  %{name}p = getelementptr %hargs, ptr %a, i32 0, i32 {i}",
-            f"  %{name} = load {ty}, ptr %{name}p",
-        ]
-    lines += [
-        "  %tid32 = call i32 @omp_get_thread_num()",
-        "  %nt32 = call i32 @omp_get_num_threads()",
-        "  %tid = sext i32 %tid32 to i64",
-        "  %nt = sext i32 %nt32 to i64",
-        "  %lo = mul i64 %blocks, %tid",
-        "  %nb0 = udiv i64 %lo, %nt",
-        "  %tid1 = add i64 %tid, 1",
-        "  %hi = mul i64 %blocks, %tid1",
-        "  %nb1 = udiv i64 %hi, %nt",
-        f"  br label %loop{CHUNKS[0]}",
-    ]
-    start = "0, %entry"
-    for i, c in enumerate(CHUNKS):
-        after = f"loop{CHUNKS[i + 1]}" if i + 1 < len(CHUNKS) else "exit"
-        lines += [
-            f"loop{c}:",
-            f"  %row{c} = phi i64 [{start}], [%row{c}_next, %body{c}]",
-            f"  %left{c} = sub i64 %rows, %row{c}",
-            f"  %fits{c} = icmp sge i64 %left{c}, {c}",
-            f"  br i1 %fits{c}, label %body{c}, label %{after}",
-            f"body{c}:",
+
+    def chunk(c: int) -> list[str]:
+        return [
             f"  %xqo{c} = mul i64 %row{c}, %k",
             f"  %xqp{c} = getelementptr i8, ptr %xq, i64 %xqo{c}",
             f"  %xsp{c} = getelementptr i32, ptr %xs, i64 %row{c}",
@@ -161,19 +134,18 @@ def _dispatch_ir() -> str:
             f"  %yp{c} = getelementptr float, ptr %y, i64 %yo{c}",
             f"  call void @head{c}(ptr %w, ptr %xqp{c}, ptr %xsp{c}, ptr %yp{c}, i64 %nb0, i64 %nb1, "
             "i64 %k, i64 %n)",
-            f"  %row{c}_next = add i64 %row{c}, {c}",
-            f"  br label %loop{c}",
         ]
-        start = f"%row{c}, %loop{c}"
-    lines += [
+
+    lines = [
+        f"%hargs = type {{ {', '.join(['ptr'] * 4 + ['i64'] * 4)} }}",
+        "define void @head_outlined(ptr %a) #0 {",
+        "entry:",
+        *vnni.outlined_prologue("hargs", _FIELDS, 4),
+        *vnni.row_chunks(CHUNKS, chunk),
         "exit:",
         "  ret void",
         "}",
-        "define void @head(ptr %a, i32 %threads) #0 {",
-        "entry:",
-        "  call void @GOMP_parallel(ptr @head_outlined, ptr %a, i32 %threads, i32 0)",
-        "  ret void",
-        "}",
+        *vnni.parallel_entry("head", "head_outlined"),
     ]
     return "\n".join(lines) + "\n"
 
@@ -185,7 +157,7 @@ def _compiled() -> tuple[object, Any] | None:
     if not vnni.available():
         return None
     try:
-        engine: Any = vnni._jit("".join(_rows_ir(r) for r in CHUNKS) + _dispatch_ir())
+        engine: Any = vnni.jit("".join(_rows_ir(r) for r in CHUNKS) + _dispatch_ir())
     except RuntimeError as e:
         log.warning("the VNNI LM head kernel could not be compiled (%s); using torch's", e)
         return None
