@@ -12,7 +12,7 @@ two rows against 2.0 ms for ``torch._int_mm`` and 0.36 ms for the VNNI head.
 
 For each product with more than one candidate this machine can run, ``resolve``
 times every candidate on the model's shapes at ``ROWS`` rows (``time_call``: a
-warm-up call, then ``BUDGET_S`` of calls, the median), keeps the one with the
+warm-up call, then ``BUDGET_S`` of calls, the least), keeps the one with the
 least total (``pick``), provided it is exact on a probe (the head: the same int32
 sums as ``torch._int_mm``; the layers: each row bitwise the same alone as in a
 batch of 8, and within 10% of the float32 product; attention: within 1e-4 of a
@@ -36,11 +36,11 @@ or is not exact; the others are read back or measured.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
-import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -74,7 +74,7 @@ FORMAT = 1
 """Bump when what a cached choice means changes (a candidate renamed, another timing)."""
 ROWS = (1, 8)
 """Rows each candidate is timed at: one decode step alone, and eight sequences at once."""
-BUDGET_S = 0.005
+BUDGET_S = 0.01
 """Seconds of calls per candidate and row count (after one warm-up call)."""
 SLOW = 20.0
 """A candidate whose 1-row call takes this many times the best one so far is not
@@ -143,9 +143,11 @@ def time_call(
     give_up_s: float = float("inf"),
 ) -> float:
     """Seconds one ``call()`` takes: one warm-up call (first calls allocate and
-    fault pages in), then the median of the calls made in ``budget_s`` (at least
-    one, at most 100). A warm-up that took over ``give_up_s``, or a call that
-    alone used the budget, is its own answer."""
+    fault pages in), then the least of the calls made in ``budget_s`` (at least
+    one, at most 100): the least, not the median, since other processes on the
+    machine only ever add time to a call, and a choice measured under their load
+    is kept. A warm-up that took over ``give_up_s``, or a call that alone used the
+    budget, is its own answer."""
     t0 = clock()
     call()
     warm = clock() - t0
@@ -158,7 +160,7 @@ def time_call(
         call()
         times.append(clock() - t0)
         spent += times[-1]
-    return statistics.median(times)
+    return min(times)
 
 
 def pick(
@@ -375,6 +377,22 @@ def _read(path: Path) -> dict[str, Any]:
         return {}
 
 
+def _cached_times(cached: Mapping[str, Any], role: str) -> dict[str, tuple[float | None, ...]]:
+    """A cached file's times for ``role`` (µs per row count), what of them is well
+    formed: a hand-edited or foreign file must not stop a start."""
+    by_role = cached.get("times_us")
+    entries = by_role.get(role) if isinstance(by_role, dict) else None
+    if not isinstance(entries, dict):
+        return {}
+    times: dict[str, tuple[float | None, ...]] = {}
+    for name, values in entries.items():
+        if isinstance(values, list) and all(
+            v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in values
+        ):
+            times[str(name)] = tuple(None if v is None else float(v) for v in values)
+    return times
+
+
 def _write(path: Path, choice: Choice) -> None:
     """Keep a measured choice; an error is one WARNING (the next start measures again)."""
     body = {
@@ -384,13 +402,15 @@ def _write(path: Path, choice: Choice) -> None:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
     }
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
         tmp.write_text(json.dumps(body, indent=1))
         os.replace(tmp, path)
     except OSError as e:
         log.warning("could not keep the kernel choice in %s (%s)", path, e)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -499,10 +519,7 @@ def resolve(
             chosen[role], source[role] = options[0], "only"
         elif cached_kernels.get(role) in options:
             chosen[role], source[role] = cached_kernels[role], "cached"
-            cached_times = cached.get("times_us", {}).get(role, {})
-            times[role] = (
-                {k: tuple(v) for k, v in cached_times.items()} if isinstance(cached_times, dict) else {}
-            )
+            times[role] = _cached_times(cached, role)
         else:
             candidates = [c for c in builders[role](shapes) if c.name in options]
             fastest, times[role] = pick(candidates)
