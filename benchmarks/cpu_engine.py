@@ -28,7 +28,7 @@ How long, measuring (the model's load and llama.cpp's first build aside), on 2
 cores of an AMD EPYC (Zen 4), 2026-12-04: about 50 s for the int4 row at
 ``--repeats 3``, 95 s with ``--llama-cpp``; 393 s for ``--quantization
 int4,int8,none --llama-cpp`` (the float32 row alone about 200 s). On the Intel
-Xeon with AMX the three rows took about 5 minutes (2026-12-02).
+Xeon with AMX 375 s for the three rows with ``--llama-cpp`` (2026-12-05).
 ``--budget-s`` bounds the measuring (default ``budget_s``: 3 minutes a row at
 ``--repeats 3``, scaled by the repeats, twice with ``--llama-cpp``): an engine step
 or a llama.cpp answer that comes past it stops the run, which says where it was
