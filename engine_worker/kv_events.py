@@ -20,9 +20,15 @@ and llm-d's ``VLLMAdapter`` reads it (``pkg/kvevents/engineadapter/vllm_adapter.
 - The optional replay socket is a ROUTER: a request ``[identity, b"", start_seq]``
   (8 bytes, big-endian) is answered with ``[identity, b"", seq, payload]`` for every
   buffered batch from ``start_seq`` on, then ``[identity, b"", -1 (8 bytes, signed), b""]``.
-- Endpoints are bound when they contain ``*``, ``::`` or are ``ipc://``/``inproc://``,
-  else connected (vLLM's rule): ``tcp://*:5557`` binds, as llm-d's pod discovery
-  (the scorer dials each pod) needs.
+- The PUB endpoint is bound where this host can bind it (a wildcard such as
+  ``tcp://*:5557``, ``localhost``, a loopback address or one of this host's own
+  addresses, ``ipc://``, ``inproc://``), as llm-d's pod discovery needs (the scorer
+  dials each pod), and connected to otherwise (a name or address of another host: a
+  subscriber there binds, as llm-d's central indexer does). ``connect=True``
+  (``--kv-events-connect``) connects whatever the address, for a subscriber on this
+  host that binds. vLLM binds only endpoints with ``*``, ``::`` or ``ipc://``, so its
+  ``tcp://127.0.0.1:5557`` dials a subscriber; this one listens there, which is what
+  the address reads as (and what a SUB socket dialling it needs).
 
 What llm-d does with it (``pkg/kvevents/pool.go``): engine hashes are opaque keys
 (an int, or bytes of which the last 8 count); it recomputes its own keys from
@@ -51,6 +57,7 @@ someone sent that prefix, the cross-tenant signal ``cache_salt`` exists to remov
 from __future__ import annotations
 
 import array
+import errno
 import hashlib
 import logging
 import os
@@ -165,11 +172,24 @@ class BatchSink(Protocol):
     def publish(self, batch: KVEventBatch) -> bool: ...
 
 
-def _bind_or_connect(sock: zmq.Socket[bytes], endpoint: str) -> None:
-    if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
-        sock.bind(endpoint)
-    else:
-        sock.connect(endpoint)
+# What libzmq answers a bind to an address that is not this host's: an IP it does not
+# have (EADDRNOTAVAIL) or a name that is not an interface of it (ENODEV).
+_NOT_HERE = (errno.EADDRNOTAVAIL, errno.ENODEV)
+
+
+def _bind_or_connect(sock: zmq.Socket[bytes], endpoint: str, *, connect: bool) -> bool:
+    """Bind ``endpoint`` where this host can, else connect to it (module docstring);
+    ``True`` when bound. Raises ``zmq.ZMQError`` for a port in use or a malformed
+    address."""
+    if not connect:
+        try:
+            sock.bind(endpoint)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno not in _NOT_HERE or not endpoint.startswith("tcp://"):
+                raise
+    sock.connect(endpoint)
+    return False
 
 
 class KvEventPublisher:
@@ -178,7 +198,9 @@ class KvEventPublisher:
     ``publish`` (any thread) never blocks: ``False`` and ``dropped`` + 1 when
     ``max_queue`` batches are already waiting. Sequence numbers are given by the
     sender thread, so a dropped batch leaves no gap: ``KvEvents`` resyncs instead.
-    Raises ``zmq.ZMQError`` when an endpoint cannot be bound (port in use).
+    ``bound``: whether the PUB socket listens at ``endpoint`` (subscribers dial it) or
+    dialled it (a subscriber there binds); ``connect`` forces the latter. Raises
+    ``zmq.ZMQError`` when an endpoint cannot be bound (port in use).
     """
 
     def __init__(
@@ -187,6 +209,7 @@ class KvEventPublisher:
         topic: str,
         replay_endpoint: str | None = None,
         *,
+        connect: bool = False,
         max_queue: int = QUEUE_BATCHES,
         replay_batches: int = REPLAY_BATCHES,
         replay_bytes: int = REPLAY_BYTES,
@@ -211,10 +234,12 @@ class KvEventPublisher:
         try:
             self._pub.setsockopt(zmq.LINGER, 0)
             self._pub.setsockopt(zmq.SNDHWM, PUB_HWM)
-            _bind_or_connect(self._pub, endpoint)
+            self._pub.setsockopt(zmq.IPV6, 1)  # tcp://[::1]:5557 and IPv6-only pods
+            self.bound = _bind_or_connect(self._pub, endpoint, connect=connect)
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.setsockopt(zmq.IPV6, 1)
                 self._replay.bind(replay_endpoint)
         except zmq.ZMQError:
             self._close_sockets()

@@ -145,7 +145,9 @@ def _kv_events(settings: WorkerSettings, backend: Backend) -> tuple[KvEventPubli
         return None, None
     topic = settings.kv_events_topic or default_topic(backend.info.model_id)
     try:
-        publisher = KvEventPublisher(endpoint, topic, settings.kv_events_replay_endpoint)
+        publisher = KvEventPublisher(
+            endpoint, topic, settings.kv_events_replay_endpoint, connect=settings.kv_events_connect
+        )
     except zmq.ZMQError as e:
         log.error(
             "worker: cannot open the KV-event sockets %s / %s: %s",
@@ -156,7 +158,8 @@ def _kv_events(settings: WorkerSettings, backend: Backend) -> tuple[KvEventPubli
         return None, None
     events = backend.attach_kv_events(publisher)
     log.info(
-        "worker: KV-cache events on %s (topic %s, blocks of %d tokens, replay %s)",
+        "worker: KV-cache events %s %s (topic %s, blocks of %d tokens, replay %s)",
+        "listening on" if publisher.bound else "sent to a subscriber bound at",
         endpoint,
         topic,
         events.block_size,

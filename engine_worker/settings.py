@@ -176,8 +176,14 @@ class WorkerSettings(LinkSettings):
     kv_events_endpoint: str | None = setting(
         None,
         "Publish the prefix cache's KV-cache events (vLLM's format, for llm-d's precise prefix-cache "
-        "scorer) on a ZeroMQ PUB socket at this address: bound when it has * or is ipc://, e.g. "
-        "tcp://*:5557 (default: off).",
+        "scorer) on a ZeroMQ PUB socket at this address, e.g. tcp://*:5557: bound (subscribers dial "
+        "it) where this host can bind it (a wildcard, localhost, one of its addresses, ipc://), else "
+        "connected to (a subscriber there binds) (default: off).",
+    )
+    kv_events_connect: bool = setting(
+        False,
+        "Connect the KV-event PUB socket to --kv-events-endpoint even where this host could bind it: "
+        "for a subscriber on this host that binds the address itself.",
     )
     kv_events_topic: str | None = setting(
         None,
@@ -338,8 +344,8 @@ class WorkerSettings(LinkSettings):
                 raise ValueError(f"cpu_kernels: backend={self.backend} has no CPU kernels to choose")
             parse_cpu_kernels(self.cpu_kernels)
         if self.kv_events_endpoint is None:
-            for name in ("kv_events_topic", "kv_events_replay_endpoint"):
-                if getattr(self, name) is not None:
+            for name in ("kv_events_topic", "kv_events_replay_endpoint", "kv_events_connect"):
+                if getattr(self, name) not in (None, False):
                     raise ValueError(f"{name} needs kv_events_endpoint")
         elif self.backend == "synthetic":
             raise ValueError("kv_events_endpoint: the synthetic engine has no prefix cache to publish")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import socket
 import time
@@ -270,3 +271,76 @@ def test_a_full_queue_drops_without_waiting() -> None:
         assert pub.dropped == 1
     finally:
         pub.close()
+
+
+def _one_message(pub: KvEventPublisher, sub: zmq.Socket[bytes]) -> vllm.Message:
+    """Publish until ``sub`` gets a message (a SUB joins asynchronously; bounded)."""
+    ev = KvEvents(pub, block_size=2, medium=MEDIUM_CPU)
+    deadline = time.monotonic() + 10
+    i = 0
+    while time.monotonic() < deadline:
+        ev.store_tokens([i, i], None)
+        ev.flush()
+        i += 1
+        if sub.poll(50):
+            return vllm.decode(sub.recv_multipart())
+    raise AssertionError("no message within 10 s")
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "[::1]"])
+def test_a_local_address_is_listened_on_for_a_subscriber_that_dials(host: str) -> None:
+    """``--kv-events-endpoint tcp://127.0.0.1:5591`` listens there (issue 41: it used to
+    dial it, vLLM's rule, and nothing answered a SUB connecting to it)."""
+    port = _free_port()
+    pub = KvEventPublisher(f"tcp://{host}:{port}", "kv@pod@model")
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        assert pub.bound
+        sub.setsockopt(zmq.IPV6, 1)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+        sub.connect(f"tcp://{host}:{port}")
+        assert _one_message(pub, sub).topic == "kv@pod@model"
+    finally:
+        sub.close(0)
+        ctx.term()
+        pub.close()
+
+
+def test_connect_dials_a_subscriber_that_binds() -> None:
+    """``--kv-events-connect`` (and any address that is not this host's): llm-d's central
+    indexer binds its SUB and every engine dials it."""
+    port = _free_port()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.bind(f"tcp://127.0.0.1:{port}")
+    pub = KvEventPublisher(f"tcp://127.0.0.1:{port}", "kv@pod@model", connect=True)
+    try:
+        assert not pub.bound
+        assert _one_message(pub, sub).topic == "kv@pod@model"
+    finally:
+        pub.close()
+        sub.close(0)
+        ctx.term()
+
+
+@pytest.mark.parametrize("host", ["192.0.2.1", "indexer.example.invalid"])
+def test_another_hosts_address_is_dialled(host: str) -> None:
+    """An IP this host does not have (TEST-NET-1) and a name that is not one of its
+    interfaces: connected to, never an error at start."""
+    pub = KvEventPublisher(f"tcp://{host}:{_free_port()}", "t")
+    try:
+        assert not pub.bound
+    finally:
+        pub.close()
+
+
+def test_a_port_in_use_is_an_error_not_a_silent_dial() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(zmq.ZMQError) as e:
+            KvEventPublisher(f"tcp://127.0.0.1:{port}", "t")
+        assert e.value.errno == errno.EADDRINUSE

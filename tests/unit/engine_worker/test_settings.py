@@ -69,6 +69,7 @@ def test_ngram_match_max_follows_min_unless_given() -> None:
             ["--kv-events-replay-endpoint", "tcp://*:5558"],
             "kv_events_replay_endpoint needs kv_events_endpoint",
         ),
+        (["--kv-events-connect"], "kv_events_connect needs kv_events_endpoint"),
         (
             ["--backend", "synthetic", "--kv-events-endpoint", "tcp://*:5557"],
             "synthetic engine has no prefix",
