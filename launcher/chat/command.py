@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -134,7 +134,9 @@ def chat(
     try:
         text = _read_prompt(prompt, prompt_file)
         key = api_key or _env_api_key(api_name)
-        code = _chat(text, system, model, max_tokens, temperature, api_name, key, url, timeout, plain, wait_s)
+        args = (text, system, model, max_tokens, temperature, api_name, key, url, timeout, plain, wait_s)
+        with _interrupt_for_sure():
+            code = _chat(*args)
     except BrokenPipeError:
         # The reader of stdout went away (| head): stop quietly; the stream was closed on the way out.
         _silence_stdout()
@@ -143,6 +145,44 @@ def chat(
         code = EXIT_INTERRUPTED
     if code:
         raise SystemExit(code)
+
+
+INTERRUPT_GRACE_S = 5.0
+"""How long a Ctrl-C may take to unwind before the process ends anyway."""
+
+
+@contextlib.contextmanager
+def _interrupt_for_sure() -> Iterator[None]:
+    """Ctrl-C raises ``KeyboardInterrupt`` as usual, and also arms a timer that ends
+    the process with 130 if it is still running ``INTERRUPT_GRACE_S`` later: an
+    interrupt that lands in a ``__del__`` or a garbage-collector callback is printed
+    and swallowed by Python, and the stream would then wait on a silent server (seen
+    once in CI under load). Exiting closes the socket, which stops the server's work
+    just as closing the stream does."""
+    import signal
+    import threading
+
+    def on_sigint(signum: int, frame: object) -> None:
+        def give_up() -> None:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.write("error: interrupted\n")
+                sys.stderr.flush()
+            os._exit(EXIT_INTERRUPTED)
+
+        timer = threading.Timer(INTERRUPT_GRACE_S, give_up)
+        timer.daemon = True
+        timer.start()
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGINT, on_sigint)
+    except ValueError:  # not the main thread: Python's own handling stays
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _chat(

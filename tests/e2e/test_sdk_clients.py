@@ -272,6 +272,35 @@ def test_messages_stream_text_and_usage(server: Server) -> None:
     )
 
 
+def test_messages_stream_last_event_carries_the_cumulative_usage(server: Server) -> None:
+    """Claude's SDKs take a stream's usage from its last ``message_delta`` (the current API
+    sends ``input_tokens`` and both cache counts there, cumulative): a repeated prompt's
+    cache hit shows there, equal to ``message_start``'s, and adds up to ``count_tokens``."""
+    api = anthropic_client(server)
+    story = "Write about a lighthouse keeper who collects shells, one line per shell, " * 4
+    kw: Any = {
+        "model": "any",
+        "system": INSTRUCTIONS,
+        "messages": [{"role": "user", "content": story}],
+        "max_tokens": 4,
+        "extra_body": GREEDY,
+    }
+    counted = api.messages.count_tokens(model="any", system=INSTRUCTIONS, messages=kw["messages"])
+    api.messages.create(**kw)  # fills the prefix cache
+    with api.messages.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    start = next(e for e in events if e.type == "message_start").message.usage
+    last = [e for e in events if e.type == "message_delta"][-1].usage
+    assert last.cache_read_input_tokens is not None and last.cache_read_input_tokens > 0
+    assert last.cache_read_input_tokens == start.cache_read_input_tokens
+    assert last.input_tokens == start.input_tokens
+    assert last.cache_creation_input_tokens == 0  # no cache_control breakpoints: nothing written
+    assert last.input_tokens + last.cache_read_input_tokens == counted.input_tokens
+    assert last.output_tokens == final.usage.output_tokens >= 1
+    assert final.usage.cache_read_input_tokens == last.cache_read_input_tokens
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_messages_tool_use_round_trip(server: Server, stream: bool) -> None:
     api = anthropic_client(server)

@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -706,3 +707,28 @@ async def test_port_is_short_for_a_local_base_url(aiohttp_server: Any) -> None:
 def test_port_and_base_url_together_is_a_usage_error() -> None:
     r = CliRunner().invoke(main, ["chat", "--port", "5000", "--base-url", "http://127.0.0.1:9/v1", "hi"])
     assert r.exit_code == 2 and "not both" in r.stderr
+
+
+def test_an_interrupt_python_swallows_still_ends_the_command_with_130() -> None:
+    """A Ctrl-C that lands where Python only prints it (a ``__del__``, here a loop that
+    catches it) still ends the process after the grace period, with 130 and the line."""
+    child = (
+        "import sys, time\n"
+        "from launcher.chat import command\n"
+        "command.INTERRUPT_GRACE_S = 0.2\n"
+        "with command._interrupt_for_sure():\n"
+        "    print('armed', flush=True)\n"
+        "    while True:\n"
+        "        try:\n"
+        "            time.sleep(10)\n"
+        "        except KeyboardInterrupt:\n"
+        "            pass\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline() == "armed\n"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130
+    assert err == "error: interrupted\n"
