@@ -161,9 +161,16 @@ class Backend(Protocol):
         ``count_tokens``); called on the prepare thread."""
         ...
 
-    def detokenize(self, token_ids: list[int]) -> str:
-        """The text of ``token_ids``, special tokens included; called on the
-        prepare thread. Raises ``RequestRejected`` for an id outside the vocabulary."""
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        """The text of ``token_ids``, special tokens included unless
+        ``skip_special_tokens``; called on the prepare thread. Raises
+        ``RequestRejected`` for an id outside the vocabulary."""
+        ...
+
+    def text_prefix_ids(self) -> list[int]:
+        """The ids the tokenizer puts before plain text with its special tokens on
+        (``[BOS]`` or none): ``Tokenize.add_special_tokens``; called on the prepare
+        thread."""
         ...
 
     def reservation(self, prepared: Prepared) -> int:

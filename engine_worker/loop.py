@@ -322,9 +322,7 @@ class EngineLoop:
         if isinstance(msg, Submit):
             self._submit(msg, pending)
         elif isinstance(msg, Tokenize):
-            self._lookups.append(
-                (msg.submit.request_id, self._lookup_pool.submit(self._tokenize, msg.submit))
-            )
+            self._lookups.append((msg.submit.request_id, self._lookup_pool.submit(self._tokenize, msg)))
         elif isinstance(msg, Detokenize):
             self._lookups.append((msg.request_id, self._lookup_pool.submit(self._detokenize, msg)))
         elif isinstance(msg, Abort):
@@ -397,22 +395,28 @@ class EngineLoop:
         for rid in ids:
             self._preparing_ids[rid] = entry
 
-    def _tokenize(self, submit: Submit) -> Event:
+    def _tokenize(self, msg: Tokenize) -> Event:
         """``Tokenize``'s answer: the prompt exactly as ``prepare`` makes it for generation
-        (a prompt generation refuses untokenized is refused here too)."""
+        (a prompt generation refuses untokenized is refused here too), and with
+        ``add_special_tokens`` on messages the tokenizer's leading specials before it."""
+        submit = msg.submit
         check_prompt_size(submit, self._backend.info)
         # The prompt alone: a grammar or logprobs do not change it, and compiling one (or
         # building the vocabulary) here would race the prepare thread's.
         params = msgspec.structs.replace(submit.params, grammar=None, grammar_param=None, logprobs=None)
         prepared = self._backend.prepare(msgspec.structs.replace(submit, params=params))
-        return Tokens(submit.request_id, tuple(self._backend.prompt_ids(prepared)))
+        ids = self._backend.prompt_ids(prepared)
+        if msg.add_special_tokens and submit.prompt is None:
+            ids = self._backend.text_prefix_ids() + ids
+        return Tokens(submit.request_id, tuple(ids))
 
     def _detokenize(self, msg: Detokenize) -> Event:
         context = self._backend.info.max_context_tokens
         if len(msg.token_ids) > context:
             message = f"{len(msg.token_ids)} token ids: a sequence of this model holds at most {context}"
             raise RequestRejected(ErrorCode.CONTEXT_LENGTH_EXCEEDED, message, param="tokens")
-        return Detokenized(msg.request_id, self._backend.detokenize(list(msg.token_ids)))
+        text = self._backend.detokenize(list(msg.token_ids), msg.skip_special_tokens)
+        return Detokenized(msg.request_id, text)
 
     def _collect_lookups(self, pending: list[Event]) -> None:
         """Send the ``Tokens``/``Detokenized`` answers that are ready, in arrival order."""

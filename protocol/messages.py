@@ -269,17 +269,26 @@ class Tokenize(_Msg, frozen=True, tag="tokenize"):
     """Proxy -> worker: the prompt ``submit`` would run with (chat template,
     tools, tokenizing exactly as for generation), answered by one ``Tokens``
     (or a ``RequestError``) under ``submit.request_id``; nothing is queued or
-    generated."""
+    generated.
+
+    ``add_special_tokens`` (vLLM's field, ``messages`` only): the tokenizer's own
+    leading special tokens (BOS where it puts one before plain text) in front of what
+    the chat template wrote, as vLLM tokenizes a rendered template with
+    ``add_special_tokens=True``; a template that writes BOS itself then has two."""
 
     submit: Submit
+    add_special_tokens: bool = False
 
 
 class Detokenize(_Msg, frozen=True, tag="detokenize"):
     """Proxy -> worker: the text of ``token_ids``, answered by one
-    ``Detokenized`` (or a ``RequestError``) under ``request_id``."""
+    ``Detokenized`` (or a ``RequestError``) under ``request_id``; with
+    ``skip_special_tokens`` the special tokens (BOS, EOS, the template's control
+    tokens) leave no text."""
 
     request_id: str
     token_ids: tuple[int, ...]
+    skip_special_tokens: bool = False
 
 
 ProxyMessage = Hello | Submit | Abort | Tokenize | Detokenize

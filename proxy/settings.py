@@ -64,11 +64,12 @@ class ProxySettings(LinkSettings):
         "How tool calls are written and parsed: auto (detected from the model's chat template; "
         "hermes when it has no tool support), hermes, llama3_json or mistral.",
     )
-    reasoning_field: Literal["reasoning_content", "reasoning"] = setting(
+    reasoning_field: Literal["reasoning_content", "reasoning", "both"] = setting(
         "reasoning_content",
         "Chat completions: the field a reasoning model's thinking goes in (message and delta): "
-        "reasoning_content (llama.cpp, DeepSeek, most clients) or reasoning (vLLM since its rename, "
-        "Ollama).",
+        "reasoning_content (llama.cpp, DeepSeek, TabbyAPI, most UIs), reasoning (vLLM since its "
+        "rename, Ollama) or both (each chunk and message carries the thinking under both names, "
+        "for clients of either family).",
     )
     sse_ping_interval: float = setting(
         15.0,

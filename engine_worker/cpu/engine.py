@@ -411,9 +411,14 @@ class CpuBackend:
         prompt: _Prompt = prepared.prompt
         return list(prompt.ids)
 
-    def detokenize(self, token_ids: list[int]) -> str:
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         check_token_ids(token_ids, self._vocab_size)
-        return str(self._tokenizer.decode(token_ids, skip_special_tokens=False))
+        return str(self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens))
+
+    def text_prefix_ids(self) -> list[int]:
+        bos = self._prompt_tokenizer.bos_token_id
+        empty = self._prompt_tokenizer("", add_special_tokens=True)["input_ids"]
+        return [bos] if isinstance(bos, int) and list(empty[:1]) == [bos] else []
 
     def reservation(self, prepared: Prepared) -> int:
         """Prompt plus every completion token the sequence may produce: its KV never

@@ -506,9 +506,13 @@ class ExLlamaV3Backend:
         prompt: _Prompt = prepared.prompt
         return id_list(prompt.ids)
 
-    def detokenize(self, token_ids: list[int]) -> str:
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         check_token_ids(token_ids, self._h.vocab_size)
-        return self._h.decode(token_ids)
+        return (self._h.decode_plain if skip_special_tokens else self._h.decode)(token_ids)
+
+    def text_prefix_ids(self) -> list[int]:
+        # What encode puts before an empty text: BOS where the model's config adds it.
+        return id_list(self._h.encode("", self._config.add_bos))
 
     def reservation(self, prepared: Prepared) -> int:
         """The KV a job takes when it starts, in whole pages (``_segment_tokens``): what

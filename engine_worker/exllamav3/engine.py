@@ -77,6 +77,9 @@ class EngineHandle:
       (``chat_template_kwargs``) or ``None``.
     - ``decode(ids)``: token ids -> text, special tokens as their text (``Tokenizer.decode`` with
       ``decode_special_tokens=True``, as jobs decode).
+    - ``decode_plain(ids)``: the same without special tokens (``decode_special_tokens=False``:
+      EOS, pad and the other special tokens leave no text), ``/detokenize``'s
+      ``skip_special_tokens``.
     - ``pieces``: token id -> the text ``Job`` appends for it (``get_id_to_piece_list`` with
       ``decode_special_tokens=True``, ``generator/job.py:971``).
     - ``eos_token_ids``: the model's end-of-sequence ids (``Config.eos_token_id_list``), plus the
@@ -123,6 +126,7 @@ class EngineHandle:
         [list[dict[str, Any]], bool, list[Any] | None, Sequence[PromptPiece], dict[str, Any] | None], IdTensor
     ]
     decode: Callable[[list[int]], str]
+    decode_plain: Callable[[list[int]], str]
     pieces: Sequence[str]
     eos_token_ids: tuple[int, ...]
     vocab_size: int

@@ -459,12 +459,15 @@ class LoadedEngine:
         # (or the proxy's prefix, Submit.forced_prefix) wrote them.
         return self._encode_chat(messages, add_generation_prompt, tools, prefix, variables)
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], special: bool = True) -> str:
         import torch
 
         return str(
-            self.text.tokenizer.decode(torch.tensor(ids, dtype=torch.long), decode_special_tokens=True)
+            self.text.tokenizer.decode(torch.tensor(ids, dtype=torch.long), decode_special_tokens=special)
         )
+
+    def decode_plain(self, ids: list[int]) -> str:
+        return self.decode(ids, special=False)
 
     def ll_tokenizer(self) -> Any:
         # The llguidance tokenizer LLGuidanceFilter builds and caches per Tokenizer
@@ -516,6 +519,7 @@ class LoadedEngine:
             encode_chat=self.encode_chat,
             as_ids=_as_ids,
             decode=self.decode,
+            decode_plain=self.decode_plain,
             pieces=tokenizer.get_id_to_piece_list(True),
             eos_token_ids=self.text.eos_ids,
             vocab_size=int(tokenizer.actual_vocab_size),

@@ -129,9 +129,14 @@ class SyntheticBackend:
         words: list[str] = prepared.prompt
         return [zlib.crc32(w.encode()) % SYNTHETIC_VOCAB for w in words]
 
-    def detokenize(self, token_ids: list[int]) -> str:
-        """``t<id>`` per id, space-separated (ids cannot be turned back into words)."""
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        """``t<id>`` per id, space-separated (ids cannot be turned back into words; none
+        is special)."""
         return " ".join(f"t{t}" for t in token_ids)
+
+    def text_prefix_ids(self) -> list[int]:
+        """No BOS: this engine has no vocabulary."""
+        return []
 
     def reservation(self, prepared: Prepared) -> int:
         return full_reservation(prepared)

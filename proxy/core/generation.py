@@ -179,7 +179,8 @@ class Options:
     per_prompt: int = 0
     fields: FieldNames = SAME_NAMES
     reasoning_field: str = "reasoning_content"
-    """Chat completions' name for the thinking (``reasoning_content`` or ``reasoning``)."""
+    """Chat completions' name for the thinking (``reasoning_content``, ``reasoning`` or
+    ``both``)."""
 
 
 class Generation:

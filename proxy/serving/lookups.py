@@ -44,24 +44,27 @@ async def _ask(request: web.Request, msg: Tokenize | Detokenize, rid: str) -> To
         state.release()
 
 
-async def tokenize(request: web.Request, submit: Submit) -> tuple[int, ...]:
+async def tokenize(request: web.Request, submit: Submit, add_special_tokens: bool = False) -> tuple[int, ...]:
     """The prompt token ids of ``submit`` (its grammar and logprobs dropped: they
-    do not change the prompt). A prompt generation would refuse before
-    tokenizing (``proxy.serving.serve.check_prompt``) is refused here the same
-    way, before the worker spends time on it. Raises ``ProxyError``."""
+    do not change the prompt); ``add_special_tokens``: ``Tokenize``'s. A prompt
+    generation would refuse before tokenizing (``proxy.serving.serve.check_prompt``)
+    is refused here the same way, before the worker spends time on it. Raises
+    ``ProxyError``."""
     check_prompt(submit, ready_worker(request.app[STATE]))
     rid = "tok-" + uuid.uuid4().hex
     params = msgspec.structs.replace(submit.params, grammar=None, grammar_param=None, logprobs=None)
     plain = msgspec.structs.replace(submit, request_id=rid, params=params, n=1)
-    answer = await _ask(request, Tokenize(plain), rid)
+    answer = await _ask(request, Tokenize(plain, add_special_tokens), rid)
     assert isinstance(answer, Tokens)
     return answer.token_ids
 
 
-async def detokenize(request: web.Request, token_ids: tuple[int, ...]) -> str:
-    """The text of ``token_ids`` (special tokens included): at most the
-    context's length of them, as no sequence of this model holds more. Raises
-    ``ProxyError``."""
+async def detokenize(
+    request: web.Request, token_ids: tuple[int, ...], skip_special_tokens: bool = False
+) -> str:
+    """The text of ``token_ids`` (special tokens included unless
+    ``skip_special_tokens``): at most the context's length of them, as no sequence
+    of this model holds more. Raises ``ProxyError``."""
     context = ready_worker(request.app[STATE]).max_context_tokens
     if len(token_ids) > context:
         raise ContextLengthExceeded(
@@ -69,6 +72,6 @@ async def detokenize(request: web.Request, token_ids: tuple[int, ...]) -> str:
             param="tokens",
         )
     rid = "detok-" + uuid.uuid4().hex
-    answer = await _ask(request, Detokenize(rid, token_ids), rid)
+    answer = await _ask(request, Detokenize(rid, token_ids, skip_special_tokens), rid)
     assert isinstance(answer, Detokenized)
     return answer.text

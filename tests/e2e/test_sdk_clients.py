@@ -109,6 +109,29 @@ def test_responses_create_usage_adds_up(server: Server) -> None:
         assert r.incomplete_details is not None and r.incomplete_details.reason == "max_output_tokens"
 
 
+def test_responses_input_tokens_counts_what_create_reports(server: Server) -> None:
+    """OpenAI's ``POST /v1/responses/input_tokens`` through the SDK: the same count as
+    ``usage.input_tokens`` of the same body sent to ``/v1/responses``, tools included."""
+    api = openai_client(server)
+    tool: Any = {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+    for kw in (
+        {"instructions": INSTRUCTIONS, "input": "Say OK."},
+        {"input": [{"role": "user", "content": "Weather in Paris?"}], "tools": [tool]},
+    ):
+        counted = api.responses.input_tokens.count(model="any", **kw)  # type: ignore[arg-type]
+        assert counted.object == "response.input_tokens"
+        made = api.responses.create(model="any", max_output_tokens=1, temperature=0, **kw)  # type: ignore[arg-type]
+        assert made.usage is not None and counted.input_tokens == made.usage.input_tokens > 0
+    with pytest.raises(openai.BadRequestError) as e:
+        api.responses.input_tokens.count(model="any", input="x", conversation="conv_1")
+    assert "conversation" in str(e.value)
+
+
 def test_responses_stream_events_and_final_response(server: Server) -> None:
     api = openai_client(server)
     kw: Any = {"model": "any", "instructions": INSTRUCTIONS, "input": "Name a color.", "temperature": 0}
@@ -332,3 +355,38 @@ def test_messages_tool_use_round_trip(server: Server, stream: bool) -> None:
     answer = api.messages.create(messages=messages, tool_choice={"type": "none"}, **(kw | {"max_tokens": 24}))
     assert answer.stop_reason in ("end_turn", "max_tokens")
     assert [b.type for b in answer.content] == ["text"]
+
+
+# ---------------------------------------------------------------- vLLM's /tokenize fields
+
+
+# llama.cpp (llama-cpp-python 0.3.36) on the wheel's SmolLM2-135M-Instruct.Q4_1.gguf,
+# tokenize(text, add_bos=False, special=True), 2026-12-05: the same 24 ids.
+LLAMA_CPP_TEXT = "The quick brown fox jumps over the lazy dog. <|im_start|> 12345 héllo wörld"
+LLAMA_CPP_IDS = [504, 2365, 6354, 16438, 27003, 690, 260, 23790, 2767, 30, 216, 1, 216]
+LLAMA_CPP_IDS += [33, 34, 35, 36, 37, 294, 2756, 31394, 267, 29989, 400]
+
+
+def test_tokenize_takes_add_special_tokens_both_ways_and_detokenize_skips_specials(server: Server) -> None:
+    def tokens(body: dict[str, Any]) -> list[int]:
+        r = httpx.post(server.base_url + "/tokenize", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return list(r.json()["tokens"])
+
+    bare = tokens({"prompt": LLAMA_CPP_TEXT, "add_special_tokens": False})
+    assert bare == LLAMA_CPP_IDS
+    # SmolLM2's tokenizer puts no BOS before plain text: the default and true are the same ids.
+    assert (
+        tokens({"prompt": LLAMA_CPP_TEXT})
+        == tokens({"prompt": LLAMA_CPP_TEXT, "add_special_tokens": True})
+        == bare
+    )
+    messages = [{"role": "user", "content": "hi"}]
+    assert tokens({"messages": messages, "add_special_tokens": True}) == tokens({"messages": messages})
+    chat = tokens({"messages": messages})
+    r = httpx.post(
+        server.base_url + "/detokenize", json={"tokens": chat, "skip_special_tokens": True}, timeout=60
+    )
+    plain = r.json()["prompt"]
+    full = httpx.post(server.base_url + "/detokenize", json={"tokens": chat}, timeout=60).json()["prompt"]
+    assert "<|im_start|>" in full and "<|im_start|>" not in plain and plain.strip().endswith("assistant")

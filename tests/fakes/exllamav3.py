@@ -2455,6 +2455,9 @@ def make_handle(
     def decode(ids: list[int]) -> str:
         return str(tok.decode(FakeTensor(ids, flat=True), decode_special_tokens=True))
 
+    def decode_plain(ids: list[int]) -> str:
+        return str(tok.decode(FakeTensor(ids, flat=True), decode_special_tokens=False))
+
     def rebuild_generator() -> Generator:
         current[0].close()
         current[0] = Generator(**gen_kwargs)
@@ -2472,6 +2475,7 @@ def make_handle(
         encode=encode,
         encode_chat=encode_chat,
         decode=decode,
+        decode_plain=decode_plain,
         pieces=tok.get_id_to_piece_list(True),
         eos_token_ids=eos_token_ids,
         vocab_size=VOCAB_SIZE,

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from protocol.messages import Submit
 from proxy.core.dialect import Context, Dialect, Header, RequestJob, chat_submits
 from proxy.core.generation import Frames, Generation, Options
@@ -24,7 +26,11 @@ class ChatJob(RequestJob[ChatCompletionRequest]):
     __slots__ = ()
 
     def submits(self, request_id: str, context: Context) -> tuple[list[Submit], Options]:
-        return chat_submits(chat_task(self.req), request_id, context)
+        submits, options = chat_submits(chat_task(self.req), request_id, context)
+        if self.req.reasoning_format is not None and options.reasoning_field == "reasoning":
+            # llama.cpp's formats name the field reasoning_content (ChatCompletionRequest).
+            options = dataclasses.replace(options, reasoning_field="reasoning_content")
+        return submits, options
 
     def frames(self, generation: Generation, header: Header) -> Frames:
         req = self.req

@@ -90,10 +90,12 @@ class ChatFrames(ChunkFrames):
     def reasoning(self, choice: Choice, text: str, out: list[bytes]) -> None:
         # A delta of its own, never with content (llama.cpp's and vLLM's streams).
         role: Literal["assistant"] | UnsetType = "assistant" if _first(choice) else UNSET
-        if self.gen.options.reasoning_field == "reasoning":
-            delta = Delta(role=role, reasoning=text)
-        else:
-            delta = Delta(role=role, reasoning_content=text)
+        field = self.gen.options.reasoning_field
+        delta = Delta(
+            role=role,
+            reasoning_content=text if field != "reasoning" else UNSET,
+            reasoning=text if field != "reasoning_content" else UNSET,
+        )
         out.append(sse.event(self.chunk(ChatDeltaChoice(choice.index, delta))))
 
     def tool_call(self, choice: Choice, call: ToolCallDelta, out: list[bytes]) -> None:
@@ -112,7 +114,7 @@ class ChatFrames(ChunkFrames):
 def chat_body(gen: Generation, header: Header, timings: bool) -> bytes:
     """The ``chat.completion`` body of a finished ``gen``."""
     tools = gen.options.tools is not None
-    vllm_name = gen.options.reasoning_field == "reasoning"
+    field = gen.options.reasoning_field
     choices: list[ResponseChoice] = []
     for r in gen.results():
         thought: str | UnsetType = UNSET if r.reasoning is None else r.reasoning
@@ -120,10 +122,11 @@ def chat_body(gen: Generation, header: Header, timings: bool) -> bytes:
             message = AssistantMessage(content=r.content, tool_calls=r.tool_calls or UNSET)
         else:
             message = AssistantMessage(content=r.text)
-        if vllm_name:
-            message = msgspec.structs.replace(message, reasoning=thought)
-        else:
-            message = msgspec.structs.replace(message, reasoning_content=thought)
+        message = msgspec.structs.replace(
+            message,
+            reasoning_content=thought if field != "reasoning" else UNSET,
+            reasoning=thought if field != "reasoning_content" else UNSET,
+        )
         choices.append(ChatMessageChoice(r.index, message, _logprobs(r.logprobs), r.finish_reason))
     counts = gen.final_counts()
     body = Completion(header.id, "chat.completion", header.created, header.model, choices, usage_of(counts))

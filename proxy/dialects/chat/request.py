@@ -51,6 +51,12 @@ class ChatCompletionRequest(OpenAIFields, kw_only=True):
     parallel_tool_calls: bool | None = None
     reasoning_effort: Effort | None = None
     chat_template_kwargs: dict[str, object] | None = None
+    reasoning_format: Literal["auto", "deepseek", "deepseek-legacy", "none"] | None = None
+    """llama.cpp's per-request reasoning format: ``auto`` and ``deepseek`` put the
+    thinking in ``reasoning_content`` (llama.cpp's field) whatever
+    ``--reasoning-field`` says (``both`` keeps both names); ``none`` (thinking left in
+    ``content``) and ``deepseek-legacy`` (its tags in ``content`` too) are refused: the
+    thinking is never mixed into the answer here."""
 
     def logprobs_k(self) -> int | None:
         """``top_logprobs`` (0 when absent) when ``logprobs`` is true, else ``None``."""
@@ -82,6 +88,12 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
         raise InvalidRequest("'messages' must contain at least one message", param="messages")
     if req.top_logprobs and not req.logprobs:
         raise InvalidRequest("'top_logprobs' requires 'logprobs': true", param="top_logprobs")
+    if req.reasoning_format in ("none", "deepseek-legacy"):
+        raise InvalidRequest(
+            f"'reasoning_format' {req.reasoning_format!r} would put the thinking in 'content'; this "
+            "server keeps it apart from the answer: use 'auto' or 'deepseek' (reasoning_content)",
+            param="reasoning_format",
+        )
     taken = sorted(set(req.chat_template_kwargs or ()) & _TEMPLATE_ARGUMENTS)
     if taken:
         raise InvalidRequest(

@@ -2,15 +2,24 @@
 
 Shapes (vLLM's ``TokenizeRequest``/``TokenizeResponse``)::
 
-    POST /tokenize    {"model"?, "prompt": str}                        # as /v1/completions would
-                   or {"model"?, "messages": [...], "tools"?, "add_generation_prompt"?: true}
-                                                                       # as /v1/chat/completions would
+    POST /tokenize    {"model"?, "prompt": str, "add_special_tokens"?: true}
+                                                                       # as /v1/completions would
+                   or {"model"?, "messages": [...], "tools"?, "add_generation_prompt"?: true,
+                       "add_special_tokens"?: false}                   # as /v1/chat/completions would
     -> {"count": int, "max_model_len": int, "tokens": [int, ...], "token_strs": null}
 
-    POST /detokenize  {"model"?, "tokens": [int, ...]}  -> {"prompt": str}
+    POST /detokenize  {"model"?, "tokens": [int, ...], "skip_special_tokens"?: false}
+    -> {"prompt": str}
 
 The prompt is the one the generation endpoint would run: the chat template and
 tools applied, client text tokenized as text (``proxy.serving.lookups``).
+``add_special_tokens`` as vLLM's
+(``TokenizeCompletionRequest``: default true, ``TokenizeChatRequest``: default false):
+``false`` on a prompt leaves out the BOS the tokenizer would put first (what
+llama.cpp's ``/tokenize`` counts, ``add_special`` off), ``true`` on messages puts the
+tokenizer's leading specials before the template's text (a second BOS where the
+template writes one, as vLLM's). ``skip_special_tokens`` on ``/detokenize``: special
+tokens leave no text.
 """
 
 from __future__ import annotations
@@ -29,9 +38,7 @@ from proxy.serving.side import side_request
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
-    """vLLM's fields; ``add_special_tokens`` and ``return_token_strs`` are
-    honoured only at what this server does (special tokens as the generation
-    endpoint adds them, no token strings): anything else is a 400 naming them."""
+    """vLLM's fields; ``return_token_strs`` is a 400 naming it (no token strings)."""
 
     model: str | None = None
     prompt: str | None = None
@@ -50,6 +57,7 @@ class TokenizeResponse(msgspec.Struct, gc=False):
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     tokens: list[TokenId]
+    skip_special_tokens: bool = False
 
 
 class DetokenizeResponse(msgspec.Struct, gc=False):
@@ -62,14 +70,6 @@ def _parse_tokenize(body: bytes) -> tuple[TokenizeRequest, ChatTask | None]:
     head = decode(body, TokenizeRequest, REFUSE_NOTHING, "/tokenize")
     if head.return_token_strs:
         raise InvalidRequest("'return_token_strs' is not supported by this server", param="return_token_strs")
-    # What the generation endpoint does: a raw prompt gets the tokenizer's special
-    # tokens (BOS), a conversation only what its template writes.
-    if head.add_special_tokens is not None and head.add_special_tokens != (head.messages is None):
-        raise InvalidRequest(
-            "'add_special_tokens' can only be what the generation endpoint does here (true for "
-            "'prompt', false for 'messages')",
-            param="add_special_tokens",
-        )
     if head.messages is not None:
         return head, chat_task(decode(body, ChatCompletionRequest, REFUSE_NOTHING, "/tokenize"))
     if head.prompt is None:
@@ -86,11 +86,15 @@ async def tokenize_handler(request: web.Request) -> web.Response:
         submit = chat_submit(
             task, "tokenize", context.max_context_tokens, tool_plan(task, context.tool_format)
         )
+        specials = bool(head.add_special_tokens)  # vLLM's default for messages: false
     else:
         assert head.prompt is not None
-        text = TextTask(prompts=(head.prompt,), sampling=Sampling(max_tokens=1))
+        # false: no BOS; true or absent: the tokenizer's own choice, as generation makes it.
+        bos = False if head.add_special_tokens is False else None
+        text = TextTask(prompts=(head.prompt,), sampling=Sampling(max_tokens=1, add_bos_token=bos))
         submit = text_submits(text, "tokenize", context.max_context_tokens)[0]
-    ids = await tokenize(request, submit)
+        specials = False
+    ids = await tokenize(request, submit, specials)
     out = TokenizeResponse(len(ids), side.worker.max_context_tokens, list(ids))
     return web.Response(body=encode(out), content_type="application/json")
 
@@ -100,7 +104,7 @@ async def detokenize_handler(request: web.Request) -> web.Response:
     side = await side_request(
         request, lambda body: decode(body, DetokenizeRequest, REFUSE_NOTHING, "/detokenize")
     )
-    text = await detokenize(request, tuple(side.req.tokens))
+    text = await detokenize(request, tuple(side.req.tokens), side.req.skip_special_tokens)
     return web.Response(body=encode(DetokenizeResponse(text)), content_type="application/json")
 
 

@@ -11,13 +11,20 @@ refused (400 naming it) and ``GET /v1/responses/{id}`` answers 404, because a
 store would keep every client's conversations in the proxy's memory; agents
 that use this API statelessly (Codex CLI, the Agents SDK) send the whole
 conversation each turn.
+
+``POST /v1/responses/input_tokens`` (OpenAI's input token count) takes the same body
+and answers ``{"object": "response.input_tokens", "input_tokens": int}``: the
+``usage.input_tokens`` the same request to ``/v1/responses`` would report (template,
+instructions, tools and the reasoning switch included), counted by the worker's
+tokenizer, nothing generated.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
+from aiohttp import web
 
 from protocol.messages import Submit
 from proxy.core.dialect import Context, Dialect, Header, RequestJob, chat_submits
@@ -26,6 +33,10 @@ from proxy.dialects.responses.frames import ResponsesFrames, responses_body
 from proxy.dialects.responses.request import FIELDS, ResponsesRequest, parse_responses_request, responses_task
 from proxy.dialects.responses.shapes import Reasoning, Response
 from proxy.errors import OPENAI_ERRORS, NotFound
+from proxy.server.bodies import encode
+from proxy.serving.lookups import tokenize
+from proxy.serving.serve import check_grammars
+from proxy.serving.side import side_request
 
 
 class ResponsesJob(RequestJob[ResponsesRequest]):
@@ -90,12 +101,31 @@ async def get_response(request: Any) -> Any:
     )
 
 
+class InputTokens(msgspec.Struct, gc=False):
+    input_tokens: int
+    object: Literal["response.input_tokens"] = "response.input_tokens"
+
+
+async def input_tokens(request: web.Request) -> web.Response:
+    """``POST /v1/responses/input_tokens`` (module docstring); what ``/v1/responses``
+    refuses for the same body is refused here the same way."""
+    side = await side_request(request, parse_responses_request)
+    submits, _ = chat_submits(responses_task(side.req), "count", side.context)
+    await check_grammars(submits)
+    ids = await tokenize(request, submits[0])
+    return web.Response(body=encode(InputTokens(len(ids))), content_type="application/json")
+
+
 RESPONSES = Dialect(
     name="responses",
     id_prefix="resp_",
     errors=OPENAI_ERRORS,
     parse=lambda body: ResponsesJob(parse_responses_request(body)),
-    extra_routes=(("GET", "/v1/responses/{response_id}", get_response),),
+    extra_routes=(
+        ("POST", "/v1/responses/input_tokens", input_tokens),
+        ("GET", "/v1/responses/{response_id}", get_response),
+    ),
     fields=FIELDS,
 )
-"""``POST /v1/responses``; ``GET /v1/responses/{response_id}`` is a 404."""
+"""``POST /v1/responses``, ``POST /v1/responses/input_tokens``; ``GET
+/v1/responses/{response_id}`` is a 404."""

@@ -77,6 +77,47 @@ async def test_vllm_field_name(make_client: MakeClient, fake: FakeEngineClient) 
     )
 
 
+async def _names(client: Any, body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The message of ``body`` sent without and with ``stream``: the message, and each
+    reasoning field's streamed text."""
+    message = (await (await client.post("/v1/chat/completions", json=body)).json())["choices"][0]["message"]
+    text = await (await client.post("/v1/chat/completions", json={**body, "stream": True})).text()
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    streamed = {name: "".join(d.get(name, "") for d in deltas) for name in ("reasoning", "reasoning_content")}
+    return message, streamed
+
+
+async def test_both_names_carry_the_same_thinking(make_client: MakeClient, fake: FakeEngineClient) -> None:
+    """``--reasoning-field both``: vLLM's and llama.cpp's clients each find their field."""
+    fake.script = thinking_script()
+    client = await make_client(reasoning_field="both")
+    message, streamed = await _names(client, {"messages": MESSAGES})
+    assert message["reasoning"] == message["reasoning_content"] == "Let me think."
+    assert message["content"] == "Yes."
+    assert streamed == {"reasoning": "Let me think.", "reasoning_content": "Let me think."}
+
+
+async def test_llama_cpp_reasoning_format_names_the_field_reasoning_content(
+    make_client: MakeClient, fake: FakeEngineClient
+) -> None:
+    fake.script = thinking_script()
+    client = await make_client(reasoning_field="reasoning")
+    for fmt in ("auto", "deepseek"):
+        message, streamed = await _names(client, {"messages": MESSAGES, "reasoning_format": fmt})
+        assert message["reasoning_content"] == "Let me think." and "reasoning" not in message
+        assert streamed == {"reasoning": "", "reasoning_content": "Let me think."}
+    message, _ = await _names(client, {"messages": MESSAGES})
+    assert message["reasoning"] == "Let me think."  # the server's choice without the field
+
+
+async def test_reasoning_formats_that_mix_thinking_into_content_are_refused(make_client: MakeClient) -> None:
+    client = await make_client()
+    for fmt in ("none", "deepseek-legacy", "bogus"):
+        r = await client.post("/v1/chat/completions", json={"messages": MESSAGES, "reasoning_format": fmt})
+        assert r.status == 400 and (await r.json())["error"]["param"] == "reasoning_format", fmt
+
+
 async def test_cut_inside_the_span(make_client: MakeClient, fake: FakeEngineClient) -> None:
     fake.script = thinking_script(answer=[], marker_tokens=0, finish=FinishReason.LENGTH)
     client = await make_client()

@@ -12,7 +12,7 @@ import pytest
 
 from engine_worker.backend import RequestRejected
 from engine_worker.settings import WorkerSettings
-from protocol.messages import Channel, FinishReason, TokenDelta
+from protocol.messages import Channel, FinishReason, SamplingParams, Submit, TokenDelta
 from tests.fakes import exllamav3 as fx
 from tests.fakes.exllamav3_driver import add, chat, check_lifecycle, finished, make_backend, of, raw, run
 
@@ -125,3 +125,23 @@ def test_no_budget_filter_means_budgets_are_refused() -> None:
     with pytest.raises(RequestRejected) as e:
         backend.prepare(chat("a", "hi", reasoning_budget=5))
     assert e.value.param == "thinking_budget_tokens"
+
+
+# ---------------------------------------------------------------- /tokenize and /detokenize fields
+
+
+def test_the_leading_specials_are_what_plain_text_gets_and_detokenize_can_skip_specials() -> None:
+    """``Tokenize.add_special_tokens`` puts ``text_prefix_ids`` before a rendered template:
+    exactly what the tokenizer puts before plain text (a raw prompt with and without BOS
+    differ by it); ``skip_special_tokens`` leaves the special tokens' text out."""
+    backend, _ = make_backend(settings(add_bos=True))
+    with_bos = backend.prompt_ids(backend.prepare(raw("a", "hi there")))
+    without = backend.prompt_ids(
+        backend.prepare(Submit("b", SamplingParams(max_tokens=1), prompt="hi there", add_bos=False))
+    )
+    assert backend.text_prefix_ids() == [fx.BOS] and with_bos == [fx.BOS, *without]
+    plain, _ = make_backend(settings(add_bos=False))
+    assert plain.text_prefix_ids() == []
+    ids = [fx.BOS, fx.IM_START, *without, fx.IM_END]
+    assert backend.detokenize(ids) == "<s><|im_start|>hi there<|im_end|>"
+    assert backend.detokenize(ids, skip_special_tokens=True) == "hi there"

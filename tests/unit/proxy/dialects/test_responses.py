@@ -12,6 +12,7 @@ from openai import AsyncOpenAI
 from pydantic import BaseModel
 
 from protocol import (
+    Detokenize,
     ErrorCode,
     FinishReason,
     QueueProgress,
@@ -19,6 +20,7 @@ from protocol import (
     Started,
     Submit,
     TokenDelta,
+    Tokenize,
 )
 from tests.fakes.engine_client import FakeEngineClient, Step, static_script
 from tests.unit.proxy.conftest import MakeClient, sse_events
@@ -286,12 +288,48 @@ async def test_logit_bias_reaches_the_worker(make_client: MakeClient, fake: Fake
 
 
 @pytest.mark.parametrize(
-    ("body", "param"),
+    ("body", "add_bos", "specials"),
     [
-        ({"prompt": "hi", "add_special_tokens": False}, "add_special_tokens"),
-        ({"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True}, "add_special_tokens"),
-        ({"prompt": "hi", "return_token_strs": True}, "return_token_strs"),
+        ({"prompt": "hi"}, None, False),
+        ({"prompt": "hi", "add_special_tokens": True}, None, False),
+        ({"prompt": "hi", "add_special_tokens": False}, False, False),
+        ({"messages": [{"role": "user", "content": "hi"}]}, None, False),
+        ({"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": False}, None, False),
+        ({"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True}, None, True),
     ],
+)
+async def test_tokenize_passes_add_special_tokens_as_vllm_means_it(
+    make_client: MakeClient,
+    fake: FakeEngineClient,
+    body: dict[str, Any],
+    add_bos: bool | None,
+    specials: bool,
+) -> None:
+    """vLLM's defaults: true on a prompt (the tokenizer's BOS, the engine's own
+    choice), false on messages; false on a prompt drops BOS (``Submit.add_bos``),
+    true on messages asks for the tokenizer's leading specials
+    (``Tokenize.add_special_tokens``)."""
+    client = await make_client()
+    r = await client.post("/tokenize", json=body)
+    assert r.status == 200, await r.text()
+    (msg,) = fake.lookups
+    assert isinstance(msg, Tokenize)
+    assert msg.submit.add_bos is add_bos and msg.add_special_tokens is specials
+
+
+async def test_detokenize_passes_skip_special_tokens(make_client: MakeClient, fake: FakeEngineClient) -> None:
+    client = await make_client()
+    for skip in (False, True):
+        r = await client.post("/detokenize", json={"tokens": [1, 2], "skip_special_tokens": skip})
+        assert r.status == 200
+        assert isinstance(fake.lookups[-1], Detokenize) and fake.lookups[-1].skip_special_tokens is skip
+    bad = await client.post("/detokenize", json={"tokens": [1], "skip_special_tokens": "yes"})
+    assert bad.status == 400 and (await bad.json())["error"]["param"] == "skip_special_tokens"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [({"prompt": "hi", "return_token_strs": True}, "return_token_strs")],
 )
 async def test_tokenize_refuses_what_it_cannot_honour(
     make_client: MakeClient, body: dict[str, Any], param: str
