@@ -724,9 +724,11 @@ class CpuBackend:
         if submit.messages and submit.prompt is not None:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, "send either messages or prompt, not both")
         if submit.prompt is not None:
-            # The caller's own template: its control tokens' text is parsed as such.
+            # The caller's own template: its control tokens' text is parsed as such. Without
+            # BOS (add_bos False) nothing is added, and a BOS the text itself writes stays.
+            added = submit.add_bos is not False
             raw = [
-                int(i) for i in self._prompt_tokenizer(submit.prompt, add_special_tokens=True)["input_ids"]
+                int(i) for i in self._prompt_tokenizer(submit.prompt, add_special_tokens=added)["input_ids"]
             ]
             return self._bos(raw, submit.add_bos), "prompt"
         if not submit.messages:
@@ -779,19 +781,18 @@ class CpuBackend:
         return ids, "messages"
 
     def _bos(self, ids: list[int], add_bos: bool | None) -> list[int]:
-        """A raw prompt's ids with (``True``) or without (``False``) a leading BOS;
-        ``None``: as the tokenizer made them. Raises ``RequestRejected`` for
-        ``True`` when the model has no BOS token."""
+        """A raw prompt's ids with (``True``) a leading BOS; ``None`` or ``False``: as
+        the tokenizer made them (``False`` tokenized with nothing added, so a BOS the
+        text writes stays, as ExLlamaV3's ``encode(add_bos=False)`` keeps it). Raises
+        ``RequestRejected`` for ``True`` when the model has no BOS token."""
         bos = self._prompt_tokenizer.bos_token_id
-        if add_bos is None:
+        if not add_bos:
             return ids
-        if add_bos:
-            if not isinstance(bos, int):
-                raise RequestRejected(
-                    ErrorCode.INVALID_REQUEST, "this model has no BOS token", param="add_bos_token"
-                )
-            return ids if ids[:1] == [bos] else [bos, *ids]
-        return ids[1:] if isinstance(bos, int) and ids[:1] == [bos] else ids
+        if not isinstance(bos, int):
+            raise RequestRejected(
+                ErrorCode.INVALID_REQUEST, "this model has no BOS token", param="add_bos_token"
+            )
+        return ids if ids[:1] == [bos] else [bos, *ids]
 
     # ------------------------------------------------------------------ stepping
 

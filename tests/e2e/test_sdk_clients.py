@@ -390,3 +390,7 @@ def test_tokenize_takes_add_special_tokens_both_ways_and_detokenize_skips_specia
     plain = r.json()["prompt"]
     full = httpx.post(server.base_url + "/detokenize", json={"tokens": chat}, timeout=60).json()["prompt"]
     assert "<|im_start|>" in full and "<|im_start|>" not in plain and plain.strip().endswith("assistant")
+    # llama.cpp's /apply-template: the same conversation's prompt text, whose ids are the same.
+    rendered = httpx.post(server.base_url + "/apply-template", json={"messages": messages}, timeout=60)
+    assert rendered.json()["prompt"] == full
+    assert tokens({"prompt": full, "add_special_tokens": False}) == chat

@@ -1,4 +1,4 @@
-"""vLLM's ``POST /tokenize`` and ``POST /detokenize``.
+"""vLLM's ``POST /tokenize`` and ``POST /detokenize``; llama.cpp's ``POST /apply-template``.
 
 Shapes (vLLM's ``TokenizeRequest``/``TokenizeResponse``)::
 
@@ -10,6 +10,13 @@ Shapes (vLLM's ``TokenizeRequest``/``TokenizeResponse``)::
 
     POST /detokenize  {"model"?, "tokens": [int, ...], "skip_special_tokens"?: false}
     -> {"prompt": str}
+
+    POST /apply-template  {chat completions body: "messages", "tools"?, ...}
+    -> {"prompt": str}                                                 # llama.cpp's
+
+``/apply-template`` answers the prompt text a chat request runs with (the template,
+tools and thinking switch applied), as llama.cpp's does: the text of the ids
+``/tokenize`` gives for the same messages, special tokens written out.
 
 The prompt is the one the generation endpoint would run: the chat template and
 tools applied, client text tokenized as text (``proxy.serving.lookups``).
@@ -30,7 +37,7 @@ from aiohttp import web
 from proxy.core.dialect import Handler
 from proxy.core.fields import REFUSE_NOTHING, TokenId, decode
 from proxy.core.task import ChatTask, Sampling, TextTask, chat_submit, text_submits, tool_plan
-from proxy.dialects.chat.request import ChatCompletionRequest, chat_task
+from proxy.dialects.chat.request import ChatCompletionRequest, chat_task, parse_chat_request
 from proxy.errors import InvalidRequest
 from proxy.server.bodies import encode
 from proxy.serving.lookups import detokenize, tokenize
@@ -108,7 +115,19 @@ async def detokenize_handler(request: web.Request) -> web.Response:
     return web.Response(body=encode(DetokenizeResponse(text)), content_type="application/json")
 
 
+async def apply_template_handler(request: web.Request) -> web.Response:
+    """llama.cpp's ``POST /apply-template`` (module docstring)."""
+    side = await side_request(request, lambda body: chat_task(parse_chat_request(body)))
+    context = side.context
+    submit = chat_submit(
+        side.req, "template", context.max_context_tokens, tool_plan(side.req, context.tool_format)
+    )
+    text = await detokenize(request, await tokenize(request, submit))
+    return web.Response(body=encode(DetokenizeResponse(text)), content_type="application/json")
+
+
 ROUTES: tuple[tuple[str, str, Handler], ...] = (
     ("POST", "/tokenize", tokenize_handler),
     ("POST", "/detokenize", detokenize_handler),
+    ("POST", "/apply-template", apply_template_handler),
 )

@@ -138,6 +138,11 @@ def test_add_bos_token_places_or_removes_bos(tokenizer: Any, tiny: Any, make_bac
     assert backend.prompt_ids(with_bos)[0] == bos
     assert backend.prompt_ids(without)[:1] != [bos]
     assert backend.prompt_ids(with_bos)[1:] == backend.prompt_ids(without)
+    # False adds nothing and removes nothing: a BOS the text writes itself stays (as
+    # ExLlamaV3's encode(add_bos=False) keeps it; SmolLM2's BOS is <|im_start|>, which
+    # every rendered ChatML prompt starts with).
+    written = Submit("c", SamplingParams(max_tokens=2), prompt=f"{tokenizer.bos_token}Hi", add_bos=False)
+    assert backend.prompt_ids(backend.prepare(written))[0] == bos
 
 
 # ---------------------------------------------------------------- banned strings

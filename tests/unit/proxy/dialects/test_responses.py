@@ -359,3 +359,20 @@ async def test_items_without_their_content_are_refused(
     err = (await r.json())["error"]
     assert err["param"] == param and "Missing required parameter" in err["message"]
     assert fake.submits == []
+
+
+async def test_apply_template_is_the_text_of_the_tokenized_conversation(
+    make_client: MakeClient, fake: FakeEngineClient
+) -> None:
+    """llama.cpp's ``/apply-template``: the worker tokenizes the conversation as chat would
+    and the text of those ids comes back (the fake detokenizes as ``t<id>``)."""
+    client = await make_client()
+    body = {"messages": [{"role": "user", "content": "hi there"}]}
+    r = await client.post("/apply-template", json=body)
+    assert r.status == 200, await r.text()
+    tokenized, detokenized = fake.lookups
+    assert isinstance(tokenized, Tokenize) and isinstance(detokenized, Detokenize)
+    assert tokenized.submit.messages[-1].content == "hi there"
+    assert (await r.json())["prompt"] == " ".join(f"t{t}" for t in detokenized.token_ids)
+    bad = await client.post("/apply-template", json={**body, "prediction": {"type": "content"}})
+    assert bad.status == 400 and (await bad.json())["error"]["param"] == "prediction"
