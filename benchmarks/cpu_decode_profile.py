@@ -46,7 +46,9 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from engine_worker.cpu import CpuBackend, vnni
+from engine_worker.cpu import CpuBackend
+from engine_worker.cpu.kernels import int4
+from engine_worker.cpu.kernels.attention import DecodeAttention
 from engine_worker.cpu.llama import Segment
 from engine_worker.cpu.model_store import load_embedded
 from engine_worker.settings import WorkerSettings
@@ -72,7 +74,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    with mock.patch.object(vnni, "available", return_value=False) if args.torch_kernels else nullcontext():
+    with mock.patch.object(int4, "available", return_value=False) if args.torch_kernels else nullcontext():
         backend = CpuBackend.from_loaded(
             load_embedded(), WorkerSettings(prefix_cache_mb=0, threads=args.threads)
         )
@@ -154,15 +156,15 @@ def ablate(runner: Any, steps: Callable[[], list[float]], full: float) -> None:
     rows.append(("without the layers' matrix products", statistics.median(steps())))
     runner._head = memoized(runner._head, lambda x: x.shape[0])
     rows.append(("... and without the LM head", statistics.median(steps())))
-    sdpa, native = F.scaled_dot_product_attention, vnni.DecodeAttention.__call__
+    sdpa, native = F.scaled_dot_product_attention, DecodeAttention.__call__
     F.scaled_dot_product_attention = memoized(sdpa, lambda q, k, v: q.shape)
     # the native decode attention writes its outputs in place: skipping it leaves the last ones
-    vnni.DecodeAttention.__call__ = lambda self, layer: None  # type: ignore[method-assign]
+    DecodeAttention.__call__ = lambda self, layer: None  # type: ignore[method-assign]
     try:
         rows.append(("... and without attention", statistics.median(steps())))
     finally:
         F.scaled_dot_product_attention = sdpa
-        vnni.DecodeAttention.__call__ = native  # type: ignore[method-assign]
+        DecodeAttention.__call__ = native  # type: ignore[method-assign]
     print("| step | ms | the part taken out |")
     print("|---|---|---|")
     previous = None

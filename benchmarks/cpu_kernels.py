@@ -21,8 +21,8 @@ from unittest import mock
 
 import torch
 
-from engine_worker.cpu import vnni
-from engine_worker.cpu.llama import Quantization, QuantizedLinear
+from engine_worker.cpu.kernels import int4
+from engine_worker.cpu.quant import Quantization, QuantizedLinear
 
 SHAPES = (
     ("3,072 x 576 (gate/up)", 3072, 576),
@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    kernels = ["torch int4"] + (["VNNI"] if vnni.available() else [])
+    kernels = ["torch int4"] + (["VNNI"] if int4.available() else [])
     print(f"{args.threads} threads; µs per product, weight in cache / {CYCLED} weights cycled")
     print("| product | " + " | ".join(f"{k}, {m} row{'s' * (m > 1)}" for m in (1, 8) for k in kernels) + " |")
     print("|---|" + "---|" * (2 * len(kernels)))
@@ -60,7 +60,7 @@ def main() -> None:
         for name, n, k in SHAPES:
             weights = [torch.randn(n, k, generator=gen) * 0.02 for _ in range(CYCLED)]
             built = {}
-            with mock.patch.object(vnni, "available", return_value=False):
+            with mock.patch.object(int4, "available", return_value=False):
                 built["torch int4"] = [QuantizedLinear(w, None, Quantization.INT4).raw for w in weights]
             if "VNNI" in kernels:
                 built["VNNI"] = [QuantizedLinear(w, None, Quantization.INT4).raw for w in weights]
@@ -75,7 +75,7 @@ def main() -> None:
                     cells.append(f"{alone:.0f} / {cycled:.0f}")
             print(f"| {name} | " + " | ".join(cells) + " |")
         name, n, k = SHAPES[0]
-        with mock.patch.object(vnni, "available", return_value=False):
+        with mock.patch.object(int4, "available", return_value=False):
             product = QuantizedLinear(torch.randn(n, k, generator=gen) * 0.02, None, Quantization.INT4).raw
         times = [
             per_call(functools.partial(product, torch.ones(rows, k, dtype=torch.bfloat16)), 300)

@@ -21,9 +21,10 @@ from unittest import mock
 
 import torch
 
-from engine_worker.cpu import vnni
-from engine_worker.cpu.llama import LlamaRunner, Quantization, Segment
+from engine_worker.cpu.kernels import int4
+from engine_worker.cpu.llama import LlamaRunner, Segment
 from engine_worker.cpu.model_store import load_embedded
+from engine_worker.cpu.quant import Quantization
 
 TEXT = (
     "The committee met on Tuesday to review the quarterly budget. Revenue rose by four percent, while "
@@ -69,14 +70,14 @@ def main() -> None:
     reference = passes(LlamaRunner(loaded.model, Quantization.NONE, len(ids) + 8, False), ids)
     ref_logp = reference.log_softmax(-1)
     rows = [("float32", reference)]
-    with mock.patch.object(vnni, "available", return_value=False):
+    with mock.patch.object(int4, "available", return_value=False):
         rows.append(
             (
                 "int4, torch's kernel",
                 passes(LlamaRunner(loaded.model, Quantization.INT4, len(ids) + 8, False), ids),
             )
         )
-    if vnni.available():
+    if int4.available():
         rows.append(
             (
                 "int4, VNNI kernel",

@@ -1,4 +1,4 @@
-"""Cost per token of the stop automaton (``engine_worker.stops``) against the number of stops.
+"""Cost per token of the stop automaton (``engine_worker.requests.stops``) against the number of stops.
 
     python benchmarks/stop_matching.py [--tokens 20000]
 
@@ -15,7 +15,7 @@ import argparse
 import random
 import time
 
-from engine_worker.stops import StopAutomaton, StopMatcher
+from engine_worker.requests.stops import StopAutomaton, StopMatcher
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ import math
 from typing import TYPE_CHECKING
 
 from engine_worker.backend import ModelInfo, Prepared, RequestRejected
+from engine_worker.requests.turns import thinking_budget
 from protocol.messages import MAX_STOP_CHARS, MAX_STOP_STRINGS, ErrorCode, SamplingParams, Submit
 
 if TYPE_CHECKING:
@@ -34,16 +35,24 @@ def _reject(param: str, message: str) -> RequestRejected:
 
 def validate_request(submit: Submit, info: ModelInfo) -> None:
     """Raises ``RequestRejected`` (``INVALID_REQUEST``, ``param`` = the field) for
-    sampling ``info``'s backend cannot honour: ``check_prompt_size``, ``validate_sampling``, a
+    what ``info``'s backend cannot honour: a feature it lacks (``check_capabilities``),
+    ``n`` outside ``[1, max_batch_size]``, ``check_prompt_size``, ``validate_sampling``, a
     ``logit_bias`` value beyond ``±info.max_logit_bias`` (``-inf`` only where
     ``info.logit_bias_ban``), ``logprobs`` outside ``[0, MAX_LOGPROBS]``, ``banned_strings`` where
     ``info.banned_strings`` is false, ``add_bos``
     with ``messages`` (named ``add_bos_token``, the request field)."""
+    check_capabilities(submit, info)
+    if not 1 <= submit.n <= info.max_batch_size:
+        message = (
+            f"n={submit.n} choices can never run together: this worker runs at most "
+            f"{info.max_batch_size} sequences at once (max_batch_size)"
+            if submit.n > 1
+            else f"n must be >= 1, got {submit.n}"
+        )
+        raise _reject("n", message)
     check_prompt_size(submit, info)
     p = submit.params
     validate_sampling(p, info.vocab_size)
-    if p.banned_strings and not info.banned_strings:
-        raise _reject("banned_strings", "banned_strings are not supported by this engine yet")
     if submit.add_bos is not None and submit.prompt is None:
         raise _reject(
             "add_bos_token",
@@ -58,6 +67,63 @@ def validate_request(submit: Submit, info: ModelInfo) -> None:
             raise _reject("logit_bias", f"logit_bias: bias {bias} for token {token_id} is outside {allowed}")
     if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
         raise _reject("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}")
+
+
+def check_capabilities(submit: Submit, info: ModelInfo) -> None:
+    """Raises ``RequestRejected`` (``INVALID_REQUEST``) naming the field of a feature
+    the backend declares it lacks in ``info`` (``ModelInfo.template_tools``,
+    ``grammar``, ``logprobs``, ``cache_salt``, ``banned_strings``): a backend never
+    refuses for a missing capability on its own."""
+    params = submit.params
+    if submit.tools_json is not None and not info.template_tools:
+        raise _reject("tools", "this engine cannot pass 'tools' to its chat template")
+    if params.grammar is not None and not info.grammar:
+        param = params.grammar_param or "response_format"
+        raise _reject(param, f"'{param}' (constrained decoding) is not supported by this engine")
+    if params.logprobs is not None and not info.logprobs:
+        raise _reject("logprobs", "'logprobs' are not supported by this engine")
+    if submit.cache_salt is not None and not info.cache_salt:
+        raise _reject(
+            "cache_salt", "'cache_salt' (a prefix cache of its own) is not supported by this engine"
+        )
+    if params.banned_strings and not info.banned_strings:
+        raise _reject("banned_strings", "banned_strings are not supported by this engine yet")
+    if (
+        params.banned_strings
+        and info.banned_strings_alone
+        and (params.grammar is not None or params.logprobs is not None)
+    ):
+        raise _reject(
+            "banned_strings",
+            "banned_strings cannot be combined with structured output or logprobs on this engine",
+        )
+    if params.xtc_probability > 0.0 and not info.xtc:
+        raise _reject("xtc_probability", "XTC is not available on this engine")
+    check_thinking(params, info)
+
+
+def check_thinking(params: SamplingParams, info: ModelInfo) -> None:
+    """Raises ``RequestRejected`` for what ``info``'s backend cannot do while a model
+    may think (it has a reasoning parser and the request's budget is not 0): a
+    grammar or logprobs it would apply to the thinking too, a budget above 0 it
+    cannot end the thinking at. With a budget of 0 only the answer is generated."""
+    if info.reasoning_parser is None:
+        return
+    budget = thinking_budget(params, info.reasoning_budget)
+    if budget == 0:
+        return
+    off = "switch thinking off (reasoning_effort 'none', thinking_budget_tokens 0)"
+    if params.grammar is not None and not info.grammar_while_thinking:
+        message = f"constrained output with a model that thinks is not available on this engine yet; {off}"
+        raise _reject(params.grammar_param or "response_format", message)
+    if params.logprobs is not None and not info.logprobs_while_thinking:
+        raise _reject(
+            "logprobs", f"logprobs with a model that thinks are not available on this engine yet; {off}"
+        )
+    if budget is not None and not info.thinking_budget:
+        raise _reject(
+            "thinking_budget_tokens", "a thinking budget other than 0 is not available on this engine"
+        )
 
 
 def check_prompt_size(submit: Submit, info: ModelInfo) -> None:

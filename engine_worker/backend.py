@@ -61,6 +61,16 @@ class ModelInfo:
       answer (``engine_worker.reasoning``), ``Ready.reasoning_parser``.
     - ``kernels``: the CPU engine's kernel per product (``Ready.kernels``); empty
       for engines that choose none.
+    - ``xtc``: the backend honours ``SamplingParams.xtc_probability``.
+    - ``reasoning_budget``: the worker's ``--reasoning-budget`` (thinking tokens a
+      request may spend when it sets none; ``None``: no limit), by which
+      ``admission`` tells whether a request's model may think.
+    - ``thinking_budget``: the backend ends thinking at a budget above 0.
+    - ``grammar_while_thinking``, ``logprobs_while_thinking``: the backend keeps a
+      grammar and logprobs to the answer of a model that may think (else such a
+      request is refused: they would cover the thinking too).
+    - ``banned_strings_alone``: banned strings only without a grammar and logprobs
+      (both would have to rewind with the text).
     """
 
     model_id: str
@@ -82,6 +92,12 @@ class ModelInfo:
     banned_strings: bool = False
     reasoning_parser: str | None = None
     kernels: tuple[tuple[str, str], ...] = ()
+    xtc: bool = True
+    reasoning_budget: int | None = None
+    thinking_budget: bool = True
+    grammar_while_thinking: bool = True
+    logprobs_while_thinking: bool = True
+    banned_strings_alone: bool = False
 
 
 @dataclass(frozen=True, slots=True)

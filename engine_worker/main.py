@@ -31,7 +31,7 @@ def make_backend(settings: WorkerSettings, stages: LoadReporter | None = None) -
     stages = stages or LoadReporter()
     if settings.backend == "cpu":
         stages.stage(Stage.IMPORT, "import torch and transformers")
-        from engine_worker.cpu.engine import CpuBackend
+        from engine_worker.cpu.backend import CpuBackend
 
         return CpuBackend(settings, stages=stages)
     if settings.backend == "synthetic":

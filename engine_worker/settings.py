@@ -22,6 +22,13 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
+from engine_worker.options.exllamav3 import (
+    EXLLAMAV3_DRAFT_TOKENS,
+    EXLLAMAV3_MAX_BATCH_SIZE,
+    EXLLAMAV3_MAX_BATCH_SIZE_RECURRENT,
+)
+from engine_worker.options.exllamav3 import validate as validate_exllamav3
+from engine_worker.options.paths import check_gpu_layers, check_worker_paths
 from protocol.endpoints import LinkSettings
 from protocol.settings import setting
 
@@ -75,24 +82,11 @@ def default_cache_dir() -> Path:
 BACKEND_DEFAULTS: dict[str, dict[str, Any]] = {
     "cpu": {"max_seq_len": 8192, "chunk_size": 256, "num_draft_tokens": 4, "max_batch_size": 16},
     # max_seq_len, num_draft_tokens, max_batch_size and cache_size depend on the model:
-    # resolved by the loader through the exllamav3_* methods below.
+    # resolved by its loader (engine_worker.exllamav3.sizes).
     "exllamav3": {"chunk_size": 2048},
     "synthetic": {"max_seq_len": 8192, "chunk_size": 256, "max_batch_size": 1024},
 }
 """Defaults of the options whose default depends on ``backend``."""
-
-EXLLAMAV3_MAX_BATCH_SIZE = 32
-"""exllamav3 ``max_batch_size`` when unset, on a model without recurrent layers."""
-EXLLAMAV3_MAX_BATCH_SIZE_RECURRENT = 4
-"""... and on one with recurrent layers, whose per-sequence state is memory the KV cache
-size does not account for."""
-EXLLAMAV3_DRAFT_TOKENS = 4
-"""exllamav3 draft window when ``num_draft_tokens`` is unset: for n-gram drafting, and for a
-drafter whose ``caps`` have no ``default_draft_size``; 1.6.5's own defaults
-(``generator/generator.py:264-275``)."""
-EXLLAMAV3_MAX_SEQ_LEN = 4096
-"""exllamav3 context when neither ``max_seq_len``, ``cache_size`` nor the model's
-``max_position_embeddings`` give one."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -323,7 +317,7 @@ class WorkerSettings(LinkSettings):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.n_gpu_layers is not None:
-            _check_gpu_layers(self.backend, self.n_gpu_layers)
+            check_gpu_layers(self.backend, self.n_gpu_layers)
         for name, value in BACKEND_DEFAULTS[self.backend].items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
@@ -356,93 +350,18 @@ class WorkerSettings(LinkSettings):
             if self.draft_mode not in (DraftMode.NONE, DraftMode.NGRAM):
                 raise ValueError(f"draft_mode={self.draft_mode.value} needs backend=exllamav3")
         else:
-            # Imported here: the exllamav3 package's __init__ loads its backend.
-            from engine_worker.exllamav3.config import validate
-
-            validate(self)
+            validate_exllamav3(self)
 
     def check_paths(self) -> None:
         """The checks that read the disk, run by the CLI before any model loads
-        (``engine_worker.model_paths``; direct construction, as in tests, skips them).
+        (``engine_worker.options.paths``; direct construction, as in tests, skips them).
         Raises ``ValueError`` naming the option."""
-        from engine_worker.model_paths import check_worker_paths
-
-        check_worker_paths(self)
-
-    # exllamav3 defaults that depend on the model, asked for by its loader
-
-    def exllamav3_max_seq_len(self, max_position_embeddings: int) -> int:
-        """The context: ``max_seq_len``; else the model's ``max_position_embeddings`` capped
-        by ``cache_size``; else ``EXLLAMAV3_MAX_SEQ_LEN`` (``max_position_embeddings`` 0:
-        unknown)."""
-        if self.max_seq_len:
-            return self.max_seq_len
-        if self.cache_size:
-            return (
-                min(max_position_embeddings, self.cache_size) if max_position_embeddings else self.cache_size
-            )
-        return max_position_embeddings or EXLLAMAV3_MAX_SEQ_LEN
-
-    def exllamav3_max_batch_size(self, recurrent: bool) -> int:
-        """``max_batch_size``, else the default for a model with or without recurrent layers."""
-        if self.max_batch_size is not None:
-            return self.max_batch_size
-        return EXLLAMAV3_MAX_BATCH_SIZE_RECURRENT if recurrent else EXLLAMAV3_MAX_BATCH_SIZE
-
-    def exllamav3_draft_tokens(self, drafter_default: int | None) -> int:
-        """The draft window, tokens: ``num_draft_tokens``; else, with a draft model or MTP
-        head, its ``default_draft_size`` (``drafter_default``, ``None`` when its caps have
-        none); else ``EXLLAMAV3_DRAFT_TOKENS`` when drafting; 0 without drafting."""
-        if self.draft_mode is DraftMode.NONE:
-            return 0
-        if self.num_draft_tokens is not None:
-            return self.num_draft_tokens
-        if self.draft_mode in (DraftMode.DRAFT_MODEL, DraftMode.MTP) and drafter_default is not None:
-            return drafter_default
-        return EXLLAMAV3_DRAFT_TOKENS
-
-    def exllamav3_cache_size(self, max_seq_len: int, draft_tokens: int) -> int:
-        """``cache_size``, else room for one sequence of ``max_seq_len`` plus the token being
-        sampled and the draft window, in whole 256-token pages."""
-        from engine_worker.exllamav3.config import PAGE_SIZE
-
-        if self.cache_size:
-            return self.cache_size
-        return -(-(max_seq_len + 1 + draft_tokens) // PAGE_SIZE) * PAGE_SIZE
+        check_worker_paths(self.backend, self.model_dir, self.draft_model_dir, self.n_gpu_layers)
 
     @property
     def drafting(self) -> str | None:
         """``Ready.drafting``: the draft mode's name, or ``None`` without drafting."""
         return None if self.draft_mode is DraftMode.NONE else self.draft_mode.value
-
-
-GPU_LAYERS_ALL = ("all", "auto")
-"""``--n-gpu-layers`` values that mean every layer (llama.cpp's ``all`` and ``auto``)."""
-
-
-def _check_gpu_layers(backend: str, value: str) -> None:
-    """``--n-gpu-layers``: ``0`` on the engines without a GPU, every layer on ExLlamaV3
-    (``all``, ``auto``, or a count checked against the model by ``model_paths``).
-    Raises ``ValueError`` naming the option."""
-    text = value.strip().lower()
-    if backend != "exllamav3":
-        if text != "0":
-            raise ValueError(
-                f"--n-gpu-layers {value}: backend={backend} runs no layer on a GPU (only 0 is accepted); "
-                "for a GPU use --backend exllamav3"
-            )
-        return
-    if text in GPU_LAYERS_ALL:
-        return
-    try:
-        count = int(text)
-    except ValueError:
-        raise ValueError(f"--n-gpu-layers {value}: expected all, auto or a layer count") from None
-    if count < 1:
-        raise ValueError(
-            f"--n-gpu-layers {value}: ExLlamaV3 runs every layer on a GPU (no CPU offload); "
-            "give all, or leave the option out"
-        )
 
 
 FOREIGN_OPTIONS: dict[str, str] = {

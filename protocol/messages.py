@@ -88,7 +88,7 @@ MAX_STOP_STRINGS = 64
 """Most stop strings of one request the worker takes (``SamplingParams.stop``);
 each dialect of the proxy allows at most this many (``proxy.core.fields``).
 Bounding them bounds the stop automaton every sequence carries
-(``engine_worker.stops``) and, on ExLlamaV3, its own per-token scan."""
+(``engine_worker.requests.stops``) and, on ExLlamaV3, its own per-token scan."""
 
 MAX_STOP_CHARS = 256
 """Most characters of one stop string (``SamplingParams.stop``): what a stream

@@ -2,8 +2,8 @@
 speed on the model's own shapes, never by CPU flags alone.
 
 Three products can run more than one way (``llama.Kernels``): the LM head
-(``torch._int_mm``, the LLVM-generated VNNI kernel of ``vnni_head``, or oneDNN's
-packed int8 product), the int4 linear layers (the VNNI kernel of ``vnni`` or
+(``torch._int_mm``, the LLVM-generated VNNI kernel of ``kernels.int8_head``, or oneDNN's
+packed int8 product), the int4 linear layers (the VNNI kernel of ``kernels.int4`` or
 torch's int4 kernel) and decode attention (one LLVM-generated call per layer, or
 torch's fused kernel per position). Flags do not say which is faster: oneDNN
 packs the head for AMX where a CPU has it, and on an AMD EPYC (Zen 4) without AMX
@@ -50,8 +50,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine_worker.cpu import vnni
-from engine_worker.cpu.llama import (
+from engine_worker.cpu.kernels import int4
+from engine_worker.cpu.kernels.attention import DecodeAttention, attention_available
+from engine_worker.cpu.quant import (
     ATTENTION_LLVM,
     ATTENTION_SDPA,
     HEAD_FLOAT,
@@ -289,10 +290,10 @@ def attention_candidates(head_dim: int, heads: int, kv_heads: int) -> list[Candi
     out = torch.empty(most, heads, head_dim)
 
     def llvm(rows: int) -> Callable[[], object]:
-        if not vnni.attention_available(head_dim, heads, kv_heads):
+        if not attention_available(head_dim, heads, kv_heads):
             raise KernelUnavailable("the LLVM decode attention does not run here")
         items = [(queries[i], kv[i], out[i], CONTEXT) for i in range(rows)]
-        attend = vnni.DecodeAttention(head_dim, heads, kv_heads, scale, items)
+        attend = DecodeAttention(head_dim, heads, kv_heads, scale, items)
         return lambda: attend(0)
 
     def sdpa(rows: int) -> Callable[[], object]:
@@ -361,7 +362,7 @@ def fingerprint(shapes: Mapping[str, int], quantization: Quantization, dtype: to
         "isa": [
             os.environ.get(v, "") for v in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
         ],
-        "llvm": vnni.available(),
+        "llvm": int4.available(),
         "shapes": dict(sorted(shapes.items())),
         "quantization": quantization.value,
         "dtype": str(dtype),

@@ -48,22 +48,11 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
+from engine_worker.requests.logprobs import Scored
 from protocol.messages import SamplingParams
-
-
-@dataclass(frozen=True, slots=True)
-class Scored:
-    """A chosen token with its log-probability and the ``top`` most likely
-    ``(token, logprob)`` of the same distribution, most likely first (tokens with
-    probability 0 are never listed, so there may be fewer than asked)."""
-
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]
 
 
 class TokenSampler:

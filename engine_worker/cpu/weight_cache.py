@@ -11,7 +11,7 @@ The file's name carries a fingerprint of what the result depends on: the model
 folder's resolved path and each ``config.json`` / weights file's size and
 modification time, ``--quantization``, ``--dense-prefill``, the torch version (the
 int4 kernel's packed layout is torch's), which int4 kernel the layers run
-(``vnni.LAYOUT`` or torch's, as ``kernel_choice`` chose: their layouts differ) and
+(``int4.LAYOUT`` or torch's, as ``kernel_choice`` chose: their layouts differ) and
 ``FORMAT``. A changed model or option never matches a stale file; a file that cannot
 be read is ignored (and rebuilt), and one that cannot be written costs only the
 speed-up. The tensors read back are mapped from the file (safetensors'
@@ -35,8 +35,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine_worker.cpu import vnni
-from engine_worker.cpu.llama import LAYERS_VNNI, QuantizedState
+from engine_worker.cpu.kernels import int4
+from engine_worker.cpu.llama import QuantizedState
+from engine_worker.cpu.quant import LAYERS_VNNI
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def cache_file(
     ``int4_kernel`` the layers' kernel (``llama.Kernels.layers``: its layout)."""
     h = hashlib.sha256()
     root = model_dir.resolve()
-    kernel = vnni.LAYOUT if int4_kernel == LAYERS_VNNI and vnni.available() else "torch"
+    kernel = int4.LAYOUT if int4_kernel == LAYERS_VNNI and int4.available() else "torch"
     h.update(f"{FORMAT}\0{root}\0{quantization}\0{dense_prefill}\0{torch.__version__}\0{kernel}\0".encode())
     for p in sorted(root.iterdir()):
         if p.name == "config.json" or p.suffix in (".safetensors", ".bin"):

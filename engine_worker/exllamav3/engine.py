@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine_worker.settings import EXLLAMAV3_MAX_BATCH_SIZE
+from engine_worker.options.exllamav3 import EXLLAMAV3_MAX_BATCH_SIZE
 from protocol.messages import PromptPiece
 
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine_worker.exllamav3.config import PAGE_SIZE
 from engine_worker.kv_events import KvEvents
+from engine_worker.options.exllamav3 import PAGE_SIZE
 
 
 def is_content_hash(h: bytes) -> bool:

@@ -57,13 +57,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine_worker.exllamav3 import chat_template
+from engine_worker.exllamav3 import chat_template, sizes
 from engine_worker.exllamav3.backend import ExLlamaV3Backend
-from engine_worker.exllamav3.config import PAGE_SIZE, CacheMode, parse_split
 from engine_worker.exllamav3.engine import EngineHandle, id_list
 from engine_worker.exllamav3.grammar import budget_filter_factory, contained_filter_class, filter_factory
 from engine_worker.exllamav3.sampling import xtc_sampler
 from engine_worker.load_stages import LoadReporter, Stage
+from engine_worker.options.exllamav3 import PAGE_SIZE, CacheMode, parse_split
 from engine_worker.settings import DraftMode, WorkerSettings
 from protocol.messages import PromptPiece
 
@@ -225,7 +225,7 @@ def load_text(ex: Any, config: WorkerSettings) -> Text:
     conversation (raises ``ChatTemplateError``). The template's turn-end text becomes a stop
     string, and its token a stop token when it is one."""
     model_dir = config.model_dir
-    assert model_dir is not None  # checked by exllamav3.config.validate
+    assert model_dir is not None  # checked by options.exllamav3.validate
     ex_config = ex.Config.from_directory(str(model_dir))
     tokenizer = ex.Tokenizer.from_config(ex_config)
     hf_tokenizer = chat_template.load_hf_tokenizer(model_dir, trust_remote_code=config.trust_remote_code)
@@ -264,7 +264,7 @@ def create_models(ex: Any, config: WorkerSettings, text: Text) -> Models:
         ex_config.override_dynamic_seq_len(config.max_seq_len)
     model = ex.Model.from_config(ex_config)
     if config.draft_mode is DraftMode.DRAFT_MODEL:
-        assert config.draft_model_dir is not None  # checked by exllamav3.config.validate
+        assert config.draft_model_dir is not None  # checked by options.exllamav3.validate
         draft_config = ex.Config.from_directory(str(config.draft_model_dir))
         return Models(model, ex.Model.from_config(draft_config), f"draft model {config.draft_model_dir.name}")
     if config.draft_mode is DraftMode.MTP:
@@ -291,21 +291,21 @@ class Sizes:
 
 def plan_sizes(config: WorkerSettings, text: Text, models: Models) -> Sizes:
     """The sizes ``config`` asks for, its unset ones resolved for these models
-    (``WorkerSettings.exllamav3_*``)."""
+    (``sizes``)."""
     mpe = int(getattr(text.ex_config, "max_position_embeddings", 0) or 0)
-    max_seq_len = config.exllamav3_max_seq_len(mpe)
+    max_seq_len = sizes.max_seq_len(config, mpe)
     recurrent = bool(models.model.caps.get("recurrent_states"))
     drafter_default = None
     if models.draft_model is not None:
         size = models.draft_model.caps.get("default_draft_size")
         drafter_default = None if size is None else int(size)
-    draft_tokens = config.exllamav3_draft_tokens(drafter_default)
+    draft_tokens = sizes.draft_tokens(config, drafter_default)
     return Sizes(
         max_position_embeddings=mpe,
         max_seq_len=max_seq_len,
-        max_batch_size=config.exllamav3_max_batch_size(recurrent),
+        max_batch_size=sizes.max_batch_size(config, recurrent),
         draft_tokens=draft_tokens,
-        cache_size=config.exllamav3_cache_size(max_seq_len, draft_tokens),
+        cache_size=sizes.cache_size(config, max_seq_len, draft_tokens),
     )
 
 

@@ -43,7 +43,7 @@ Semantics that differ from OpenAI's, documented rather than hidden:
 - ``min_tokens`` maps to ``min_new_tokens``: stop *tokens* (EOS, ``stop_token_ids``)
   are masked until then, but a stop *string* can still end the completion earlier
   (``generator/job.py:461-462``).
-- stop strings are matched by 1.6.5 itself, not by ``engine_worker.stops``: ``Job``
+- stop strings are matched by 1.6.5 itself, not by ``engine_worker.requests.stops``: ``Job``
   packs them once into one UTF-32 buffer (``_strings_to_utf32``, ``generator/job.py:28-50``,
   ``252-253``) and after every token scans its held text against all of them in C++
   (``ext.partial_strings_match``, ``generator/job.py:1162-1166``), a cost that grows with

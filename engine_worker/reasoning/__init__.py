@@ -17,6 +17,18 @@ so both engines split, force and count the same way:
 - a grammar (``SamplingParams.grammar``) applies to the answer only
   (``Splitter.free``); logprobs cover the answer's tokens;
 - stop strings match the answer, not the thinking.
+
+| module | what |
+|---|---|
+| ``base`` | ``Parser``, ``Plan``, ``Splitter``: a family's markers, a request's plan, the split |
+| ``choice`` | ``choose``: the family from the chat template, or by name; the template's arguments |
+| ``family`` | what a family declares (markers, template hints) |
+| ``deepseek_r1`` | ``<think>`` ... ``</think>``, the model opening the span itself |
+| ``qwen3`` | ``<think>`` spans the template may close (thinking off) |
+| ``gpt_oss`` | Harmony's channels: ``analysis`` thinking, ``final`` answer |
+| ``mistral`` | ``[THINK]`` ... ``[/THINK]`` |
+| ``none`` | no thinking: everything is the answer |
+| ``text_split`` | ``TextSplitter``: the split over an engine's text and token ids (ExLlamaV3) |
 """
 
 from engine_worker.reasoning.base import Parser, Plan, Splitter, Vocab, VocabFromTables

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from engine_worker.admission import full_reservation
 from engine_worker.backend import ModelInfo, Prepared
+from engine_worker.requests.events import opening
 from engine_worker.settings import WorkerSettings
 from protocol.messages import (
     Event,
@@ -39,7 +40,6 @@ from protocol.messages import (
     FinishReason,
     PrefillProgress,
     SamplingParams,
-    Started,
     Submit,
     TokenDelta,
 )
@@ -173,8 +173,7 @@ class SyntheticBackend:
             total = len(seq.words)
             if not seq.started:
                 seq.started, seq.t_start = True, now
-                events.append(Started(seq.request_id, total, 0))
-                events.append(PrefillProgress(seq.request_id, total, 0, 0, 0))
+                events += opening(seq.request_id, total, 0, 0)
             elif seq.processed < total:
                 seq.processed = min(total, seq.processed + self._chunk)
                 ms = int((now - seq.t_start) * 1000)

@@ -25,9 +25,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 from engine_worker.admission import checked_prepare
 from engine_worker.cpu import model_store
-from engine_worker.cpu.engine import CpuBackend
-from engine_worker.cpu.llama import LlamaRunner, Quantization
+from engine_worker.cpu.backend import CpuBackend
+from engine_worker.cpu.llama import LlamaRunner
 from engine_worker.cpu.model_store import LoadedModel
+from engine_worker.cpu.quant import Quantization
 from protocol.messages import Submit
 
 

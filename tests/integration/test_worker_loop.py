@@ -14,8 +14,9 @@ import msgspec
 import pytest
 
 from engine_worker.backend import ModelInfo
-from engine_worker.loop import EngineLoop, QueueRate
+from engine_worker.loop import EngineLoop
 from engine_worker.sockets import WorkerSockets
+from engine_worker.waiting import QueueRate
 from protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -453,7 +454,7 @@ def test_stopping_fails_running_and_queued_requests(tmp_path: Path) -> None:
     with serve_loop(tmp_path, info, stop=stop) as (backend, peer, loop):
         peer.send(_submit("run", max_tokens=10**6))
         peer.send(_submit("queued", max_tokens=1))
-        _wait(lambda: "run" in backend.remaining and loop._waiting == 1, "one running, one queued")
+        _wait(lambda: "run" in backend.remaining and loop._stats.waiting == 1, "one running, one queued")
         stop.set()
         events = peer.events_until_terminal({"run", "queued"})
         errors = {e.request_id: e.code for e in events if isinstance(e, RequestError)}
@@ -614,7 +615,7 @@ def _exllamav3() -> Any:
 
 def _cpu() -> Any:
     pytest.importorskip("torch")
-    from engine_worker.cpu.engine import CpuBackend
+    from engine_worker.cpu.backend import CpuBackend
     from engine_worker.settings import WorkerSettings
     from tests.fakes.cpu import load_tokenizer_embedded, tiny_random_llama
 

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from engine_worker.cpu.llama import BLOCK_TOKENS
-from engine_worker.exllamav3.config import PAGE_SIZE
+from engine_worker.options.exllamav3 import PAGE_SIZE
 from tests.unit.deploy.kustomize import Obj
 from tests.unit.deploy.support import (
     ADDONS,
@@ -180,7 +180,7 @@ def test_the_scorer_reads_what_the_pods_publish() -> None:
         # Requests carry the model the proxy serves: the same name as the topic's.
         assert settings_of(proxy).served_model_name == model
         # Block size: the CPU engine publishes its prefix-cache blocks (ModelInfo.kv_block_tokens =
-        # min(BLOCK_TOKENS, chunk_size), engine_worker/cpu/engine.py), ExLlamaV3 its pages; llm-d
+        # min(BLOCK_TOKENS, chunk_size), engine_worker/cpu/backend.py), ExLlamaV3 its pages; llm-d
         # v0.5.0 maps them 1:1.
         engine_block = min(BLOCK_TOKENS, s.chunk_size) if s.backend == "cpu" else PAGE_SIZE
         assert params["tokenProcessorConfig"]["blockSize"] == engine_block

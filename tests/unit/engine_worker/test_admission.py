@@ -51,7 +51,7 @@ def _submit(**params: object) -> Submit:
 
 
 def test_the_backends_limits_come_from_its_model_info() -> None:
-    info = ModelInfo("m", 100, None, vocab_size=100)
+    info = ModelInfo("m", 100, None, vocab_size=100, logprobs=True)
     validate_request(_submit(logit_bias={1: 100.0}, logprobs=20), info)
     for change, param in (({"logit_bias": {1: 100.5}}, "logit_bias"), ({"logprobs": 21}, "logprobs")):
         with pytest.raises(RequestRejected) as e:
@@ -59,10 +59,53 @@ def test_the_backends_limits_come_from_its_model_info() -> None:
         assert e.value.param == param
     with pytest.raises(RequestRejected):
         validate_request(_submit(logit_bias={1: -math.inf}), info)
-    wide = ModelInfo("m", 100, None, vocab_size=100, max_logit_bias=1e30, logit_bias_ban=True)
+    wide = ModelInfo("m", 100, None, vocab_size=100, max_logit_bias=1e30, logit_bias_ban=True, logprobs=True)
     validate_request(_submit(logit_bias={1: -math.inf, 2: 1e30}), wide)
     # no vocabulary (synthetic): ids are not checked
     validate_request(_submit(stop_token_ids=(10**6,)), ModelInfo("m", 100, None))
+
+
+@pytest.mark.parametrize(
+    ("submit", "capability", "param"),
+    [
+        (Submit("r", OK, prompt="p", tools_json="[]"), "template_tools", "tools"),
+        (
+            Submit("r", msgspec.structs.replace(OK, grammar="start: /a/"), prompt="p"),
+            "grammar",
+            "response_format",
+        ),
+        (
+            Submit("r", msgspec.structs.replace(OK, grammar="start: /a/", grammar_param="tools"), prompt="p"),
+            "grammar",
+            "tools",
+        ),
+        (Submit("r", msgspec.structs.replace(OK, logprobs=2), prompt="p"), "logprobs", "logprobs"),
+        (Submit("r", OK, prompt="p", cache_salt="s"), "cache_salt", "cache_salt"),
+        (
+            Submit("r", msgspec.structs.replace(OK, banned_strings=("x",)), prompt="p"),
+            "banned_strings",
+            "banned_strings",
+        ),
+    ],
+)
+def test_a_capability_the_backend_lacks_is_refused_by_name(
+    submit: Submit, capability: str, param: str
+) -> None:
+    """One place refuses what a backend's ``ModelInfo`` says it cannot do; the same
+    request passes where the flag is on."""
+    with pytest.raises(RequestRejected) as e:
+        validate_request(submit, ModelInfo("m", 100, None))
+    assert e.value.code is ErrorCode.INVALID_REQUEST and e.value.param == param
+    validate_request(submit, ModelInfo("m", 100, None, **{capability: True}))  # type: ignore[arg-type]
+
+
+def test_n_must_fit_the_batch() -> None:
+    info = ModelInfo("m", 100, None, max_batch_size=4)
+    validate_request(Submit("r", OK, prompt="p", n=4), info)
+    for n in (0, 5):
+        with pytest.raises(RequestRejected) as e:
+            validate_request(Submit("r", OK, prompt="p", n=n), info)
+        assert e.value.param == "n"
 
 
 def test_budget_clamps_max_tokens_to_the_context_once() -> None:
@@ -97,7 +140,7 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing() -> None:
     from engine_worker.admission import check_prompt_size
     from protocol import ChatMessage
 
-    info = ModelInfo("m", 100, None, longest_token_chars=2)
+    info = ModelInfo("m", 100, None, longest_token_chars=2, template_tools=True)
     ok = Submit("r", OK, messages=tuple(ChatMessage("user", "x") for _ in range(100)))
     check_prompt_size(ok, info)
     cases = [

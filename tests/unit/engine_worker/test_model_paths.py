@@ -1,5 +1,5 @@
 """The worker's model folders checked on disk before any model loads
-(``engine_worker.model_paths``), through its command line: a usage error naming
+(``engine_worker.options.paths``), through its command line: a usage error naming
 the flag, exit status 2."""
 
 from __future__ import annotations

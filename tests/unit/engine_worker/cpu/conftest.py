@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from engine_worker.cpu.engine import CpuBackend  # noqa: E402
+from engine_worker.cpu.backend import CpuBackend  # noqa: E402
 from engine_worker.cpu.llama import LlamaRunner  # noqa: E402
 from engine_worker.cpu.model_store import LoadedModel, load_embedded  # noqa: E402
 from engine_worker.settings import WorkerSettings  # noqa: E402

@@ -30,7 +30,7 @@ def _chat(*turns: tuple[str, str], add_generation_prompt: bool = True) -> Submit
 
 @pytest.fixture(scope="module")
 def backend(tiny: Any) -> Any:
-    from engine_worker.cpu.engine import CpuBackend
+    from engine_worker.cpu.backend import CpuBackend
 
     return CpuBackend.from_loaded(tiny)
 

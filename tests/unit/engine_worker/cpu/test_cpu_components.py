@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from engine_worker.cpu.detokenize import IncrementalDetokenizer
 from engine_worker.cpu.kv_cache import SequenceKV, kv_nbytes
 from engine_worker.cpu.ngram import NgramDrafter
 from engine_worker.cpu.prefix_cache import PrefixCache, common_prefix_length
 from engine_worker.cpu.sampling import TokenSampler, filtered_probs
+from engine_worker.requests.detokenize import IncrementalDetokenizer
 from protocol.messages import SamplingParams
 
 # ---------------------------------------------------------------- n-gram drafter

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 from llguidance import LLMatcher
 
-import engine_worker.cpu.engine as cpu_engine
+import engine_worker.cpu.vocab_tables as cpu_engine
 from engine_worker.admission import budget, checked_prepare
 from engine_worker.backend import RequestRejected
 from engine_worker.constraints import TokenConstraint
@@ -46,7 +46,7 @@ def json_grammar(schema: dict[str, Any]) -> str:
 def matches_prefix(backend: Any, tokenizer: Any, grammar: str, text: str) -> bool:
     """Whether ``text`` can begin a string of ``grammar`` (the grammar works on bytes,
     so any tokenization of the text will do)."""
-    matcher = LLMatcher(backend._vocabulary.load(tokenizer), grammar, log_level=0)
+    matcher = LLMatcher(backend._tables.vocabulary.load(tokenizer), grammar, log_level=0)
     text_ids = ids(tokenizer, text, special=False)
     return matcher.validate_tokens(text_ids) == len(text_ids)
 
@@ -235,9 +235,9 @@ def test_grammar_failing_while_decoding_is_a_request_error(
 def test_submit_without_grammar_has_no_constraint(tiny, make_backend, raw) -> None:
     backend = make_backend(tiny)
     add(backend, raw("a", "Hello"))
-    req = backend._requests["a"]
-    assert req.constraint is None and req.trail is None
-    assert not backend._vocabulary.loaded  # nothing built for plain requests
+    seq = backend._scheduler.sequences["a"]
+    assert seq.out.constraint is None and seq.out.trail is None
+    assert not backend._tables.vocabulary.loaded  # nothing built for plain requests
     backend.abort("a")
 
 

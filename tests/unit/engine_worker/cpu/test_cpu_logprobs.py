@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from engine_worker.backend import RequestRejected
-from engine_worker.cpu.logprobs import LogprobTrail
 from engine_worker.cpu.sampling import Scored
-from engine_worker.stops import StopMatcher
+from engine_worker.requests.logprobs import LogprobTrail
+from engine_worker.requests.stops import StopMatcher
 from protocol.messages import ErrorCode, FinishReason, TokenLogprob
 from tests.fakes.cpu import add
 

@@ -149,7 +149,7 @@ def test_add_bos_token_places_or_removes_bos(tokenizer: Any, tiny: Any, make_bac
 
 
 def test_match_is_partial_strings_match() -> None:
-    from engine_worker.cpu.banned import match
+    from engine_worker.requests.banned import match
 
     assert match("the capital is par", ("paris",)) == -2  # runs off the end: hold
     assert match("the capital is paris.", ("paris",)) == 15
@@ -159,7 +159,7 @@ def test_match_is_partial_strings_match() -> None:
 
 
 def test_banned_strings_guard_rewinds_to_where_the_match_began() -> None:
-    from engine_worker.cpu.banned import BannedStrings
+    from engine_worker.requests.banned import BannedStrings
 
     guard = BannedStrings(("Paris",))
     assert guard.feed(" The", 1, 0, "s0").emit == " The"
@@ -197,12 +197,13 @@ def test_banned_strings_never_appear(
 
 
 def test_banned_strings_refused_with_logprobs(tiny: Any, make_backend: Any) -> None:
+    from engine_worker.admission import checked_prepare
     from engine_worker.backend import RequestRejected
 
     backend = make_backend(tiny)
     with pytest.raises(RequestRejected) as e:
-        backend.prepare(
-            Submit("a", SamplingParams(max_tokens=2, banned_strings=("x",), logprobs=1), prompt="Hi")
+        checked_prepare(
+            backend, Submit("a", SamplingParams(max_tokens=2, banned_strings=("x",), logprobs=1), prompt="Hi")
         )
     assert e.value.param == "banned_strings"
 
@@ -261,9 +262,9 @@ def test_dry_exponent_clamp_is_exllamav3s() -> None:
 
 def test_dry_breakers_of_the_engine(tiny: Any, tokenizer: Any, make_backend: Any) -> None:
     backend = make_backend(tiny)
-    default = backend._dry_breakers(None)
+    default = backend._tables.dry_breakers(None)
     dot = tokenizer.convert_tokens_to_ids(".")
     assert default is not None and bool(default[dot])
-    colon = backend._dry_breakers((":",))
+    colon = backend._tables.dry_breakers((":",))
     assert colon is not None and not bool(colon[dot]) and bool(colon[tokenizer.convert_tokens_to_ids(":")])
-    assert backend._dry_breakers(()) is None
+    assert backend._tables.dry_breakers(()) is None

@@ -13,10 +13,12 @@ from unittest import mock
 import pytest
 import torch
 
-from engine_worker.cpu import kernel_choice, vnni
+from engine_worker.cpu import kernel_choice
 from engine_worker.cpu.kernel_choice import Candidate, KernelUnavailable, pick, time_call
-from engine_worker.cpu.llama import Int8Head, Kernels, LlamaRunner, Quantization, Segment, int8_rows
+from engine_worker.cpu.kernels import int4
+from engine_worker.cpu.llama import LlamaRunner, Segment
 from engine_worker.cpu.model_store import LoadedModel
+from engine_worker.cpu.quant import Int8Head, Kernels, Quantization, int8_rows
 from engine_worker.settings import CPU_KERNELS, WorkerSettings, parse_cpu_kernels
 
 
@@ -124,7 +126,7 @@ def test_each_head_kernel_gives_the_same_logits_bit_for_bit(tiny: LoadedModel) -
                 heads.append(kernel)
         except ValueError:
             pass
-    if vnni.available():
+    if int4.available():
         assert "vnni" in heads
     layers = Kernels.default(Quantization.INT4).layers
     logits = [_tiny_runner_logits(tiny, Kernels(head, layers, "sdpa"), Quantization.INT4) for head in heads]
@@ -137,7 +139,7 @@ def test_each_layer_and_attention_kernel_gives_the_same_logits(tiny: LoadedModel
     bfloat16 activations times unpacked weights): the same logits within int4's
     error, checked against the float32 pass. The two attention kernels agree to
     float32 rounding."""
-    if not vnni.available():
+    if not int4.available():
         pytest.skip("this CPU does not run the VNNI kernels")
     reference = _tiny_runner_logits(tiny, Kernels("float", "torch", "sdpa"), Quantization.NONE)
     scale = reference.abs().max()
@@ -200,7 +202,7 @@ def test_the_backend_logs_the_choice_and_a_second_start_reads_it(
 ) -> None:
     import dataclasses
 
-    from engine_worker.cpu.engine import CpuBackend
+    from engine_worker.cpu.backend import CpuBackend
 
     monkeypatch.setattr(kernel_choice, "_MEASURED", {})
     folder = tmp_path / "model"
@@ -225,7 +227,7 @@ def test_forcing_a_kernel(tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(ValueError, match="not a candidate with --quantization int8"):
         kernel_choice.resolve(tiny.model, Quantization.INT8, forced="layers=vnni")
     with (
-        mock.patch.object(vnni, "available", return_value=False),
+        mock.patch.object(int4, "available", return_value=False),
         pytest.raises(ValueError, match="layers=vnni"),
     ):
         kernel_choice.resolve(tiny.model, Quantization.INT4, forced="layers=vnni")

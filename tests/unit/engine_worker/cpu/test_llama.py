@@ -13,15 +13,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from engine_worker.cpu import vnni
-from engine_worker.cpu.llama import (
-    DENSE_MIN_TOKENS,
-    LlamaRunner,
-    Quantization,
-    QuantizedLinear,
-    Segment,
-    UnsupportedModel,
-)
+from engine_worker.cpu.kernels import int4
+from engine_worker.cpu.llama import DENSE_MIN_TOKENS, LlamaRunner, Segment, UnsupportedModel
+from engine_worker.cpu.quant import Quantization, QuantizedLinear
 
 KERNELS = [
     pytest.param(Quantization.INT4, "vnni", id="int4-vnni"),
@@ -36,11 +30,11 @@ torch's ``_weight_int4pack_mm_for_cpu``, and int8."""
 def _kernel(kernel: str) -> Iterator[None]:
     """Layers built inside use ``kernel`` for int4 (skips ``vnni`` where unavailable)."""
     if kernel == "vnni":
-        if not vnni.available():
+        if not int4.available():
             pytest.skip("this CPU does not run the VNNI kernel (AVX-512 VNNI, llvmlite)")
         yield
     else:
-        with mock.patch.object(vnni, "available", return_value=False):
+        with mock.patch.object(int4, "available", return_value=False):
             yield
 
 

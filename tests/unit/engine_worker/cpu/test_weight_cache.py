@@ -14,10 +14,12 @@ import pytest
 import safetensors.torch
 import torch
 
-from engine_worker.cpu import vnni, weight_cache
-from engine_worker.cpu.engine import CpuBackend
-from engine_worker.cpu.llama import LlamaRunner, Quantization, QuantizedState, Segment
+from engine_worker.cpu import weight_cache
+from engine_worker.cpu.backend import CpuBackend
+from engine_worker.cpu.kernels import int4
+from engine_worker.cpu.llama import LlamaRunner, QuantizedState, Segment
 from engine_worker.cpu.model_store import LoadedModel
+from engine_worker.cpu.quant import Quantization
 from engine_worker.settings import WorkerSettings
 
 
@@ -81,7 +83,7 @@ def test_the_file_name_changes_with_the_weights_and_the_options(tmp_path: Path) 
     assert base.parent == tmp_path / "quantized" and base.name.startswith("model-int4-")
     assert base != weight_cache.cache_file(tmp_path, d, "int8", True, "vnni")
     assert base != weight_cache.cache_file(tmp_path, d, "int4", False, "vnni")
-    if vnni.available():  # the other layout is another file
+    if int4.available():  # the other layout is another file
         assert base != weight_cache.cache_file(tmp_path, d, "int4", True, "torch")
     (d / "model.safetensors").write_bytes(b"y" * 11)  # new weights
     assert base != weight_cache.cache_file(tmp_path, d, "int4", True, "vnni")

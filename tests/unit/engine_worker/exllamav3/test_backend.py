@@ -15,7 +15,7 @@ import pytest
 from engine_worker.admission import checked_prepare
 from engine_worker.backend import EngineFailed, RequestRejected
 from engine_worker.exllamav3.backend import ExLlamaV3Backend
-from engine_worker.exllamav3.config import PAGE_SIZE
+from engine_worker.options.exllamav3 import PAGE_SIZE
 from engine_worker.settings import WorkerSettings
 from protocol.messages import (
     ChatMessage,
@@ -197,6 +197,26 @@ def test_held_choices_start_when_the_first_one_ends_early() -> None:
     events = run(backend)
     check_lifecycle(events, "r-1")
     assert not of(events, "r-0")
+
+
+def test_when_the_first_choice_ends_early_the_next_one_prefills_in_its_place() -> None:
+    # The rule of engine_worker.requests.choices, as on the CPU engine: one choice takes
+    # the first one's place, the third still waits and then finds the prompt cached.
+    n = 1001
+    cfg = dataclasses.replace(CFG, max_rq_tokens=256)
+    backend, rec = make_backend(cfg, script=fx.reply("same"), max_chunk_size=256)
+    prepared = checked_prepare(backend, raw("r", _letters(n)))
+    for i in range(3):
+        backend.start(f"r-{i}", prepared, prepared.submit.params)
+    backend.step()
+    backend.abort("r-0")
+    backend.step()
+    assert [j.identifier for j in rec.inner.pending_jobs + rec.inner.active_jobs] == ["r-1"]
+    events = run(backend)
+    for i in (1, 2):
+        check_lifecycle(events, f"r-{i}")
+        assert text_of(events, f"r-{i}") == "same"
+    assert of(events, "r-2")[0] == Started("r-2", n, n - 1)
 
 
 def test_aborting_a_held_choice_leaves_no_job_behind() -> None:

@@ -1,4 +1,4 @@
-"""The ExLlamaV3 checks and parsers of the worker's settings (``engine_worker.exllamav3.config``)."""
+"""The ExLlamaV3 checks and parsers of the worker's settings (``engine_worker.options.exllamav3``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from engine_worker.exllamav3.config import CacheMode, parse_split
+from engine_worker.options.exllamav3 import CacheMode, parse_split
 from engine_worker.settings import DraftMode, WorkerSettings
 
 

@@ -1,5 +1,5 @@
 """ExLlamaV3's page table as KV-cache events, through the fake 1.6.5 generator (whose pages
-hash as 1.6.5's do: ``tests/fakes/exllamav3.py``, ``_chain_hash``)."""
+hash as 1.6.5's do: ``tests/fakes/exllamav3/``, ``_chain_hash``)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from engine_worker.exllamav3.config import PAGE_SIZE
 from engine_worker.exllamav3.kv_pages import complete_pages
 from engine_worker.kv_events import KVEventBatch
+from engine_worker.options.exllamav3 import PAGE_SIZE
 from tests.fakes import exllamav3 as fx
 from tests.fakes import kv_subscriber as vllm
 from tests.fakes.exllamav3_driver import add, make_backend, raw, run

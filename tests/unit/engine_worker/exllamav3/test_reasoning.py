@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from engine_worker.admission import checked_prepare
 from engine_worker.backend import RequestRejected
 from engine_worker.settings import WorkerSettings
 from protocol.messages import Channel, FinishReason, SamplingParams, Submit, TokenDelta
@@ -85,10 +86,10 @@ def test_what_needs_a_filter_is_refused_while_the_model_may_think() -> None:
     backend, _ = make_backend(settings(reasoning_parser="deepseek_r1"), script=fx.reply("x"))
     grammar = 'start: "x"'
     with pytest.raises(RequestRejected) as e:
-        backend.prepare(chat("a", "hi", grammar=grammar, grammar_param="response_format"))
+        checked_prepare(backend, chat("a", "hi", grammar=grammar, grammar_param="response_format"))
     assert e.value.param == "response_format"
     with pytest.raises(RequestRejected) as e:
-        backend.prepare(chat("a", "hi", logprobs=1))
+        checked_prepare(backend, chat("a", "hi", logprobs=1))
     assert e.value.param == "logprobs"
     # No thinking: the span is closed in the prompt and the grammar is the answer's.
     add(backend, chat("b", "hi", grammar=grammar, grammar_param="response_format", reasoning_budget=0))
@@ -120,10 +121,14 @@ def test_the_budget_forces_the_end_marker() -> None:
 def test_no_budget_filter_means_budgets_are_refused() -> None:
     import dataclasses
 
-    backend, _ = make_backend(settings(reasoning_parser="deepseek_r1"), script=fx.reply("x"))
-    backend._h = dataclasses.replace(backend._h, new_budget_filter=None)
+    from engine_worker.admission import checked_prepare
+    from engine_worker.exllamav3 import ExLlamaV3Backend
+
+    handle = dataclasses.replace(fx.make_handle(script=fx.reply("x")), new_budget_filter=None)
+    backend = ExLlamaV3Backend(handle, settings(reasoning_parser="deepseek_r1"))
+    assert not backend.info.thinking_budget  # a flag of ModelInfo, checked by admission
     with pytest.raises(RequestRejected) as e:
-        backend.prepare(chat("a", "hi", reasoning_budget=5))
+        checked_prepare(backend, chat("a", "hi", reasoning_budget=5))
     assert e.value.param == "thinking_budget_tokens"
 
 

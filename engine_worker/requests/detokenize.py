@@ -9,14 +9,16 @@ character split across tokens, as byte-level BPE does), it is held back until th
 character completes, so no client ever sees a replacement character that the
 full text would not contain.
 
-Stop strings are matched on the emitted text by ``engine_worker.stops.StopMatcher``.
+Stop strings are matched on the emitted text by ``engine_worker.requests.stops.StopMatcher``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _REPLACEMENT = "\ufffd"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from engine_worker.stops import StopAutomaton, StopMatcher
+from engine_worker.requests.stops import StopAutomaton, StopMatcher
 
 
 def oracle(text: str, stops: list[str]) -> tuple[str, str | None]:

@@ -28,10 +28,9 @@ its outputs are computed by the same instructions in the same order whatever
 the other rows (rows go through in chunks of 8, 4, 2 and 1 with the same per-row
 sequence), so a row's result is bitwise the same alone or batched.
 
-The machine code is generated at first use by LLVM (llvmlite's wheel carries
-it: no compiler on the machine) for the host CPU. ``available()`` says whether
-this CPU and install can run it; ``LlamaRunner`` falls back to torch's kernel
-otherwise. ``vpdpbusd``: Intel's intrinsics guide, ``_mm512_dpbusd_epi32``
+The machine code is generated at first use for the host CPU (``jit``).
+``available()`` says whether this CPU and install can run it; ``LlamaRunner``
+falls back to torch's kernel otherwise. ``vpdpbusd``: Intel's intrinsics guide, ``_mm512_dpbusd_epi32``
 (AVX512_VNNI); LLVM's ``llvm.x86.avx512.vpdpbusd.512``.
 """
 
@@ -41,12 +40,21 @@ import ctypes
 import functools
 import logging
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from engine_worker.cpu.kernels.jit import (
+    Fn,
+    broadcast,
+    jit,
+    outlined_prologue,
+    parallel_entry,
+    ready,
+    row_chunks,
+    splat,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,23 +77,6 @@ PREFETCH_LOCALITY = 3
 cache, as in a pass), 0 / 512 / 1,024 / 4,096 bytes took 98 / 85 / 87 / 84 µs a
 product for one row and 142 / 135 / 119 / 111 µs for eight; locality 0 (past
 the caches) 112-117 and 144-254 µs."""
-
-_REQUIRED_FEATURES = ("avx512f", "avx512bw", "avx512vnni")
-
-_Fn = Callable[..., None]
-
-
-def broadcast(name: str, scalar: str, element: str = "float") -> list[str]:
-    """IR lines making ``%name`` a ``<16 x element>`` with ``scalar`` in every lane."""
-    vector = f"<16 x {element}>"
-    return [
-        f"  %{name}0 = insertelement {vector} undef, {element} {scalar}, i32 0",
-        f"  %{name} = shufflevector {vector} %{name}0, {vector} undef, <16 x i32> zeroinitializer",
-    ]
-
-
-def _splat(value: str, n: int) -> str:
-    return "<" + ", ".join([value] * n) + ">"
 
 
 def _quantize_ir() -> str:
@@ -150,7 +141,7 @@ def _gemm_ir(rows: int) -> str:
     """``gemm{rows}(codes, scales, lows, xq, xd, xs, y, nb0, nb1, groups, k, n)``:
     outputs ``16 nb0 .. 16 nb1`` of ``rows`` consecutive rows (``xq`` ``[rows, k]``,
     ``xd``/``xs`` ``[rows, groups]``, ``y`` ``[rows, n]``)."""
-    m15, s4 = _splat("i8 15", 64), _splat("i8 4", 64)
+    m15, s4 = splat("i8 15", 64), splat("i8 4", 64)
     head = [
         f"define void @gemm{rows}(ptr noalias %codes, ptr noalias %scales, ptr noalias %lows, "
         "ptr noalias %xq, ptr noalias %xd, ptr noalias %xs, ptr noalias %y, "
@@ -254,69 +245,6 @@ def _gemm_ir(rows: int) -> str:
     return "\n".join(head + body) + "\n"
 
 
-def row_chunks(chunks: tuple[int, ...], body: Callable[[int], list[str]]) -> list[str]:
-    """IR lines looping over ``%rows`` rows from ``%entry``: ``body(c)`` (the lines of
-    one chunk of ``c`` rows starting at row ``%row{c}``) while ``c`` rows are left,
-    for each ``c`` of ``chunks`` in turn (largest first), then a branch to
-    ``%exit``, which the caller defines."""
-    lines = [f"  br label %loop{chunks[0]}"]
-    start = "0, %entry"
-    for i, c in enumerate(chunks):
-        after = f"loop{chunks[i + 1]}" if i + 1 < len(chunks) else "exit"
-        lines += [
-            f"loop{c}:",
-            f"  %row{c} = phi i64 [{start}], [%row{c}_next, %body{c}]",
-            f"  %left{c} = sub i64 %rows, %row{c}",
-            f"  %fits{c} = icmp sge i64 %left{c}, {c}",
-            f"  br i1 %fits{c}, label %body{c}, label %{after}",
-            f"body{c}:",
-            *body(c),
-            f"  %row{c}_next = add i64 %row{c}, {c}",
-            f"  br label %loop{c}",
-        ]
-        start = f"%row{c}, %loop{c}"
-    return lines
-
-
-def outlined_prologue(struct: str, fields: tuple[str, ...], pointers: int) -> list[str]:
-    """IR lines opening an OpenMP outlined function's body: ``%{field}`` loaded
-    from the argument block ``%a`` (type ``%{struct}``: ``pointers`` pointers, then
-    int64s), and this thread's share of ``%blocks`` output blocks as ``%nb0 ..
-    %nb1`` (split evenly between the team's threads)."""
-    lines = []
-    for i, name in enumerate(fields):
-        ty = "ptr" if i < pointers else "i64"
-        lines += [
-            f"  %{name}p = getelementptr %{struct}, ptr %a, i32 0, i32 {i}",
-            f"  %{name} = load {ty}, ptr %{name}p",
-        ]
-    return [
-        *lines,
-        "  %tid32 = call i32 @omp_get_thread_num()",
-        "  %nt32 = call i32 @omp_get_num_threads()",
-        "  %tid = sext i32 %tid32 to i64",
-        "  %nt = sext i32 %nt32 to i64",
-        "  %lo = mul i64 %blocks, %tid",
-        "  %nb0 = udiv i64 %lo, %nt",
-        "  %tid1 = add i64 %tid, 1",
-        "  %hi = mul i64 %blocks, %tid1",
-        "  %nb1 = udiv i64 %hi, %nt",
-    ]
-
-
-def parallel_entry(name: str, outlined: str) -> list[str]:
-    """IR lines of ``name(args, threads)``: ``outlined(args)`` on ``threads`` threads
-    of the OpenMP team torch uses (``GOMP_parallel``, what GCC emits for ``#pragma
-    omp parallel``)."""
-    return [
-        f"define void @{name}(ptr %a, i32 %threads) #0 {{",
-        "entry:",
-        f"  call void @GOMP_parallel(ptr @{outlined}, ptr %a, i32 %threads, i32 0)",
-        "  ret void",
-        "}",
-    ]
-
-
 def _run_rows_ir() -> str:
     """``run_rows(codes, scales, lows, xq, xd, xs, y, nb0, nb1, groups, k, n, rows)``:
     output blocks ``nb0 .. nb1`` of all ``rows``, through ``gemm8`` while 8 rows
@@ -370,23 +298,6 @@ def _parallel_ir() -> str:
     return "\n".join(lines) + "\n"
 
 
-_DECLARATIONS = """
-declare void @GOMP_parallel(ptr, ptr, i32, i32)
-declare void @llvm.prefetch.p0(ptr, i32, i32, i32)
-declare i32 @omp_get_thread_num()
-declare i32 @omp_get_num_threads()
-declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <64 x i8>, <64 x i8>)
-declare <16 x float> @llvm.fabs.v16f32(<16 x float>)
-declare <16 x float> @llvm.maxnum.v16f32(<16 x float>, <16 x float>)
-declare <16 x float> @llvm.rint.v16f32(<16 x float>)
-declare float @llvm.vector.reduce.fmax.v16f32(<16 x float>)
-declare i32 @llvm.vector.reduce.add.v16i32(<16 x i32>)
-declare float @expf(float)
-declare float @llvm.fabs.f32(float)
-declare float @llvm.vector.reduce.fadd.v16f32(float, <16 x float>)
-"""
-
-
 class _Args(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ARG_FIELDS[:7]] + [
         (name, ctypes.c_int64) for name in ARG_FIELDS[7:]
@@ -396,64 +307,21 @@ class _Args(ctypes.Structure):
 @dataclass(frozen=True, slots=True)
 class _Compiled:
     engine: object  # keeps the machine code alive
-    quantize: _Fn
-    linear: _Fn
-
-
-def _openmp_symbols() -> dict[str, int] | None:
-    """Addresses of the OpenMP runtime's entry points in the library torch loaded
-    (its wheel bundles libgomp) and of libm's ``expf``, for the generated code; or
-    ``None`` if torch's OpenMP is not GNU's."""
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        path = line.split()[-1] if line.count(" ") >= 5 else ""
-        if Path(path).name.startswith("libgomp"):
-            lib = ctypes.CDLL(path)
-            symbols = {
-                name: int(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0)
-                for name in ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")
-            }
-            symbols["expf"] = int(ctypes.cast(ctypes.CDLL("libm.so.6").expf, ctypes.c_void_p).value or 0)
-            return symbols
-    return None
-
-
-def jit(functions: str) -> object:
-    """An execution engine holding ``functions`` (IR text, using ``_DECLARATIONS``)
-    compiled for this CPU. Raises ``RuntimeError`` (llvmlite's for LLVM's errors)."""
-    import llvmlite.binding as llvm
-
-    cpu = llvm.get_host_cpu_name()
-    machine = llvm.Target.from_default_triple().create_target_machine(
-        cpu=cpu, features=llvm.get_host_cpu_features().flatten(), opt=3
-    )
-    module = llvm.parse_assembly(_DECLARATIONS + functions + f'attributes #0 = {{ "target-cpu"="{cpu}" }}\n')
-    module.verify()
-    engine = llvm.create_mcjit_compiler(module, machine)
-    engine.finalize_object()
-    return engine
+    quantize: Fn
+    linear: Fn
 
 
 @functools.cache
 def _compiled() -> _Compiled | None:
     """The kernels compiled for this CPU, or ``None`` where it or the install cannot
-    run them (no llvmlite, a CPU without AVX-512 VNNI, a torch without GNU OpenMP)."""
-    try:
-        import llvmlite.binding as llvm
-    except ImportError:
+    run them (``jit.ready``)."""
+    if not ready():
         return None
     try:
-        llvm.initialize_native_target()
-        llvm.initialize_native_asmprinter()
-        features = llvm.get_host_cpu_features()
-        symbols = _openmp_symbols()
-        if symbols is None or not all(features.get(f, False) for f in _REQUIRED_FEATURES):
-            return None
-        for name, address in symbols.items():
-            llvm.add_symbol(name, address)
         engine: Any = jit(
             _quantize_ir() + "".join(_gemm_ir(r) for r in CHUNKS) + _run_rows_ir() + _parallel_ir()
         )
-    except (RuntimeError, OSError) as e:  # llvmlite reports LLVM's errors as RuntimeError
+    except RuntimeError as e:  # llvmlite reports LLVM's errors as RuntimeError
         log.warning("the VNNI int4 kernel could not be compiled (%s); using torch's", e)
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -565,236 +433,3 @@ class Product:
         args.y = out.data_ptr()
         compiled.linear(ctypes.byref(args), min(torch.get_num_threads(), self.blocks))
         return out
-
-
-ITEM_FIELDS = ("q", "kv", "out", "capacity", "length")
-"""An ``Attention`` item: one decode query (a row of the pass) and its sequence's KV."""
-
-
-class _Item(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in ITEM_FIELDS[:3]] + [
-        (name, ctypes.c_int64) for name in ITEM_FIELDS[3:]
-    ]
-
-
-def _attention_ir(head_dim: int, group: int, kv_heads: int) -> str:
-    """``attend(items, count, layer, scale, threads)``: for every item and KV head, the
-    ``group`` query heads that share it attend over the item's ``length`` positions
-    (keys and values of ``layer`` in the item's ``[layers, 2, kv_heads, capacity,
-    head_dim]`` float32 buffer), one pass over the positions with a running
-    maximum (the online softmax), ``out = sum_l exp(s_l - max) v_l / sum_l exp(s_l -
-    max)``, ``s_l = scale * q . k_l``. Work units (item, KV head) are split
-    between the threads; each unit's arithmetic is the same whatever the others."""
-    vecs = head_dim // LANES
-    lines = [
-        "define void @attend_unit(ptr %q, ptr %k, ptr %v, i64 %length, ptr %out, float %scale) #0 {",
-        "entry:",
-    ]
-    for g in range(group):
-        for j in range(vecs):
-            lines += [
-                f"  %qp{g}_{j} = getelementptr float, ptr %q, i64 {g * head_dim + j * LANES}",
-                f"  %q{g}_{j} = load <16 x float>, ptr %qp{g}_{j}, align 4",
-            ]
-    lines += ["  %empty = icmp eq i64 %length, 0", "  br i1 %empty, label %exit, label %loop", "loop:"]
-    lines += ["  %l = phi i64 [0, %entry], [%l_next, %loop]"]
-    for g in range(group):
-        lines += [
-            f"  %m{g} = phi float [0xFFF0000000000000, %entry], [%m{g}_next, %loop]",
-            f"  %s{g} = phi float [0.0, %entry], [%s{g}_next, %loop]",
-        ]
-        for j in range(vecs):
-            lines += [f"  %a{g}_{j} = phi <16 x float> [zeroinitializer, %entry], [%a{g}_{j}_next, %loop]"]
-    lines += [
-        f"  %row = mul i64 %l, {head_dim}",
-        "  %kp = getelementptr float, ptr %k, i64 %row",
-        "  %vp = getelementptr float, ptr %v, i64 %row",
-    ]
-    for j in range(vecs):
-        lines += [
-            f"  %kp{j} = getelementptr float, ptr %kp, i64 {j * LANES}",
-            f"  %k{j} = load <16 x float>, ptr %kp{j}, align 4",
-            f"  %vp{j} = getelementptr float, ptr %vp, i64 {j * LANES}",
-            f"  %v{j} = load <16 x float>, ptr %vp{j}, align 4",
-        ]
-    for g in range(group):
-        prod = f"%d{g}_0"
-        lines += [f"  %d{g}_0 = fmul <16 x float> %q{g}_0, %k0"]
-        for j in range(1, vecs):
-            lines += [
-                f"  %e{g}_{j} = fmul <16 x float> %q{g}_{j}, %k{j}",
-                f"  %d{g}_{j} = fadd <16 x float> %d{g}_{j - 1}, %e{g}_{j}",
-            ]
-            prod = f"%d{g}_{j}"
-        lines += [
-            f"  %dot{g} = call reassoc float @llvm.vector.reduce.fadd.v16f32(float 0.0, <16 x float> {prod})",
-            f"  %sc{g} = fmul float %dot{g}, %scale",
-            f"  %up{g} = fcmp ogt float %sc{g}, %m{g}",
-            f"  %df{g} = fsub float %sc{g}, %m{g}",
-            f"  %ad{g} = call float @llvm.fabs.f32(float %df{g})",
-            f"  %nd{g} = fneg float %ad{g}",
-            f"  %ex{g} = call float @expf(float %nd{g})",
-            f"  %corr{g} = select i1 %up{g}, float %ex{g}, float 1.0",
-            f"  %p{g} = select i1 %up{g}, float 1.0, float %ex{g}",
-            f"  %m{g}_next = select i1 %up{g}, float %sc{g}, float %m{g}",
-            f"  %sm{g} = fmul float %s{g}, %corr{g}",
-            f"  %s{g}_next = fadd float %sm{g}, %p{g}",
-            *broadcast(f"cv{g}", f"%corr{g}"),
-            *broadcast(f"pv{g}", f"%p{g}"),
-        ]
-        for j in range(vecs):
-            lines += [
-                f"  %am{g}_{j} = fmul <16 x float> %a{g}_{j}, %cv{g}",
-                f"  %pw{g}_{j} = fmul <16 x float> %pv{g}, %v{j}",
-                f"  %a{g}_{j}_next = fadd <16 x float> %am{g}_{j}, %pw{g}_{j}",
-            ]
-    lines += [
-        "  %l_next = add i64 %l, 1",
-        "  %l_done = icmp eq i64 %l_next, %length",
-        "  br i1 %l_done, label %store, label %loop",
-        "store:",
-    ]
-    for g in range(group):
-        lines += broadcast(f"iv{g}", f"%s{g}_next")
-        for j in range(vecs):
-            lines += [
-                f"  %o{g}_{j} = fdiv <16 x float> %a{g}_{j}_next, %iv{g}",
-                f"  %op{g}_{j} = getelementptr float, ptr %out, i64 {g * head_dim + j * LANES}",
-                f"  store <16 x float> %o{g}_{j}, ptr %op{g}_{j}, align 4",
-            ]
-    lines += ["  br label %exit", "exit:", "  ret void", "}"]
-    fields = ", ".join(["ptr"] * 3 + ["i64"] * 2)
-    lines += [
-        f"%item = type {{ {fields} }}",
-        "%job = type { ptr, i64, i64, float }",
-        "define void @attend_outlined(ptr %job) #0 {",
-        "entry:",
-        "  %itp = getelementptr %job, ptr %job, i32 0, i32 0",
-        "  %items = load ptr, ptr %itp",
-        "  %cp = getelementptr %job, ptr %job, i32 0, i32 1",
-        "  %count = load i64, ptr %cp",
-        "  %lp = getelementptr %job, ptr %job, i32 0, i32 2",
-        "  %layer = load i64, ptr %lp",
-        "  %sp = getelementptr %job, ptr %job, i32 0, i32 3",
-        "  %scale = load float, ptr %sp",
-        "  %tid32 = call i32 @omp_get_thread_num()",
-        "  %nt32 = call i32 @omp_get_num_threads()",
-        "  %tid = sext i32 %tid32 to i64",
-        "  %nt = sext i32 %nt32 to i64",
-        f"  %units = mul i64 %count, {kv_heads}",
-        "  %lo = mul i64 %units, %tid",
-        "  %u0 = udiv i64 %lo, %nt",
-        "  %tid1 = add i64 %tid, 1",
-        "  %hi = mul i64 %units, %tid1",
-        "  %u1 = udiv i64 %hi, %nt",
-        "  %none = icmp sge i64 %u0, %u1",
-        "  br i1 %none, label %exit, label %unit",
-        "unit:",
-        "  %u = phi i64 [%u0, %entry], [%u_next, %unit]",
-        f"  %i = udiv i64 %u, {kv_heads}",
-        f"  %h = urem i64 %u, {kv_heads}",
-        "  %ip = getelementptr %item, ptr %items, i64 %i",
-        "  %qfp = getelementptr %item, ptr %ip, i32 0, i32 0",
-        "  %qb = load ptr, ptr %qfp",
-        "  %kvfp = getelementptr %item, ptr %ip, i32 0, i32 1",
-        "  %kvb = load ptr, ptr %kvfp",
-        "  %ofp = getelementptr %item, ptr %ip, i32 0, i32 2",
-        "  %ob = load ptr, ptr %ofp",
-        "  %capfp = getelementptr %item, ptr %ip, i32 0, i32 3",
-        "  %cap = load i64, ptr %capfp",
-        "  %lenfp = getelementptr %item, ptr %ip, i32 0, i32 4",
-        "  %len = load i64, ptr %lenfp",
-        f"  %headsz = mul i64 %cap, {head_dim}",
-        f"  %l2 = mul i64 %layer, {2 * kv_heads}",
-        "  %kplane = add i64 %l2, %h",
-        f"  %vplane = add i64 %kplane, {kv_heads}",
-        "  %koff = mul i64 %kplane, %headsz",
-        "  %voff = mul i64 %vplane, %headsz",
-        "  %kh = getelementptr float, ptr %kvb, i64 %koff",
-        "  %vh = getelementptr float, ptr %kvb, i64 %voff",
-        f"  %qoff = mul i64 %h, {group * head_dim}",
-        "  %qh = getelementptr float, ptr %qb, i64 %qoff",
-        "  %oh = getelementptr float, ptr %ob, i64 %qoff",
-        "  call void @attend_unit(ptr %qh, ptr %kh, ptr %vh, i64 %len, ptr %oh, float %scale)",
-        "  %u_next = add i64 %u, 1",
-        "  %u_done = icmp sge i64 %u_next, %u1",
-        "  br i1 %u_done, label %exit, label %unit",
-        "exit:",
-        "  ret void",
-        "}",
-        "define void @attend(ptr %job, i32 %threads) #0 {",
-        "entry:",
-        "  call void @GOMP_parallel(ptr @attend_outlined, ptr %job, i32 %threads, i32 0)",
-        "  ret void",
-        "}",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-class _Job(ctypes.Structure):
-    _fields_ = [
-        ("items", ctypes.c_void_p),
-        ("count", ctypes.c_int64),
-        ("layer", ctypes.c_int64),
-        ("scale", ctypes.c_float),
-    ]
-
-
-@functools.cache
-def _attention(head_dim: int, group: int, kv_heads: int) -> tuple[object, _Fn] | None:
-    """The decode attention kernel for this shape (compiled on first use), or
-    ``None`` where the kernels are unavailable or the head does not fill whole
-    vectors."""
-    if _compiled() is None or head_dim % LANES or head_dim > 256:
-        return None
-    try:
-        engine: Any = jit(_attention_ir(head_dim, group, kv_heads))
-    except RuntimeError as e:
-        log.warning("the decode attention kernel could not be compiled (%s); using torch's", e)
-        return None
-    fn = ctypes.CFUNCTYPE(None, ctypes.POINTER(_Job), ctypes.c_int32)(engine.get_function_address("attend"))
-    return engine, fn
-
-
-def attention_available(head_dim: int, heads: int, kv_heads: int) -> bool:
-    """Whether ``DecodeAttention`` runs for this attention shape on this machine."""
-    return heads % kv_heads == 0 and _attention(head_dim, heads // kv_heads, kv_heads) is not None
-
-
-class DecodeAttention:
-    """One query per item attending over its sequence's KV, all items of a pass in
-    one call per layer, on ``torch.get_num_threads()`` threads.
-
-    ``items``: per query ``(q, kv, out, length)``: ``q`` a ``[heads, head_dim]``
-    float32 view (the rotated queries of one row), ``kv`` the sequence's whole
-    ``[layers, 2, kv_heads, capacity, head_dim]`` float32 buffer, ``out`` a
-    ``[heads, head_dim]`` float32 view it writes, ``length`` the positions it
-    attends to (the query's own included). Query head ``j`` reads KV head ``j //
-    (heads / kv_heads)``, as grouped-query attention does. ``attention_available``
-    must be true. The views must outlive the calls."""
-
-    __slots__ = ("_fn", "_items", "_job", "_keep")
-
-    def __init__(
-        self,
-        head_dim: int,
-        heads: int,
-        kv_heads: int,
-        scale: float,
-        items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]],
-    ) -> None:
-        compiled = _attention(head_dim, heads // kv_heads, kv_heads)
-        assert compiled is not None
-        self._fn = compiled[1]
-        self._items = (_Item * len(items))(
-            *(
-                _Item(q.data_ptr(), kv.data_ptr(), out.data_ptr(), kv.shape[3], length)
-                for q, kv, out, length in items
-            )
-        )
-        self._keep = items
-        self._job = _Job(ctypes.addressof(self._items), len(items), 0, scale)
-
-    def __call__(self, layer: int) -> None:
-        self._job.layer = layer
-        self._fn(ctypes.byref(self._job), min(torch.get_num_threads(), max(1, len(self._keep))))

