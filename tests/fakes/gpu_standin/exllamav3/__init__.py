@@ -1,5 +1,5 @@
 """Stand-in for the exllamav3 1.6.5 package (see ../README.md): its import runs ``ext``, as
-the real one's does, then serves the fake engine of ``tests/fakes/exllamav3.py``."""
+the real one's does, then serves the fake engine of ``tests/fakes/exllamav3/``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The fake ExLlamaV3 generator reproduces the 1.6.5 quirks the backend relies on.
 
 These tests pin the fake itself (the backend tests rest on it): each asserts a
-behaviour read from the 1.6.5 source, cited in ``tests/fakes/exllamav3.py``.
+behaviour read from the 1.6.5 source, cited in ``tests/fakes/exllamav3/``.
 """
 
 from __future__ import annotations
