@@ -1,7 +1,7 @@
 """``exl3-sidecar top`` against the real proxy app on a fake worker whose requests
 are held at chosen points: plain lines in a pipe, the live view on a
 pseudo-terminal (keys included), errors and options. Expected numbers come from
-the fake worker's script (``tests.unit.proxy.test_status.Held``)."""
+the fake worker's script (``tests.unit.proxy.ops.test_status.Held``)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from proxy.server.state import STATE
 from tests.fakes.engine_client import FakeEngineClient, make_config
 from tests.unit.launcher.test_chat import clean_environment  # noqa: F401  (autouse here too)
 from tests.unit.launcher.test_chat_terminal import _read_all
-from tests.unit.proxy.test_status import PREFILL, Held
+from tests.unit.proxy.ops.test_status import PREFILL, Held
 
 KINDS = ("q2", "decode", "q1", "prefill")
 

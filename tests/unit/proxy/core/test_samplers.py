@@ -16,7 +16,7 @@ from proxy.core.samplers import TABLE, Support, markdown_table
 from tests.fakes.engine_client import FakeEngineClient, static_script
 from tests.unit.proxy.conftest import MakeClient
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 BODIES: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},

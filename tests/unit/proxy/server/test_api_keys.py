@@ -18,7 +18,7 @@ from proxy.server.intake import key_digest
 from proxy.server.state import STATE
 from tests.fakes.engine_client import FakeEngineClient, make_config
 from tests.unit.proxy.conftest import MakeClient
-from tests.unit.proxy.test_http_chat import URL, body
+from tests.unit.proxy.dialects.chat.test_http_chat import URL, body
 
 KEYS = "sk-first-4f1a, sk-second-77b0"
 

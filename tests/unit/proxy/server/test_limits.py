@@ -21,7 +21,7 @@ from proxy.errors import ProxyError, error_response
 from proxy.settings import MIB
 from tests.fakes.engine_client import FakeEngineClient, Gate, Step, completion_events
 from tests.unit.proxy.conftest import MakeClient
-from tests.unit.proxy.test_http_chat import URL, body, data_of, frames_of
+from tests.unit.proxy.dialects.chat.test_http_chat import URL, body, data_of, frames_of
 
 GUARD_S = 10.0  # safety limit for waits that must end; never a speed check
 JSON = {"Content-Type": "application/json"}

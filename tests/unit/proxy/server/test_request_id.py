@@ -15,7 +15,7 @@ from protocol.logs import FIELDS
 from proxy.server.request_id import MAX_REQUEST_ID_CHARS, SAFE_CHARS, sanitize_request_id
 from tests.fakes.engine_client import FakeEngineClient
 from tests.unit.proxy.conftest import MakeClient
-from tests.unit.proxy.test_status import Held, by_stage, chat, until
+from tests.unit.proxy.ops.test_status import Held, by_stage, chat, until
 
 UUID = "3f2c9a1e-7b4d-4e8a-9c1f-0d2e3b4a5c6d"
 

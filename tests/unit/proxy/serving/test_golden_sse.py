@@ -2,7 +2,7 @@
 
 Each case drives the app (``create_app`` on ``FakeEngineClient``) through one
 fixed request and compares the status line, the ``Content-Type`` and the raw
-body bytes with ``tests/proxy/golden/<case>.golden``. Only the random parts are
+body bytes with ``tests/unit/proxy/serving/golden/<case>.golden``. Only the random parts are
 normalised first: response ids (``chatcmpl-``/``cmpl-`` + 32 hex digits become
 ``...-ID``) and every ``"created"`` timestamp (becomes ``0``). Everything else
 is compared exactly: key order, ``null`` fields, absent keys, float formatting,

@@ -13,7 +13,7 @@ from anthropic import AsyncAnthropic
 from protocol import Submit
 from tests.fakes.engine_client import FakeEngineClient
 from tests.unit.proxy.conftest import MakeClient
-from tests.unit.proxy.reasoning_script import thinking_script
+from tests.unit.proxy.dialects.reasoning_script import thinking_script
 
 MESSAGES: Any = [{"role": "user", "content": "Why?"}]
 

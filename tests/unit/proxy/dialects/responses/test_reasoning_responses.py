@@ -12,7 +12,7 @@ from openai import AsyncOpenAI
 from protocol import Submit
 from tests.fakes.engine_client import FakeEngineClient
 from tests.unit.proxy.conftest import MakeClient
-from tests.unit.proxy.reasoning_script import thinking_script
+from tests.unit.proxy.dialects.reasoning_script import thinking_script
 
 
 def sdk(client: Any) -> AsyncOpenAI:
