@@ -1,5 +1,5 @@
 /**
- * exl3-sidecar progress in pi's working line and footer (README: "pi").
+ * exl3-sidecar progress in pi's working line and footer (docs/clients.md: "pi").
  *
  * Before each LLM call (pi's `context` event, which pi awaits before it builds
  * the request) the extension picks a fresh request id and puts it in the

@@ -11,7 +11,7 @@
  * request it sent.
  */
 
-/** The environment variable pi resolves the `X-Request-Id` header from (README). */
+/** The environment variable pi resolves the `X-Request-Id` header from (docs/clients.md). */
 export const REQUEST_ID_ENV = "PI_EXL3_REQUEST_ID";
 
 /**

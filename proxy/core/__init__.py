@@ -6,6 +6,7 @@
 | ``fields`` | tolerant body decoding, field types, the sampler fields and the one sampling builder |
 | ``task`` | the neutral task (``ChatTask``/``TextTask``) and its conversion into ``Submit``s |
 | ``generation`` | one response's state, fed by the worker's events |
+| ``samplers`` | the local-LLM sampler vocabulary: each sampler field, its aliases, range and default |
 | ``progress`` | this server's ``prompt_progress`` and ``queue_progress`` shapes |
 | ``usage`` | one accounting (``Counts``) for every usage shape, the log and the metrics |
 """

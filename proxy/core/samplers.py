@@ -13,7 +13,7 @@ The table (``TABLE``) is the single source of three things:
   ``banned_strings`` string, ``seed: -1`` for "random");
 - the sampler table in ``docs/http-contract.md`` (``markdown_table``; a test
   keeps the two equal);
-- the tests of every field (``tests/unit/proxy/test_samplers.py`` walks the table).
+- the tests of every field (``tests/unit/proxy/core/test_samplers.py`` walks the table).
 
 Sources of names and neutral values: TabbyAPI's ``common/sampling.py``
 (``BaseSamplerRequest``, its ``AliasChoices`` and ``UNSUPPORTED_PARAMS``),

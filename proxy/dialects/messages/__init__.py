@@ -5,6 +5,7 @@
 |---|---|
 | ``request`` | the request body, its content blocks and their ``ChatTask`` |
 | ``frames`` | the message object, the stream events and Anthropic's error shape |
+| ``claude_code`` | Claude Code's billing block, kept out of the prompt (it would defeat the prefix cache) |
 
 ``max_tokens`` is required, as Anthropic's, and is a cap: a value beyond what
 the context leaves is clamped by the worker, never a 400 (Claude Code sends
