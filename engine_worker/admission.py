@@ -38,9 +38,8 @@ def validate_request(submit: Submit, info: ModelInfo) -> None:
     what ``info``'s backend cannot honour: a feature it lacks (``check_capabilities``),
     ``n`` outside ``[1, max_batch_size]``, ``check_prompt_size``, ``validate_sampling``, a
     ``logit_bias`` value beyond ``±info.max_logit_bias`` (``-inf`` only where
-    ``info.logit_bias_ban``), ``logprobs`` outside ``[0, MAX_LOGPROBS]``, ``banned_strings`` where
-    ``info.banned_strings`` is false, ``add_bos``
-    with ``messages`` (named ``add_bos_token``, the request field)."""
+    ``info.logit_bias_ban``), ``logprobs`` outside ``[0, MAX_LOGPROBS]``, ``add_bos`` with ``messages`` (named
+    ``add_bos_token``, the request field)."""
     check_capabilities(submit, info)
     if not 1 <= submit.n <= info.max_batch_size:
         message = (

@@ -36,11 +36,9 @@ def startable(
     out: list[S] = []
     for s in items:
         key = group(s)
-        if not waiting(s):
+        if not waiting(s) or key in busy:
             continue
-        if key in ready and key not in busy:
-            out.append(s)
-        elif key not in busy:
-            out.append(s)
-            busy.add(key)
+        out.append(s)
+        if key not in ready:
+            busy.add(key)  # it prefills now: the rest of its group waits for it
     return out
