@@ -71,6 +71,8 @@ class ModelInfo:
       request is refused: they would cover the thinking too).
     - ``banned_strings_alone``: banned strings only without a grammar and logprobs
       (both would have to rewind with the text).
+    - ``vision``: the backend reads ``ChatMessage.images`` (``Ready.modalities`` says
+      ``image``); ``admission`` refuses a request with images otherwise, naming the part.
     """
 
     model_id: str
@@ -98,6 +100,7 @@ class ModelInfo:
     grammar_while_thinking: bool = True
     logprobs_while_thinking: bool = True
     banned_strings_alone: bool = False
+    vision: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,7 +62,7 @@ from protocol import (
     choice_ids,
     choice_seed,
 )
-from protocol.messages import SamplingParams
+from protocol.messages import MODALITY_IMAGE, MODALITY_TEXT, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +149,7 @@ class EngineLoop:
             kv_block_tokens=info.kv_block_tokens,
             reasoning_parser=info.reasoning_parser,
             kernels=dict(info.kernels) or None,
+            modalities=(MODALITY_TEXT, MODALITY_IMAGE) if info.vision else (MODALITY_TEXT,),
         )
 
     def run(self, stop: threading.Event) -> None:

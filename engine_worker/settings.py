@@ -313,6 +313,18 @@ class WorkerSettings(LinkSettings):
     synthetic_kv_tokens: int = setting(
         1 << 20, "[synthetic] KV capacity in tokens that admission budgets against.", ge=1
     )
+    synthetic_image_tokens: int = setting(
+        0,
+        "[synthetic] Tokens each image of a chat turn takes (the model then takes images); 0: "
+        "text only, images refused as on a model without vision.",
+        ge=0,
+    )
+    synthetic_prefix_cache: bool = setting(
+        False,
+        "[synthetic] Count a prompt's longest common prefix with one of the last 64 prefilled "
+        "prompts of its cache_salt as cached tokens (an image's tokens are its digest's), so the "
+        "cached-token path runs without a model.",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -342,7 +354,7 @@ class WorkerSettings(LinkSettings):
                 if getattr(self, name) not in (None, False):
                     raise ValueError(f"{name} needs kv_events_endpoint")
         elif self.backend == "synthetic":
-            raise ValueError("kv_events_endpoint: the synthetic engine has no prefix cache to publish")
+            raise ValueError("kv_events_endpoint: the synthetic engine publishes no KV-cache events")
         if self.backend == "synthetic":
             if self.draft_mode is not DraftMode.NONE:
                 raise ValueError("draft_mode: the synthetic engine does not draft")

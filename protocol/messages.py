@@ -63,8 +63,30 @@ class _Msg(msgspec.Struct, array_like=True, frozen=True, tag=True):
 # ---------------------------------------------------------------- proxy -> worker
 
 
+class ImageInput(msgspec.Struct, array_like=True, frozen=True):
+    """One image of a chat turn: the file's ``data`` as the client sent it
+    (PNG, JPEG, WebP or GIF, whose first frame counts), checked by the proxy
+    before it is sent (format, bytes, pixels, a full decode: ``proxy.core.images``).
+
+    ``offset`` is where the image sits in its message's ``content``, in
+    characters: each image was one part of the content, and parts are joined
+    with ``"\n"``, an image counting as an empty part, so ``[text "a", image,
+    text "b"]`` is content ``"a\n\nb"`` with the image at offset 2. The worker
+    writes the model's image placeholder there; no text of the client ever
+    stands for an image. ``param`` names the part in the client's terms
+    (``messages[0].content[1]``, ``input[0].content[1]``), for errors about it."""
+
+    data: bytes
+    offset: int
+    param: str
+
+
+MODALITY_TEXT = "text"
+MODALITY_IMAGE = "image"
+
+
 class ChatMessage(msgspec.Struct, array_like=True, frozen=True):
-    """One chat turn, content already flattened to text.
+    """One chat turn, content already flattened to text, its images apart (``images``).
 
     The tool side of a turn, only when the model's chat template renders tools
     itself (``Submit.tools_json``): ``tool_calls_json`` (assistant: a JSON array
@@ -82,6 +104,9 @@ class ChatMessage(msgspec.Struct, array_like=True, frozen=True):
     Responses reasoning items, Anthropic thinking blocks): the worker gives it to
     the template as the turn's ``reasoning_content`` (Qwen3, DeepSeek) and
     ``thinking`` (GPT-OSS), which renders or drops it; never as content."""
+    images: tuple[ImageInput, ...] = ()
+    """The turn's images, in order of ``offset`` (``ImageInput``); only a worker whose
+    ``Ready.modalities`` has ``"image"`` is sent any."""
 
 
 MAX_STOP_STRINGS = 64
@@ -339,6 +364,10 @@ class Ready(_Msg, frozen=True, tag="ready"):
     (``{"head": "int_mm", "layers": "vnni", "attention": "llvm"}``, chosen at
     start by measured speed: ``engine_worker.cpu.kernel_choice``); ``None`` for
     other engines."""
+    modalities: tuple[str, ...] = (MODALITY_TEXT,)
+    """What the loaded model reads: ``("text",)``, or ``("text", "image")`` for a
+    vision model. A worker that predates the field says nothing and is taken for
+    text only, so no image is sent to a worker that would drop it."""
 
 
 class Loading(_Msg, frozen=True, tag="loading"):

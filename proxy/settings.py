@@ -28,6 +28,16 @@ BODY_BYTES_UNKNOWN = 8 * MIB
 """The derived body limit while the worker has not said how long a prompt can be."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ImageLimits:
+    """What one request's images may be (``proxy.core.images``): ``count`` images,
+    each at most ``bytes`` of file and ``pixels`` of width x height."""
+
+    count: int
+    bytes: int
+    pixels: int
+
+
 CONNECTIONS_CEILING = 10_000
 """Most connections ``max_connections`` defaults to, whatever the open-file limit:
 an idle connection holds about 6 KiB of proxy memory (5,000 measured: RSS 49 ->
@@ -128,6 +138,24 @@ class ProxySettings(LinkSettings):
         "model can take (6 bytes per character plus 1 MiB), 8 MiB while that is unknown.",
         gt=0,
     )
+    max_images: int = setting(
+        8,
+        "Images one request may carry (every turn counted); beyond it, 400 naming the first image "
+        "over the limit. Only a model that takes images is sent any.",
+        ge=0,
+    )
+    max_image_mb: float = setting(
+        5.0,
+        "Largest image, MiB of the decoded file (Anthropic's limit); beyond it, 400 naming the "
+        "part. The derived body limit makes room for max_images images this large (base64).",
+        gt=0,
+    )
+    max_image_pixels: int = setting(
+        25_000_000,
+        "Most pixels (width x height, read from the file's header before any decoding) of one "
+        "image; beyond it, 400 naming the part: a decompression bomb is refused, not decoded.",
+        ge=1,
+    )
     body_read_timeout: float = setting(
         30.0, "Seconds a request body may take to arrive in full; beyond it, 408.", gt=0
     )
@@ -190,15 +218,21 @@ class ProxySettings(LinkSettings):
         fields = ", ".join(f"{f.name}={shown(f.name)}" for f in dataclasses.fields(self))
         return f"{type(self).__name__}({fields})"
 
-    def body_limit_bytes(self, max_prompt_chars: int | None) -> int:
+    def body_limit_bytes(self, max_prompt_chars: int | None, images: bool = False) -> int:
         """The request body limit: ``max_body_mb`` when set, else derived from
         ``max_prompt_chars`` (the longest prompt text that can fit the context;
-        ``None`` while unknown)."""
+        ``None`` while unknown), plus, when the model takes ``images``,
+        ``max_images`` images of ``max_image_mb`` in base64 (4 bytes per 3)."""
         if self.max_body_mb is not None:
             return int(self.max_body_mb * MIB)
         if max_prompt_chars is None:
             return BODY_BYTES_UNKNOWN
-        return BODY_BYTES_PER_CHAR * max_prompt_chars + BODY_OVERHEAD_BYTES
+        room = self.max_images * int(self.max_image_mb * MIB) * 4 // 3 if images else 0
+        return BODY_BYTES_PER_CHAR * max_prompt_chars + BODY_OVERHEAD_BYTES + room
+
+    def image_limits(self) -> ImageLimits:
+        """``max_images``, ``max_image_mb`` (as bytes) and ``max_image_pixels``."""
+        return ImageLimits(self.max_images, int(self.max_image_mb * MIB), self.max_image_pixels)
 
     def connection_cap(self) -> int:
         """``max_connections``, or its default from this process's open-file limit

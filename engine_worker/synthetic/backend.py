@@ -9,8 +9,18 @@
 - Steps come every ``synthetic_step_ms``: a step prefills ``chunk_size`` prompt
   tokens of each prefilling sequence (one ``PrefillProgress`` each) or emits
   ``synthetic_tokens_per_step`` tokens of each decoding one. A sequence ends with
-  ``finish_reason: "length"`` at ``max_tokens``. There is no prefix cache
-  (``cached_tokens`` is 0) and no drafting.
+  ``finish_reason: "length"`` at ``max_tokens``. No drafting.
+- Images (``--synthetic-image-tokens N`` above 0; else the engine reads text
+  only): each image of a turn is ``N`` tokens, ``<image:<digest>:<k>>`` for ``k``
+  in ``0..N-1``, where ``<digest>`` is the first 16 hex digits of the SHA-256 of
+  its bytes, placed at its ``offset`` in the turn's text (``image_words``). The
+  same image is the same tokens, as an embedding cache keyed by the bytes' hash
+  makes it on a vision model.
+- Prefix cache (``--synthetic-prefix-cache``; else ``cached_tokens`` is 0): a
+  prompt's longest common prefix with one of the last ``PREFIX_CACHE_PROMPTS``
+  prompts prefilled under the same ``cache_salt``, at most all of its tokens but
+  the last (one is always computed, as every engine does), counts as cached and
+  is skipped by the prefill.
 - Sampling parameters other than ``max_tokens`` do not change the output: this
   engine exists to exercise everything around a model, not sampling.
 - Stamps, for latency measurements: when one of the prompt's words is
@@ -24,9 +34,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -35,9 +47,11 @@ from engine_worker.backend import ModelInfo, Prepared
 from engine_worker.requests.events import opening
 from engine_worker.settings import WorkerSettings
 from protocol.messages import (
+    ChatMessage,
     Event,
     Finished,
     FinishReason,
+    ImageInput,
     PrefillProgress,
     SamplingParams,
     Submit,
@@ -54,6 +68,9 @@ STAMP = re.compile(r"@([0-9]+) ")
 SYNTHETIC_VOCAB = 50_000
 """Size of the id space ``prompt_ids`` maps words into."""
 
+PREFIX_CACHE_PROMPTS = 64
+"""Prompts the synthetic prefix cache keeps (module docstring), the oldest dropped first."""
+
 
 def strip_stamps(text: str) -> str:
     """Stamped output text without its stamps: ``expected_text`` again (for
@@ -61,13 +78,30 @@ def strip_stamps(text: str) -> str:
     return STAMP.sub(" ", text)
 
 
-def prompt_words(submit: Submit) -> list[str]:
-    """The prompt's tokens as this engine counts them (see the module docstring)."""
+def image_words(image: ImageInput, count: int) -> list[str]:
+    """The ``count`` tokens of ``image`` (module docstring)."""
+    digest = hashlib.sha256(image.data).hexdigest()[:16]
+    return [f"<image:{digest}:{k}>" for k in range(count)]
+
+
+def _turn_words(m: ChatMessage, image_tokens: int) -> list[str]:
+    words = [f"{m.role}:"]
+    at = 0
+    for image in m.images:
+        words += m.content[at : image.offset].split()
+        words += image_words(image, image_tokens)
+        at = image.offset
+    return words + m.content[at:].split()
+
+
+def prompt_words(submit: Submit, image_tokens: int = 0) -> list[str]:
+    """The prompt's tokens as this engine counts them (see the module docstring),
+    each image ``image_tokens`` of them."""
     if submit.prompt is not None:
         return submit.prompt.split()
     words: list[str] = []
     for m in submit.messages:
-        words += f"{m.role}: {m.content}".split()
+        words += _turn_words(m, image_tokens)
     if submit.add_generation_prompt:
         words.append("assistant:")
     for piece in submit.forced_prefix:  # a named tool call's opening, after the template
@@ -93,6 +127,16 @@ class _Sequence:
     t_prefill_end: float = 0.0
     started: bool = False
     stamped: bool = False
+    salt: str | None = None
+    cached: int = 0
+
+
+def _common_prefix(a: tuple[str, ...], b: list[str]) -> int:
+    n = min(len(a), len(b))
+    k = 0
+    while k < n and a[k] == b[k]:
+        k += 1
+    return k
 
 
 class SyntheticBackend:
@@ -111,8 +155,12 @@ class SyntheticBackend:
             kv_cache_tokens=settings.synthetic_kv_tokens,
             max_batch_size=settings.max_batch_size,
             longest_token_chars=0,  # words have no longest length
-            cache_salt=True,  # no prefix cache: nothing is shared between requests at all
+            cache_salt=True,  # the prefix cache is kept per salt
+            vision=settings.synthetic_image_tokens > 0,
         )
+        self._image_tokens = settings.synthetic_image_tokens
+        self._prefix_cache = settings.synthetic_prefix_cache
+        self._prefilled: OrderedDict[tuple[str | None, tuple[str, ...]], None] = OrderedDict()
         self._seqs: dict[str, _Sequence] = {}
 
     @property
@@ -121,7 +169,7 @@ class SyntheticBackend:
 
     def prepare(self, submit: Submit) -> Prepared:
         param = "prompt" if submit.prompt is not None else "messages"
-        words = prompt_words(submit)
+        words = prompt_words(submit, self._image_tokens)
         return Prepared(submit, words, len(words), param)
 
     def prompt_ids(self, prepared: Prepared) -> list[int]:
@@ -153,7 +201,19 @@ class SyntheticBackend:
             self.reservation(prepared),
             time.monotonic(),
             stamped=STAMP_WORD in words,
+            salt=prepared.submit.cache_salt,
         )
+        if self._prefix_cache:
+            seq = self._seqs[request_id]
+            hits = (_common_prefix(p, words) for salt, p in self._prefilled if salt == seq.salt)
+            seq.cached = seq.processed = max(0, min(max(hits, default=0), len(words) - 1))
+
+    def _remember(self, seq: _Sequence) -> None:
+        key = (seq.salt, tuple(seq.words))
+        self._prefilled[key] = None
+        self._prefilled.move_to_end(key)
+        if len(self._prefilled) > PREFIX_CACHE_PROMPTS:
+            self._prefilled.popitem(last=False)
 
     def abort(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)
@@ -173,13 +233,15 @@ class SyntheticBackend:
             total = len(seq.words)
             if not seq.started:
                 seq.started, seq.t_start = True, now
-                events += opening(seq.request_id, total, 0, 0)
+                events += opening(seq.request_id, total, seq.cached, 0)
             elif seq.processed < total:
                 seq.processed = min(total, seq.processed + self._chunk)
                 ms = int((now - seq.t_start) * 1000)
-                events.append(PrefillProgress(seq.request_id, total, 0, seq.processed, ms))
+                events.append(PrefillProgress(seq.request_id, total, seq.cached, seq.processed, ms))
                 if seq.processed == total:
                     seq.t_prefill_end = now
+                    if self._prefix_cache:
+                        self._remember(seq)
             else:
                 k = seq.generated
                 n = min(self._tokens_per_step, seq.max_tokens - k)
@@ -198,7 +260,7 @@ class SyntheticBackend:
                             seq.request_id,
                             FinishReason.LENGTH,
                             total,
-                            0,
+                            seq.cached,
                             seq.generated,
                             time_queued=seq.t_start - seq.t_added,
                             time_prefill=seq.t_prefill_end - seq.t_start,

@@ -291,6 +291,7 @@ def chat_messages(task: ChatTask, tools: ToolPlan | None = None) -> tuple[ChatMe
                 role="system" if m.role == "developer" else m.role,
                 content=m.content or "",
                 reasoning=m.reasoning if m.role == "assistant" else None,
+                images=m.images,
             )
             for m in history
         )
@@ -302,8 +303,8 @@ def chat_messages(task: ChatTask, tools: ToolPlan | None = None) -> tuple[ChatMe
         return _native_messages(history)
     config = tools.config if tools is not None else None
     fmt = tools.format if tools is not None else None
-    pairs = render_fallback(config, history) if fmt is None else render_fallback(config, history, fmt)
-    return tuple(ChatMessage(role, content) for role, content in pairs)
+    turns = render_fallback(config, history) if fmt is None else render_fallback(config, history, fmt)
+    return tuple(ChatMessage(t.role, t.content, images=t.images) for t in turns)
 
 
 def _native_messages(history: tuple[HistoryMessage, ...]) -> tuple[ChatMessage, ...]:
@@ -326,7 +327,8 @@ def _native_messages(history: tuple[HistoryMessage, ...]) -> tuple[ChatMessage, 
             calls_json = msgspec.json.encode(calls).decode()
         role = "system" if m.role == "developer" else m.role
         reasoning = m.reasoning if m.role == "assistant" else None
-        out.append(ChatMessage(role, m.content or "", calls_json, m.tool_call_id, m.name, reasoning))
+        content = m.content or ""
+        out.append(ChatMessage(role, content, calls_json, m.tool_call_id, m.name, reasoning, m.images))
     return tuple(out)
 
 

@@ -19,7 +19,15 @@ from aiohttp import web
 from proxy.errors import EngineNotReady
 from proxy.ops.metrics import CONTENT_TYPE
 from proxy.ops.request_log import METRICS
-from proxy.server.bodies import HealthStatus, LoadingStage, ModelCard, ModelList, ReadyStatus, encode
+from proxy.server.bodies import (
+    Architecture,
+    HealthStatus,
+    LoadingStage,
+    ModelCard,
+    ModelList,
+    ReadyStatus,
+    encode,
+)
 from proxy.server.state import STATE, ProxyState
 
 log = logging.getLogger(__name__)
@@ -75,6 +83,9 @@ def _model_card(state: ProxyState) -> ModelCard:
         id=name,
         created=state.started_at,
         max_model_len=worker.max_context_tokens if worker is not None else msgspec.UNSET,
+        architecture=Architecture(input_modalities=list(worker.modalities))
+        if worker is not None
+        else msgspec.UNSET,
     )
 
 

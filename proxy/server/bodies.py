@@ -8,9 +8,11 @@ endpoints' bodies are their dialect's (``proxy.dialects``).
 The error envelope of these routes is OpenAI's (``proxy.errors.ErrorEnvelope``).
 
 Models: ``{"object": "list", "data": [card]}`` with card ``{"id": str, "object":
-"model", "created": int, "owned_by": "exl3-sidecar", "max_model_len": int}``
-(``max_model_len``, vLLM's name for the context size, only once the worker's
-context size is known); ``GET /v1/models/{id}`` answers any name with that id and
+"model", "created": int, "owned_by": "exl3-sidecar", "max_model_len": int,
+"architecture": {"input_modalities": ["text"] | ["text", "image"],
+"output_modalities": ["text"]}}`` (``max_model_len``, vLLM's name for the
+context size, and ``architecture``, OpenRouter's, only once the worker's
+handshake is known); ``GET /v1/models/{id}`` answers any name with that id and
 ``"root": <the served model>``. Probes: ``/health`` ``{"status": "ok"}``; ``/ready``
 ``{"status": "ready", "model": str | null, "worker_active_requests": int | null,
 "worker_waiting_requests": int | null, "worker_kv_cache_usage": float | null}``
@@ -29,6 +31,14 @@ encode = msgspec.json.Encoder().encode
 response body is never split into lines by a client)."""
 
 
+class Architecture(msgspec.Struct, kw_only=True, gc=False):
+    """A model card's ``architecture`` (OpenRouter's shape, which model pickers read):
+    what the model reads (``text``, ``image``: ``Ready.modalities``) and writes."""
+
+    input_modalities: list[str]
+    output_modalities: list[str] = msgspec.field(default_factory=lambda: ["text"])
+
+
 class ModelCard(msgspec.Struct, kw_only=True, gc=False):
     """One entry of ``/v1/models``; ``max_model_len`` is vLLM's name for the
     context size, which clients use to size prompts."""
@@ -39,6 +49,7 @@ class ModelCard(msgspec.Struct, kw_only=True, gc=False):
     owned_by: str = "exl3-sidecar"
     max_model_len: int | UnsetType = UNSET
     root: str | UnsetType = UNSET
+    architecture: Architecture | UnsetType = UNSET
 
 
 class ModelList(msgspec.Struct, kw_only=True, gc=False):

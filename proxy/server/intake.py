@@ -20,7 +20,7 @@ import hmac
 
 from aiohttp import web
 
-from protocol.messages import Ready
+from protocol.messages import MODALITY_IMAGE, Ready
 from proxy.errors import InvalidApiKey, InvalidRequest, RequestTimeout, RequestTooLarge, UnsupportedMediaType
 from proxy.settings import MIB, ProxySettings
 
@@ -89,6 +89,13 @@ def max_prompt_chars(worker: Ready | None) -> int | None:
     if worker is None or worker.longest_token_chars <= 0:
         return None
     return worker.max_context_tokens * worker.longest_token_chars
+
+
+def body_limit(settings: ProxySettings, worker: Ready | None) -> int:
+    """The body limit for requests to ``worker`` (``ProxySettings.body_limit_bytes``,
+    with room for images when its model takes them)."""
+    images = worker is not None and MODALITY_IMAGE in worker.modalities
+    return settings.body_limit_bytes(max_prompt_chars(worker), images)
 
 
 def too_large(limit: int, settings: ProxySettings) -> RequestTooLarge:

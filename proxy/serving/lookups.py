@@ -17,6 +17,7 @@ import msgspec
 from aiohttp import web
 
 from protocol.messages import Detokenize, Detokenized, RequestError, Submit, Tokenize, Tokens
+from proxy.core.images import check_images
 from proxy.errors import ContextLengthExceeded, GatewayTimeout, from_request_error
 from proxy.server.state import STATE
 from proxy.serving.serve import check_prompt, ready_worker
@@ -48,9 +49,13 @@ async def tokenize(request: web.Request, submit: Submit, add_special_tokens: boo
     """The prompt token ids of ``submit`` (its grammar and logprobs dropped: they
     do not change the prompt); ``add_special_tokens``: ``Tokenize``'s. A prompt
     generation would refuse before tokenizing (``proxy.serving.serve.check_prompt``)
-    is refused here the same way, before the worker spends time on it. Raises
+    and its images (``proxy.core.images.check_images``) are refused here the same
+    way, before the worker spends time on it. Raises
     ``ProxyError``."""
-    check_prompt(submit, ready_worker(request.app[STATE]))
+    state = request.app[STATE]
+    worker = ready_worker(state)
+    check_prompt(submit, worker)
+    await check_images([submit], worker, state.settings.image_limits())
     rid = "tok-" + uuid.uuid4().hex
     params = msgspec.structs.replace(submit.params, grammar=None, grammar_param=None, logprobs=None)
     plain = msgspec.structs.replace(submit, request_id=rid, params=params, n=1)

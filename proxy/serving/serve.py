@@ -6,11 +6,13 @@
 
 1. intake (``proxy.server.intake``): media type, admission (not draining), body size
    and read time; the API key was checked by ``proxy.app``'s middleware;
-2. the dialect parses and validates the body (``Dialect.parse``), then converts
+2. the dialect parses and validates the body (``Dialect.parse``; in a thread when
+   it is large: ``parsed``), then converts
    it into ``Submit``s (``Job.submits``);
 3. this server's limits: ``max_n`` choices, prompt texts no longer than the
    context can hold at ``Ready.longest_token_chars`` per token (refused without
-   being sent); each grammar checked off the event loop, bounded in time and
+   being sent); images, for a model that takes them, checked in a thread
+   (``proxy.core.images.check_images``); each grammar checked off the event loop, bounded in time and
    memory (``proxy.grammar.check.validate``);
 4. one of the ``max_in_flight`` slots, then the worker (``EngineClient.submit``);
 5. delivery (``proxy.serving.delivery``): the SSE stream through the dialect's encoder,
@@ -26,11 +28,13 @@ listed in ``proxy.ops.inflight`` (``GET /v1/status``, traces).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import msgspec
 from aiohttp import web
@@ -38,6 +42,7 @@ from aiohttp import web
 from protocol.messages import Ready, Submit, choice_ids
 from proxy.core.dialect import Context, Dialect, Handler, Header
 from proxy.core.generation import Generation
+from proxy.core.images import check_images
 from proxy.core.task import prompt_chars
 from proxy.errors import (
     NOT_READY_MESSAGE,
@@ -53,7 +58,14 @@ from proxy.errors import (
 from proxy.grammar.check import validate
 from proxy.ops.inflight import INFLIGHT
 from proxy.ops.request_log import record_of
-from proxy.server.intake import KEY_DIGEST, check_json_body, max_prompt_chars, read_body, too_large
+from proxy.server.intake import (
+    KEY_DIGEST,
+    body_limit,
+    check_json_body,
+    max_prompt_chars,
+    read_body,
+    too_large,
+)
 from proxy.server.state import STATE, ProxyState
 from proxy.serving.delivery import complete_response, send_body, stream_response
 
@@ -81,7 +93,7 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     if expect.lower() != "100-continue":
         return web.Response(status=417, text=f"Unknown Expect: {expect[:64]}")
     state = request.app[STATE]
-    limit = state.settings.body_limit_bytes(max_prompt_chars(state.engine.worker))
+    limit = body_limit(state.settings, state.engine.worker)
     length = request.content_length
     if length is not None and length > limit:
         resp = error_response(too_large(limit, state.settings), error_shape(request))
@@ -97,7 +109,7 @@ async def read_request(request: web.Request) -> bytes:
     state = request.app[STATE]
     check_json_body(request)
     state.check_admissible()
-    limit = state.settings.body_limit_bytes(max_prompt_chars(state.engine.worker))
+    limit = body_limit(state.settings, state.engine.worker)
     return await read_body(request, limit, state.settings)
 
 
@@ -178,7 +190,7 @@ async def serve(request: web.Request, dialect: Dialect) -> web.StreamResponse:
     state = request.app[STATE]
     settings = state.settings
     body = await read_request(request)
-    job = dialect.parse(body)
+    job = await parsed(dialect.parse, body)
     worker = ready_worker(state)
     context = context_of(state, worker)
     request_id = dialect.id_prefix + uuid.uuid4().hex
@@ -189,6 +201,7 @@ async def serve(request: web.Request, dialect: Dialect) -> web.StreamResponse:
     if settings.cache_isolation == "key" and KEY_DIGEST in request:
         submits = [salted(s, request[KEY_DIGEST]) for s in submits]
     check_limits(submits, settings.max_n, worker)
+    await check_images(submits, worker, settings.image_limits())
     await check_grammars(submits)
     # What every dialect shares is decided here once: progress only on a stream.
     options = dataclasses.replace(options, progress=job.stream and job.return_progress, fields=dialect.fields)
@@ -224,6 +237,21 @@ async def serve(request: web.Request, dialect: Dialect) -> web.StreamResponse:
     finally:
         state.release()
     return await send_body(request, reply, settings.stalled_client_timeout, record)
+
+
+PARSE_INLINE_BYTES = 256 * 1024
+"""Bodies up to this size are parsed on the event loop; larger ones (images in
+base64, long conversations) in a thread, so that decoding tens of MiB of JSON and
+base64 takes turns with the streams the loop serves instead of stalling them."""
+
+_T = TypeVar("_T")
+
+
+async def parsed(parse: Callable[[bytes], _T], body: bytes) -> _T:
+    """``parse(body)``, in a thread for a body over ``PARSE_INLINE_BYTES``."""
+    if len(body) <= PARSE_INLINE_BYTES:
+        return parse(body)
+    return await asyncio.get_running_loop().run_in_executor(None, parse, body)
 
 
 async def check_grammars(submits: Sequence[Submit]) -> None:

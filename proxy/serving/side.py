@@ -17,7 +17,7 @@ from aiohttp import web
 from protocol.messages import Ready
 from proxy.core.dialect import Context
 from proxy.server.state import STATE
-from proxy.serving.serve import context_of, read_request, ready_worker
+from proxy.serving.serve import context_of, parsed, read_request, ready_worker
 
 _T = TypeVar("_T")
 
@@ -37,7 +37,7 @@ async def side_request(request: web.Request, parse: Callable[[bytes], _T]) -> Si
     (``parse`` raises ``InvalidRequest`` naming the field), then require a
     ready worker (``EngineNotReady``)."""
     body = await read_request(request)
-    req = parse(body)
+    req = await parsed(parse, body)
     state = request.app[STATE]
     worker = ready_worker(state)
     return SideRequest(req, worker, context_of(state, worker))

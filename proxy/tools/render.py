@@ -40,9 +40,11 @@ ChatML template): the tools and the tool turns of the history become plain
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import msgspec
 
+from protocol.messages import ImageInput
 from proxy.tools.formats import HERMES, ToolCallFormat
 from proxy.tools.spec import FunctionTool, HistoryMessage, ToolConfig
 
@@ -100,34 +102,42 @@ def _tool_response(content: str | None) -> str:
     return f"<tool_response>\n{content or ''}\n</tool_response>"
 
 
+class Turn(NamedTuple):
+    """One rendered turn: ``role``, ``content`` and the turn's ``images``, each still
+    at its offset (text is only ever added after a turn's own content)."""
+
+    role: str
+    content: str
+    images: tuple[ImageInput, ...] = ()
+
+
 def render_fallback(
     config: ToolConfig | None, messages: Sequence[HistoryMessage], fmt: ToolCallFormat = HERMES
-) -> list[tuple[str, str]]:
-    """``(role, content)`` pairs for a template without tool support: the tools
-    section in the system prompt, tool calls and results as text (see the
-    module docstring). ``config`` ``None`` (no tools) still renders tool turns
-    of the history."""
-    out: list[tuple[str, str]] = []
+) -> list[Turn]:
+    """Turns for a template without tool support: the tools section in the
+    system prompt, tool calls and results as text (see the module docstring).
+    ``config`` ``None`` (no tools) still renders tool turns of the history."""
+    out: list[Turn] = []
     results: list[str] = []
     for m in messages:
         if m.role in ("tool", "function"):
             results.append(_tool_response(m.content))
             continue
         if results:
-            out.append(("user", "\n".join(results)))
+            out.append(Turn("user", "\n".join(results)))
             results = []
         content = m.content or ""
         if m.role == "assistant" and m.tool_calls:
             calls = fmt.render_calls([c.function for c in m.tool_calls])
             content = f"{content}\n{calls}" if content else calls
-        out.append(("system" if m.role == "developer" else m.role, content))
+        out.append(Turn("system" if m.role == "developer" else m.role, content, m.images))
     if results:
-        out.append(("user", "\n".join(results)))
+        out.append(Turn("user", "\n".join(results)))
     section = tools_prompt(config, fmt) if config is not None else ""
     if section:
-        if out and out[0][0] == "system":
-            first = out[0][1]
-            out[0] = ("system", f"{first}\n\n{section}" if first else section)
+        if out and out[0].role == "system":
+            first = out[0]
+            out[0] = first._replace(content=f"{first.content}\n\n{section}" if first.content else section)
         else:
-            out.insert(0, ("system", section))
+            out.insert(0, Turn("system", section))
     return out

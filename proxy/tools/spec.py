@@ -34,6 +34,7 @@ from typing import Literal
 
 import msgspec
 
+from protocol.messages import ImageInput
 from proxy.errors import quoted
 
 NAME_PATTERN = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -257,6 +258,8 @@ class HistoryMessage(msgspec.Struct, frozen=True, kw_only=True):
     name: str | None = None
     reasoning: str | None = None
     """An assistant turn's thinking, as the client sent it back (the template decides)."""
+    images: tuple[ImageInput, ...] = ()
+    """The turn's images, each at its ``offset`` in ``content`` (``protocol.ImageInput``)."""
 
 
 def check_history(messages: Sequence[HistoryMessage]) -> None:

@@ -13,7 +13,9 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from protocol.messages import ImageInput
 from proxy.core.fields import Count, Effort, Refusals, decode, never, thinking, tool_config
+from proxy.core.images import data_url_image, join_parts
 from proxy.core.task import ChatTask
 from proxy.dialects.openai.request import ContentPart, OpenAIFields
 from proxy.errors import InvalidRequest
@@ -118,38 +120,54 @@ _TEMPLATE_ARGUMENTS = frozenset(
 """Names ``apply_chat_template`` takes as its own arguments: not template variables."""
 
 
-def flatten_content(content: str | list[ContentPart] | None, where: str) -> str | None:
-    """A message's ``content`` as text (``None`` stays ``None``): text parts
-    joined with a newline, as vLLM does for text-only content. Raises
-    ``InvalidRequest`` naming ``where[j]`` for a part that is not text."""
+def content_and_images(
+    content: str | list[ContentPart] | None, where: str, *, images: bool = True
+) -> tuple[str | None, tuple[ImageInput, ...]]:
+    """A message's ``content`` as text and its ``image_url`` parts (where ``images``)
+    as images at their offsets (``proxy.core.images.join_parts``). Raises
+    ``InvalidRequest`` naming ``where[j]`` for a part of another type, a text part
+    without ``text``, an image part without ``image_url``, or an image that is
+    not a base64 data URL of a format taken."""
     if content is None or isinstance(content, str):
-        return content
-    texts: list[str] = []
+        return content, ()
+    parts: list[str | None] = []
+    urls: list[tuple[str, str]] = []
     for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
-            param = f"{where}[{j}]"
-            problem = "a text part without 'text'" if part.type == "text" else f"type '{part.type}'"
-            raise InvalidRequest(
-                f"Only text content parts are supported; '{param}' is {problem}", param=param
-            )
-        texts.append(part.text)
-    return "\n".join(texts)
+        param = f"{where}[{j}]"
+        if part.type == "text" and part.text is not None:
+            parts.append(part.text)
+        elif part.type == "image_url" and images and part.image_url is not None:
+            parts.append(None)
+            urls.append((part.image_url.url, param))
+        else:
+            taken = "text and image_url parts" if images else "text parts (images in user messages only)"
+            problem = {
+                "text": "a text part without 'text'",
+                "image_url": "an image_url part without 'image_url'" if images else "an image",
+            }.get(part.type, f"type '{part.type}'")
+            raise InvalidRequest(f"Only {taken} are supported here; '{param}' is {problem}", param=param)
+    text, offsets = join_parts(parts)
+    return text, tuple(data_url_image(url, param, at) for (url, param), at in zip(urls, offsets, strict=True))
+
+
+def _turn(i: int, m: ChatMessageIn) -> HistoryMessage:
+    # OpenAI takes image parts in user messages only.
+    content, images = content_and_images(m.content, f"messages[{i}].content", images=m.role == "user")
+    return HistoryMessage(
+        role=m.role,
+        content=content,
+        tool_calls=tuple(m.tool_calls or ()),
+        tool_call_id=m.tool_call_id,
+        name=m.name,
+        reasoning=m.reasoning_content if m.reasoning_content is not None else m.reasoning,
+        images=images,
+    )
 
 
 def chat_task(req: ChatCompletionRequest) -> ChatTask:
     """The request as a ``ChatTask``. Raises ``InvalidRequest``."""
     tools = tool_config(req.tools, req.tool_choice, req.parallel_tool_calls)
-    messages = tuple(
-        HistoryMessage(
-            role=m.role,
-            content=flatten_content(m.content, f"messages[{i}].content"),
-            tool_calls=tuple(m.tool_calls or ()),
-            tool_call_id=m.tool_call_id,
-            name=m.name,
-            reasoning=m.reasoning_content if m.reasoning_content is not None else m.reasoning,
-        )
-        for i, m in enumerate(req.messages)
-    )
+    messages = tuple(_turn(i, m) for i, m in enumerate(req.messages))
     sampling = req.sampling(max_tokens=req.completion_limit(), stop=req.stop, logprobs=req.logprobs_k())
     sampling, template_kwargs = thinking(sampling, req.reasoning_effort, req.chat_template_kwargs)
     return ChatTask(

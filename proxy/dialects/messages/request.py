@@ -44,6 +44,7 @@ from typing import Annotated, ClassVar, Literal
 
 import msgspec
 
+from protocol.messages import ImageInput
 from proxy.core.fields import (
     MESSAGES_MAX_STOPS,
     Count,
@@ -55,6 +56,7 @@ from proxy.core.fields import (
     named_choice,
     tool_config,
 )
+from proxy.core.images import base64_image, data_url_image, join_parts
 from proxy.core.task import ChatTask, JsonOutput, Sampling
 from proxy.dialects.messages.claude_code import without_billing_header
 from proxy.errors import FieldNames, InvalidRequest, quoted
@@ -249,7 +251,8 @@ def history(system: object, messages: list[MessageIn]) -> tuple[HistoryMessage, 
             turns.append(HistoryMessage(role=m.role, content=m.content))
             asked = set()
             continue
-        texts: list[str] = []
+        texts: list[str | None] = []  # None: an image, at its place among the texts
+        images: list[tuple[Mapping[str, object], str]] = []
         thoughts: list[str] = []
         calls: list[ToolCall] = []
         results: list[HistoryMessage] = []
@@ -259,6 +262,9 @@ def history(system: object, messages: list[MessageIn]) -> tuple[HistoryMessage, 
             kind = block.get("type")
             if kind == "text":
                 texts.append(_block_text(block, at))
+            elif kind == "image" and m.role == "user":
+                texts.append(None)
+                images.append((block, at))
             elif kind == "tool_use" and m.role == "assistant":
                 tool_id, name = block.get("id"), block.get("name")
                 if not isinstance(tool_id, str) or not isinstance(name, str):
@@ -292,20 +298,49 @@ def history(system: object, messages: list[MessageIn]) -> tuple[HistoryMessage, 
             else:
                 raise InvalidRequest(
                     f"'{at}' is a block of type {quoted(kind)} in a {m.role} message; this server takes "
-                    "text, tool_use (assistant) and tool_result (user) blocks (no images, documents or "
-                    "server tools)",
+                    "text, image (user), tool_use (assistant) and tool_result (user) blocks (no "
+                    "documents or server tools)",
                     param=at,
                 )
         asked = {c.id for c in calls}
         # A user turn's results come first: they answer the assistant turn before it.
         turns += results
         if texts or calls or not results:
-            content = "\n".join(texts) if texts else None
+            content, offsets = join_parts(texts) if texts else (None, ())
             reasoning = "\n".join(thoughts) if thoughts else None
+            pictures = tuple(_image(b, at, o) for (b, at), o in zip(images, offsets, strict=True))
             turns.append(
-                HistoryMessage(role=m.role, content=content, tool_calls=tuple(calls), reasoning=reasoning)
+                HistoryMessage(
+                    role=m.role,
+                    content=content,
+                    tool_calls=tuple(calls),
+                    reasoning=reasoning,
+                    images=pictures,
+                )
             )
     return tuple(turns)
+
+
+def _image(block: Mapping[str, object], at: str, offset: int) -> ImageInput:
+    """An ``image`` block's image: a ``base64`` source (``media_type``, ``data``); a
+    ``url`` source is refused (``proxy.core.images``: no fetching), a ``file`` one
+    too (this server stores no files)."""
+    source = block.get("source")
+    if not isinstance(source, Mapping):
+        raise InvalidRequest(f"'{at}.source' must be an object", param=f"{at}.source")
+    kind = source.get("type")
+    if kind == "url":
+        url = source.get("url")
+        return data_url_image(url if isinstance(url, str) else "", at, offset)
+    if kind != "base64":
+        raise InvalidRequest(
+            f"'{at}.source' is of type {quoted(kind)}; this server takes base64 images (no files)",
+            param=f"{at}.source",
+        )
+    media_type, data = source.get("media_type"), source.get("data")
+    if not isinstance(media_type, str) or not isinstance(data, str):
+        raise InvalidRequest(f"'{at}.source' needs a string 'media_type' and 'data'", param=f"{at}.source")
+    return base64_image(media_type, data, at, offset)
 
 
 def _check_result(tool_id: str, asked: set[str], answered: set[str], at: str) -> None:

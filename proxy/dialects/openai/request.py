@@ -25,11 +25,21 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     continuous_usage_stats: bool | None = None
 
 
+class ImageUrl(msgspec.Struct, kw_only=True):
+    """An ``image_url`` part's image: a data URL (``proxy.core.images``); ``detail``
+    is accepted and changes nothing: the model's own image processor decides the
+    resolution it sees."""
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 class ContentPart(msgspec.Struct, kw_only=True):
-    """One part of a message's ``content`` list; only ``type == "text"`` is supported."""
+    """One part of a message's ``content`` list: ``text``, or ``image_url`` (user turns)."""
 
     type: str
     text: str | None = None
+    image_url: ImageUrl | None = None
 
 
 class JsonSchemaFormat(msgspec.Struct, kw_only=True):

@@ -34,6 +34,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from protocol.messages import ImageInput
 from proxy.core.fields import (
     Count,
     Effort,
@@ -47,6 +48,7 @@ from proxy.core.fields import (
     thinking,
     tool_config,
 )
+from proxy.core.images import data_url_image, join_parts
 from proxy.core.task import ChatTask, JsonOutput
 from proxy.errors import FieldNames, InvalidRequest, quoted
 from proxy.tools import FunctionCall, HistoryMessage, ToolCall, ToolChoiceIn
@@ -159,29 +161,57 @@ def parse_responses_request(body: bytes) -> ResponsesRequest:
 
 
 def _text_of(content: object, where: str, kinds: frozenset[str]) -> str:
-    """A message's or a tool output's content as text: a string, or text parts
-    (``type`` among ``kinds``) joined with a newline."""
+    """A tool output's content as text: a string, or text parts (``type`` among
+    ``kinds``) joined with a newline."""
+    text, _ = _content_of(content, where, kinds, images=False)
+    return text
+
+
+def _content_of(
+    content: object, where: str, kinds: frozenset[str], *, images: bool
+) -> tuple[str, tuple[ImageInput, ...]]:
+    """A message's content as text and, where ``images``, its ``input_image`` parts
+    as images at their offsets (``proxy.core.images.join_parts``): a string, or
+    parts (text ``type`` among ``kinds``). ``input_image`` takes an ``image_url``
+    (a base64 data URL); a ``file_id`` is refused by name: this server stores no
+    files."""
     if isinstance(content, str):
-        return content
+        return content, ()
     if not isinstance(content, list):
         raise InvalidRequest(f"'{where}' must be a string or a list of content parts", param=where)
-    texts: list[str] = []
+    parts: list[str | None] = []
+    urls: list[tuple[str, str]] = []
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
         if not isinstance(part, Mapping):
             raise InvalidRequest(f"'{at}' must be a content part object", param=at)
         kind = part.get("type")
+        if kind == "input_image" and images:
+            if part.get("file_id") is not None:
+                raise InvalidRequest(
+                    f"'{at}.file_id': this server stores no files; send the image as 'image_url' "
+                    "(a data URL)",
+                    param=f"{at}.file_id",
+                )
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise InvalidRequest(f"'{at}' needs a string 'image_url'", param=at)
+            parts.append(None)
+            urls.append((url, at))
+            continue
         if kind not in kinds:
+            taken = ", ".join(sorted(kinds | ({"input_image"} if images else set())))
             raise InvalidRequest(
-                f"'{at}' is of type {quoted(kind)}; only text parts ({', '.join(sorted(kinds))}) are "
-                "supported (no images, files or audio)",
+                f"'{at}' is of type {quoted(kind)}; only these parts are supported here: {taken} (no "
+                "files or audio; images in user messages)",
                 param=at,
             )
         text = part.get("text") if kind != "refusal" else part.get("refusal")
         if not isinstance(text, str):
             raise InvalidRequest(f"'{at}' needs a string 'text'", param=at)
-        texts.append(text)
-    return "\n".join(texts)
+        parts.append(text)
+    joined, offsets = join_parts(parts)
+    return joined, tuple(data_url_image(url, at, o) for (url, at), o in zip(urls, offsets, strict=True))
 
 
 _MESSAGE_PARTS = frozenset({"input_text", "output_text", "text", "refusal"})
@@ -222,10 +252,12 @@ def history(req: ResponsesRequest) -> tuple[HistoryMessage, ...]:
                 raise InvalidRequest(
                     f"Missing required parameter: '{where}.content'", param=f"{where}.content"
                 )
-            text = _text_of(item["content"], f"{where}.content", _MESSAGE_PARTS)
+            text, images = _content_of(
+                item["content"], f"{where}.content", _MESSAGE_PARTS, images=role == "user"
+            )
             reasoning = thought if role == "assistant" else None
             thought = None
-            turns.append(HistoryMessage(role=role, content=text, reasoning=reasoning))
+            turns.append(HistoryMessage(role=role, content=text, reasoning=reasoning, images=images))
         elif kind == "function_call":
             call = ToolCall(
                 id=_string(item, "call_id", where),

@@ -35,6 +35,7 @@ from __future__ import annotations
 import msgspec
 from aiohttp import web
 
+from protocol.messages import MODALITY_IMAGE
 from proxy.core.dialect import Handler
 from proxy.core.fields import REFUSE_NOTHING, TokenId, decode
 from proxy.core.task import Sampling, TextTask, chat_submit, text_submits, tool_plan
@@ -107,12 +108,22 @@ class GenerationSettings(msgspec.Struct, gc=False):
     n_ctx: int
 
 
+class Modalities(msgspec.Struct, gc=False):
+    """``/props``' ``modalities``, llama.cpp's shape: ``vision`` (images), ``audio``
+    (never here)."""
+
+    vision: bool
+    audio: bool = False
+
+
 class Props(msgspec.Struct, kw_only=True, gc=False):
     """llama.cpp's ``/props``, the part TabbyAPI answers (``ModelPropsResponse``)."""
 
     default_generation_settings: GenerationSettings
     total_slots: int
     chat_template: str = ""
+    modalities: Modalities
+    """llama.cpp's: what the model reads besides text (``Ready.modalities``)."""
     kernels: dict[str, str] | None = None
     """Not llama.cpp's: the CPU engine's kernel per product, chosen at start by
     measured speed (``Ready.kernels``); null for other engines."""
@@ -159,6 +170,7 @@ async def props(request: web.Request) -> web.Response:
             default_generation_settings=GenerationSettings(p.max_seq_len),
             total_slots=p.max_batch_size,
             chat_template=p.prompt_template_content or "",
+            modalities=Modalities(vision=worker is not None and MODALITY_IMAGE in worker.modalities),
             kernels=worker.kernels if worker is not None else None,
         )
     )

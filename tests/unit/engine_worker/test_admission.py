@@ -6,7 +6,7 @@ import pytest
 
 from engine_worker.admission import budget, check_prompt_fits, validate_request, validate_sampling
 from engine_worker.backend import ModelInfo, Prepared, RequestRejected
-from protocol import ErrorCode, SamplingParams, Submit
+from protocol import ChatMessage, ErrorCode, ImageInput, SamplingParams, Submit
 
 OK = SamplingParams(max_tokens=8, stop_token_ids=(0, 99), logit_bias={99: -5.0})
 
@@ -153,3 +153,16 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing() -> None:
             validate_request(submit, info)
         assert (e.value.code, e.value.param) == (ErrorCode.CONTEXT_LENGTH_EXCEEDED, param)
     check_prompt_size(Submit("r", OK, prompt="x" * 10_000), ModelInfo("m", 100, None))  # length unknown
+
+
+def test_an_image_for_a_model_without_vision_is_refused_naming_its_part() -> None:
+    image = ImageInput(b"\x89PNG", 3, "input[1].content[2]")
+    submit = Submit(
+        "r", OK, messages=(ChatMessage("user", "hi"), ChatMessage("user", "see", images=(image,)))
+    )
+    info = ModelInfo("text-model", 100, None, vocab_size=100)
+    with pytest.raises(RequestRejected) as e:
+        validate_request(submit, info)
+    assert (e.value.code, e.value.param) == (ErrorCode.INVALID_REQUEST, "input[1].content[2]")
+    assert "'text-model'" in e.value.message and "reads text only" in e.value.message
+    validate_request(submit, dataclasses.replace(info, vision=True))

@@ -72,7 +72,7 @@ def test_ngram_match_max_follows_min_unless_given() -> None:
         (["--kv-events-connect"], "kv_events_connect needs kv_events_endpoint"),
         (
             ["--backend", "synthetic", "--kv-events-endpoint", "tcp://*:5557"],
-            "synthetic engine has no prefix",
+            "synthetic engine publishes no KV-cache events",
         ),
         (["--no-such-option"], "No such option"),
     ],

@@ -24,6 +24,13 @@ WEATHER_LINE = json.dumps(
 TIME_LINE = '{"type":"function","function":{"name":"get_time"}}'
 
 
+def fallback(*args: Any, **kwargs: Any) -> list[tuple[str, str]]:
+    """``render_fallback``'s turns as ``(role, content)``: these tests have no images."""
+    turns = render_fallback(*args, **kwargs)
+    assert all(t.images == () for t in turns)
+    return [(t.role, t.content) for t in turns]
+
+
 def expected_section(lines: list[str], choice: str, parallel: str, syntax: str) -> str:
     return (
         "# Tools\n\n"
@@ -56,7 +63,7 @@ HISTORY = [
 
 def test_full_conversation() -> None:
     section = expected_section([WEATHER_LINE, TIME_LINE], AUTO_LINE, PARALLEL_LINE, HERMES_SYNTAX)
-    assert render_fallback(config(), HISTORY) == [
+    assert fallback(config(), HISTORY) == [
         ("system", "Be brief.\n\n" + section),
         ("user", "Weather in Paris, and the time?"),
         (
@@ -71,7 +78,7 @@ def test_full_conversation() -> None:
 
 
 def test_system_message_inserted_when_absent() -> None:
-    out = render_fallback(config(), [HistoryMessage(role="user", content="Hi")])
+    out = fallback(config(), [HistoryMessage(role="user", content="Hi")])
     assert out[0] == (
         "system",
         expected_section([WEATHER_LINE, TIME_LINE], AUTO_LINE, PARALLEL_LINE, HERMES_SYNTAX),
@@ -117,13 +124,13 @@ def test_no_section_without_callable_tools() -> None:
         ),
         ("user", "<tool_response>\n18C, sunny\n</tool_response>"),
     ]
-    assert render_fallback(None, history) == expected
-    assert render_fallback(config("none"), history) == expected
+    assert fallback(None, history) == expected
+    assert fallback(config("none"), history) == expected
 
 
 def test_assistant_text_and_non_json_arguments() -> None:
     call = ToolCall(id="c", function=FunctionCall("get_time", "not json"))
-    out = render_fallback(None, [HistoryMessage(role="assistant", content="Checking.", tool_calls=(call,))])
+    out = fallback(None, [HistoryMessage(role="assistant", content="Checking.", tool_calls=(call,))])
     assert out == [
         ("assistant", 'Checking.\n<tool_call>\n{"name": "get_time", "arguments": "not json"}\n</tool_call>')
     ]
@@ -131,15 +138,13 @@ def test_assistant_text_and_non_json_arguments() -> None:
 
 def test_empty_system_message_gets_only_the_section() -> None:
     cfg = config()
-    out = render_fallback(
-        cfg, [HistoryMessage(role="system", content=""), HistoryMessage(role="user", content="x")]
-    )
+    out = fallback(cfg, [HistoryMessage(role="system", content=""), HistoryMessage(role="user", content="x")])
     assert out[0] == ("system", tools_prompt(cfg))
 
 
 def test_pure() -> None:
     cfg = config()
-    assert render_fallback(cfg, HISTORY) == render_fallback(cfg, HISTORY)
+    assert fallback(cfg, HISTORY) == fallback(cfg, HISTORY)
     assert HISTORY[2].content is None
 
 
@@ -159,7 +164,7 @@ def test_renders_through_the_embedded_template() -> None:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     assert jinja2 is not None
-    pairs = render_fallback(config(), HISTORY)
+    pairs = fallback(config(), HISTORY)
     template = ImmutableSandboxedEnvironment().from_string(SMOLLM2)
     prompt = template.render(
         messages=[{"role": r, "content": c} for r, c in pairs], add_generation_prompt=True
