@@ -98,8 +98,24 @@ def tools_prompt(config: ToolConfig, fmt: ToolCallFormat = HERMES) -> str:
     )
 
 
+_RESPONSE_OPEN = "<tool_response>\n"
+
+
 def _tool_response(content: str | None) -> str:
-    return f"<tool_response>\n{content or ''}\n</tool_response>"
+    return f"{_RESPONSE_OPEN}{content or ''}\n</tool_response>"
+
+
+def _results_turn(results: list[HistoryMessage]) -> Turn:
+    """Tool results as one user turn, each result's images moved with its text."""
+    texts: list[str] = []
+    images: list[ImageInput] = []
+    at = 0
+    for m in results:
+        shift = at + len(_RESPONSE_OPEN)
+        images += (msgspec.structs.replace(im, offset=im.offset + shift) for im in m.images)
+        texts.append(_tool_response(m.content))
+        at += len(texts[-1]) + 1  # the newline the results are joined with
+    return Turn("user", "\n".join(texts), tuple(images))
 
 
 class Turn(NamedTuple):
@@ -118,13 +134,13 @@ def render_fallback(
     system prompt, tool calls and results as text (see the module docstring).
     ``config`` ``None`` (no tools) still renders tool turns of the history."""
     out: list[Turn] = []
-    results: list[str] = []
+    results: list[HistoryMessage] = []
     for m in messages:
         if m.role in ("tool", "function"):
-            results.append(_tool_response(m.content))
+            results.append(m)
             continue
         if results:
-            out.append(Turn("user", "\n".join(results)))
+            out.append(_results_turn(results))
             results = []
         content = m.content or ""
         if m.role == "assistant" and m.tool_calls:
@@ -132,7 +148,7 @@ def render_fallback(
             content = f"{content}\n{calls}" if content else calls
         out.append(Turn("system" if m.role == "developer" else m.role, content, m.images))
     if results:
-        out.append(Turn("user", "\n".join(results)))
+        out.append(_results_turn(results))
     section = tools_prompt(config, fmt) if config is not None else ""
     if section:
         if out and out[0].role == "system":

@@ -205,21 +205,35 @@ def _block_text(block: Mapping[str, object], where: str) -> str:
 
 
 def _text_blocks(content: object, where: str) -> str:
-    """A ``system`` or ``tool_result`` content: a string or text blocks, joined
-    with a newline."""
+    """A ``system`` content: a string or text blocks, joined with a newline."""
+    text, _ = _result_blocks(content, where, images=False)
+    return text
+
+
+def _result_blocks(content: object, where: str, *, images: bool = True) -> tuple[str, tuple[ImageInput, ...]]:
+    """A ``tool_result`` content (a string, or text and, where ``images``, image
+    blocks: a screenshot a tool returned) as text and its images at their offsets
+    (``proxy.core.images.join_parts``)."""
     if isinstance(content, str):
-        return content
+        return content, ()
     if not isinstance(content, list):
         raise InvalidRequest(f"'{where}' must be a string or a list of text blocks", param=where)
-    texts = []
+    parts: list[str | None] = []
+    found: list[tuple[Mapping[str, object], str]] = []
     for j, block in enumerate(content):
         at = f"{where}[{j}]"
-        if not isinstance(block, Mapping) or block.get("type") != "text":
-            kind = block.get("type") if isinstance(block, Mapping) else type(block).__name__
-            message = f"'{at}' is of type {quoted(kind)}; only text blocks are supported here"
+        kind = block.get("type") if isinstance(block, Mapping) else type(block).__name__
+        if isinstance(block, Mapping) and kind == "image" and images:
+            parts.append(None)
+            found.append((block, at))
+        elif isinstance(block, Mapping) and kind == "text":
+            parts.append(_block_text(block, at))
+        else:
+            taken = "text and image blocks" if images else "text blocks"
+            message = f"'{at}' is of type {quoted(kind)}; only {taken} are supported here"
             raise InvalidRequest(message, param=at)
-        texts.append(_block_text(block, at))
-    return "\n".join(texts)
+    text, offsets = join_parts(parts)
+    return text, tuple(_image(b, at, o) for (b, at), o in zip(found, offsets, strict=True))
 
 
 _DROPPED = frozenset({"redacted_thinking"})
@@ -284,10 +298,16 @@ def history(system: object, messages: list[MessageIn]) -> tuple[HistoryMessage, 
                 if not isinstance(tool_id, str):
                     raise InvalidRequest(f"'{at}.tool_use_id' must be a string", param=f"{at}.tool_use_id")
                 _check_result(tool_id, asked, answered, at)
-                text = _text_blocks(block.get("content", ""), f"{at}.content")
+                text, pictures = _result_blocks(block.get("content", ""), f"{at}.content")
                 if block.get("is_error"):
-                    text = f"Error: {text}"
-                results.append(HistoryMessage(role="tool", content=text, tool_call_id=tool_id))
+                    marker = "Error: "
+                    text = marker + text
+                    pictures = tuple(
+                        msgspec.structs.replace(p, offset=p.offset + len(marker)) for p in pictures
+                    )
+                results.append(
+                    HistoryMessage(role="tool", content=text, tool_call_id=tool_id, images=pictures)
+                )
             elif kind == "thinking" and m.role == "assistant":
                 thought = block.get("thinking")
                 if not isinstance(thought, str):

@@ -160,17 +160,10 @@ def parse_responses_request(body: bytes) -> ResponsesRequest:
     return req
 
 
-def _text_of(content: object, where: str, kinds: frozenset[str]) -> str:
-    """A tool output's content as text: a string, or text parts (``type`` among
-    ``kinds``) joined with a newline."""
-    text, _ = _content_of(content, where, kinds, images=False)
-    return text
-
-
 def _content_of(
     content: object, where: str, kinds: frozenset[str], *, images: bool
 ) -> tuple[str, tuple[ImageInput, ...]]:
-    """A message's content as text and, where ``images``, its ``input_image`` parts
+    """A message's content or a tool output as text and, where ``images``, its ``input_image`` parts
     as images at their offsets (``proxy.core.images.join_parts``): a string, or
     parts (text ``type`` among ``kinds``). ``input_image`` takes an ``image_url``
     (a base64 data URL); a ``file_id`` is refused by name: this server stores no
@@ -203,7 +196,7 @@ def _content_of(
             taken = ", ".join(sorted(kinds | ({"input_image"} if images else set())))
             raise InvalidRequest(
                 f"'{at}' is of type {quoted(kind)}; only these parts are supported here: {taken} (no "
-                "files or audio; images in user messages)",
+                "files or audio; images in user messages and tool outputs)",
                 param=at,
             )
         text = part.get("text") if kind != "refusal" else part.get("refusal")
@@ -274,10 +267,9 @@ def history(req: ResponsesRequest) -> tuple[HistoryMessage, ...]:
         elif kind == "function_call_output":
             if "output" not in item:
                 raise InvalidRequest(f"Missing required parameter: '{where}.output'", param=f"{where}.output")
-            output = _text_of(item["output"], f"{where}.output", _OUTPUT_PARTS)
-            turns.append(
-                HistoryMessage(role="tool", content=output, tool_call_id=_string(item, "call_id", where))
-            )
+            output, images = _content_of(item["output"], f"{where}.output", _OUTPUT_PARTS, images=True)
+            call_id = _string(item, "call_id", where)
+            turns.append(HistoryMessage(role="tool", content=output, tool_call_id=call_id, images=images))
         elif kind == "reasoning":
             thought = _reasoning_text(item, where)
         else:

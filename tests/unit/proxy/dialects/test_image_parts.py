@@ -231,3 +231,55 @@ async def test_props_and_models_say_what_the_model_reads(
     assert (await (await client.get("/props")).json())["modalities"] == {"vision": True, "audio": False}
     card = await (await client.get("/v1/models/any")).json()
     assert card["architecture"]["input_modalities"] == ["text", "image"]
+
+
+async def test_a_tool_returns_an_image(make_client: MakeClient, fake: FakeEngineClient) -> None:
+    """A screenshot in an Anthropic ``tool_result`` and in a Responses
+    ``function_call_output``: it stays at its place when the generic tools prompt
+    wraps the result (``<tool_response>\\n`` before it, ``Error: `` for an error)."""
+    fake.worker_ready = VISION
+    client = await make_client()
+    tool = {"name": "shot", "input_schema": {"type": "object"}}
+    body = {
+        "model": "m",
+        "max_tokens": 4,
+        "tools": [tool],
+        "messages": [
+            {"role": "user", "content": "look"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "t1",
+                        "is_error": True,
+                        "content": [{"type": "text", "text": "cut"}, MESSAGES_PARTS[1]],
+                    }
+                ],
+            },
+        ],
+    }
+    resp = await client.post("/v1/messages", json=body)
+    assert resp.status == 200, await resp.text()
+    result = fake.submits[-1].messages[-1]
+    assert result.role == "user"
+    offset = len("<tool_response>\nError: cut\n")
+    assert result.content == "<tool_response>\nError: cut\n\n</tool_response>"
+    assert result.images == (ImageInput(PNG, offset, "messages[2].content[0].content[1]"),)
+
+    body = {
+        "model": "m",
+        "max_output_tokens": 4,
+        "tools": [{"type": "function", "name": "shot", "parameters": {"type": "object"}}],
+        "input": [
+            {"role": "user", "content": "look"},
+            {"type": "function_call", "call_id": "c1", "name": "shot", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": [RESPONSES_PARTS[1]]},
+        ],
+    }
+    resp = await client.post("/v1/responses", json=body)
+    assert resp.status == 200, await resp.text()
+    result = fake.submits[-1].messages[-1]
+    assert result.content == "<tool_response>\n\n</tool_response>"
+    assert result.images == (ImageInput(PNG, len("<tool_response>\n"), "input[2].output[0]"),)

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from protocol.messages import ImageInput
 from proxy.tools.formats import HERMES, LLAMA3_JSON, MISTRAL, ToolCallFormat
 from proxy.tools.parser import parse_output
 from proxy.tools.render import render_fallback, tools_prompt
@@ -174,3 +175,20 @@ def test_renders_through_the_embedded_template() -> None:
     assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather"' in prompt
     assert "<|im_start|>user\n<tool_response>\n18C, sunny\n</tool_response>" in prompt
     assert prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_images_keep_their_place_through_the_rendering() -> None:
+    """A user turn's images keep their offsets; tool results' images move with
+    their result's text into the one user turn the results become."""
+    shot, other, photo = (ImageInput(b, o, p) for b, o, p in ((b"1", 2, "a"), (b"2", 0, "b"), (b"3", 1, "c")))
+    history = [
+        HistoryMessage(role="user", content="hi\n", images=(photo,)),
+        HistoryMessage(role="tool", content="ok\n", tool_call_id="1", images=(shot,)),
+        HistoryMessage(role="tool", content="\n", tool_call_id="2", images=(other,)),
+    ]
+    user, results = render_fallback(None, history)
+    assert user == ("user", "hi\n", (photo,))
+    first = "<tool_response>\nok\n\n</tool_response>"
+    assert results.content == first + "\n<tool_response>\n\n\n</tool_response>"
+    assert [im.offset for im in results.images] == [len("<tool_response>\nok"), len(first) + 1 + 16]
+    assert [results.content[: im.offset].count("<tool_response>") for im in results.images] == [1, 2]
