@@ -12,7 +12,8 @@ in order, each refusal a 400 naming the part in the client's terms
 2. more than ``limits.count`` images in the request;
 3. a file over ``limits.bytes``;
 4. in a thread (``_DECODERS``, two at a time, so a burst of images takes no
-   more of the proxy than that): the format by the file's signature (PNG,
+   more of the proxy than that; at most ``MAX_CHECKING`` requests in them, the
+   next a 503 ``image_checks_busy``): the format by the file's signature (PNG,
    JPEG, WebP, GIF), the pixels (width x height) from its header against
    ``limits.pixels`` (a decompression bomb is refused before it is decoded),
    then a full decode of the first frame (a truncated or damaged file is
@@ -34,14 +35,22 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from protocol.messages import MODALITY_IMAGE, ImageInput, Ready, Submit
-from proxy.errors import InvalidRequest
+from proxy.errors import InvalidRequest, ServiceUnavailable
 from proxy.settings import MIB, ImageLimits
 
 FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG", "image/webp": "WEBP", "image/gif": "GIF"}
 """The media types taken, with Pillow's name of each format."""
 
-_DECODERS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="image-check")
+DECODE_THREADS = 2
+_DECODERS = ThreadPoolExecutor(max_workers=DECODE_THREADS, thread_name_prefix="image-check")
 """The threads that decode images (module docstring): not loop-bound, shared by every app."""
+
+MAX_CHECKING = 16
+"""Requests whose images may be in the decoders at once, running or queued; one more
+is a 503 ``image_checks_busy`` (``Retry-After``), as a grammar check beyond its
+queue is: a burst of image requests waits a bounded time, or is told to retry."""
+
+_checking = 0  # requests in the decoders now; touched only on the event loop
 
 
 def join_parts(parts: Sequence[str | None]) -> tuple[str, tuple[int, ...]]:
@@ -108,7 +117,8 @@ def takes_images(worker: Ready) -> bool:
 
 async def check_images(submits: Sequence[Submit], worker: Ready, limits: ImageLimits) -> None:
     """Refuse what the worker should not be sent (module docstring, steps 1-4).
-    Raises ``InvalidRequest`` naming the image's part."""
+    Raises ``InvalidRequest`` naming the image's part, ``ServiceUnavailable``
+    (``image_checks_busy``) when ``MAX_CHECKING`` requests' images are being checked."""
     images = [im for s in submits for m in s.messages for im in m.images]
     if not images:
         return
@@ -131,12 +141,22 @@ async def check_images(submits: Sequence[Submit], worker: Ready, limits: ImageLi
                 f"{limits.bytes / MIB:.1f} MiB (max_image_mb)",
                 param=im.param,
             )
-    loop = asyncio.get_running_loop()
-    # A repeated image (the same bytes sent again in the history) is checked once.
-    for im in {im.data: im for im in images}.values():
-        problem = await loop.run_in_executor(_DECODERS, inspect, im.data, limits.pixels)
-        if problem is not None:
-            raise InvalidRequest(f"'{im.param}' {problem}", param=im.param)
+    global _checking
+    if _checking >= MAX_CHECKING:
+        raise ServiceUnavailable(
+            f"Images of {MAX_CHECKING} requests are being checked now; retry shortly",
+            code="image_checks_busy",
+        )
+    _checking += 1
+    try:
+        loop = asyncio.get_running_loop()
+        # A repeated image (the same bytes sent again in the history) is checked once.
+        for im in {im.data: im for im in images}.values():
+            problem = await loop.run_in_executor(_DECODERS, inspect, im.data, limits.pixels)
+            if problem is not None:
+                raise InvalidRequest(f"'{im.param}' {problem}", param=im.param)
+    finally:
+        _checking -= 1
 
 
 def inspect(data: bytes, max_pixels: int) -> str | None:

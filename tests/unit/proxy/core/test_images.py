@@ -3,9 +3,11 @@ base64 decoded, and every limit checked in its order, before the worker."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import struct
+import threading
 import zlib
 
 import msgspec
@@ -13,8 +15,9 @@ import pytest
 from PIL import Image
 
 from protocol.messages import MODALITY_IMAGE, MODALITY_TEXT, ChatMessage, ImageInput, SamplingParams, Submit
+from proxy.core import images
 from proxy.core.images import base64_image, check_images, data_url_image, inspect, join_parts
-from proxy.errors import InvalidRequest
+from proxy.errors import InvalidRequest, ServiceUnavailable
 from proxy.settings import ImageLimits
 from tests.fakes.engine_client import WORKER
 
@@ -132,3 +135,22 @@ async def test_limits_in_order_each_naming_its_part() -> None:
     assert info.value.param == "messages[0].content[3]" and "2,000,000" in info.value.message
 
     await check_images([submit_with(*images[:4])], VISION, LIMITS)  # within every limit
+
+
+async def test_a_burst_beyond_the_decoders_queue_is_told_to_retry(monkeypatch: pytest.MonkeyPatch) -> None:
+    release = threading.Event()
+
+    def slow(data: bytes, max_pixels: int) -> str | None:
+        release.wait(10)
+        return None
+
+    monkeypatch.setattr(images, "inspect", slow)
+    monkeypatch.setattr(images, "MAX_CHECKING", 1)
+    first = asyncio.create_task(check_images([submit_with(ImageInput(picture(), 4, "a"))], VISION, LIMITS))
+    await asyncio.sleep(0.05)
+    with pytest.raises(ServiceUnavailable) as info:
+        await check_images([submit_with(ImageInput(picture(), 4, "b"))], VISION, LIMITS)
+    assert info.value.code == "image_checks_busy" and info.value.status == 503
+    release.set()
+    await first
+    await check_images([submit_with(ImageInput(picture(), 4, "c"))], VISION, LIMITS)  # room again
