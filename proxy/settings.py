@@ -31,11 +31,16 @@ BODY_BYTES_UNKNOWN = 8 * MIB
 @dataclasses.dataclass(frozen=True, slots=True)
 class ImageLimits:
     """What one request's images may be (``proxy.core.images``): ``count`` images,
-    each at most ``bytes`` of file and ``pixels`` of width x height."""
+    each at most ``bytes`` of file and ``pixels`` of width x height; whether
+    http(s) URLs are fetched (``fetch``), from which ``hosts`` (empty: any public
+    one), within ``timeout`` seconds (``proxy.core.image_fetch``)."""
 
     count: int
     bytes: int
     pixels: int
+    fetch: bool = False
+    hosts: tuple[str, ...] = ()
+    timeout: float = 10.0
 
 
 CONNECTIONS_CEILING = 10_000
@@ -156,6 +161,21 @@ class ProxySettings(LinkSettings):
         "image; beyond it, 400 naming the part: a decompression bomb is refused, not decoded.",
         ge=1,
     )
+    allow_image_urls: bool = setting(
+        False,
+        "Fetch http(s) image URLs of image parts (off: only data URLs and base64 are taken, a URL "
+        "is a 400 naming the part). A fetched file is held to max_image_mb and image_url_timeout; "
+        "a host that resolves to a private, loopback or link-local address is refused unless "
+        "image_url_hosts lists it.",
+    )
+    image_url_hosts: str | None = setting(
+        None,
+        "With allow_image_urls: the hosts that may be fetched, comma-separated (a leading dot: a "
+        "domain and its subdomains, '.example.com'); default any host with a public address.",
+    )
+    image_url_timeout: float = setting(
+        10.0, "With allow_image_urls: seconds one image URL may take to fetch in full.", gt=0
+    )
     body_read_timeout: float = setting(
         30.0, "Seconds a request body may take to arrive in full; beyond it, 408.", gt=0
     )
@@ -231,8 +251,17 @@ class ProxySettings(LinkSettings):
         return BODY_BYTES_PER_CHAR * max_prompt_chars + BODY_OVERHEAD_BYTES + room
 
     def image_limits(self) -> ImageLimits:
-        """``max_images``, ``max_image_mb`` (as bytes) and ``max_image_pixels``."""
-        return ImageLimits(self.max_images, int(self.max_image_mb * MIB), self.max_image_pixels)
+        """``max_images``, ``max_image_mb`` (as bytes), ``max_image_pixels`` and the
+        URL fetching settings."""
+        hosts = tuple(h.strip().lower() for h in (self.image_url_hosts or "").split(",") if h.strip())
+        return ImageLimits(
+            self.max_images,
+            int(self.max_image_mb * MIB),
+            self.max_image_pixels,
+            fetch=self.allow_image_urls,
+            hosts=hosts,
+            timeout=self.image_url_timeout,
+        )
 
     def connection_cap(self) -> int:
         """``max_connections``, or its default from this process's open-file limit

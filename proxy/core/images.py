@@ -19,9 +19,9 @@ in order, each refusal a 400 naming the part in the client's terms
    then a full decode of the first frame (a truncated or damaged file is
    refused here, not in the worker).
 
-Image URLs over ``http(s)`` are refused by name: this server does not fetch
-(llama.cpp's server neither; fetching from a proxy inside a cluster is a
-server-side request forgery risk that needs an allow-list). Formats follow the
+Image URLs over ``http(s)`` are fetched only where the operator allows it, after
+step 2 and before step 3 (``proxy.core.image_fetch``: off by default, an
+allow-list of hosts, no private address unless listed). Formats follow the
 OpenAI and Anthropic references (PNG, JPEG, WebP, non-animated GIF; an animated
 GIF's first frame is what a vision model is shown).
 """
@@ -34,7 +34,10 @@ import io
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
+
 from protocol.messages import MODALITY_IMAGE, ImageInput, Ready, Submit
+from proxy.core.image_fetch import ImageUrl, fetch_image
 from proxy.errors import InvalidRequest, ServiceUnavailable
 from proxy.settings import MIB, ImageLimits
 
@@ -74,16 +77,13 @@ def join_parts(parts: Sequence[str | None]) -> tuple[str, tuple[int, ...]]:
 
 def data_url_image(url: str, param: str, offset: int = 0) -> ImageInput:
     """The image of a ``data:<media type>;base64,<data>`` URL (RFC 2397), at
-    ``offset`` of its turn. Raises ``InvalidRequest`` naming ``param`` for an
-    ``http(s)`` URL (not fetched: module docstring), another scheme, a data URL
-    that is not base64 or not of a format taken (``FORMATS``)."""
+    ``offset`` of its turn; an ``http(s)`` URL is an ``ImageUrl``, fetched later
+    where allowed (``proxy.core.image_fetch``). Raises ``InvalidRequest`` naming
+    ``param`` for another scheme, a data URL that is not base64 or not of a format
+    taken (``FORMATS``)."""
     scheme = url[: url.find(":")].lower() if ":" in url else ""
     if scheme in ("http", "https"):
-        raise InvalidRequest(
-            f"'{param}' is an image URL; this server does not fetch images: send it inline as a data "
-            "URL (data:image/png;base64,...)",
-            param=param,
-        )
+        return ImageUrl(b"", offset, param, url)  # fetched, if allowed, by check_images
     if scheme != "data":
         raise InvalidRequest(f"'{param}' must be a data URL (data:image/png;base64,...)", param=param)
     head, comma, data = url.partition(",")
@@ -115,13 +115,14 @@ def takes_images(worker: Ready) -> bool:
     return MODALITY_IMAGE in worker.modalities
 
 
-async def check_images(submits: Sequence[Submit], worker: Ready, limits: ImageLimits) -> None:
-    """Refuse what the worker should not be sent (module docstring, steps 1-4).
+async def check_images(submits: list[Submit], worker: Ready, limits: ImageLimits) -> list[Submit]:
+    """``submits`` with their image URLs fetched (``proxy.core.image_fetch``), once
+    nothing the worker should not be sent is left (module docstring, steps 1-4).
     Raises ``InvalidRequest`` naming the image's part, ``ServiceUnavailable``
     (``image_checks_busy``) when ``MAX_CHECKING`` requests' images are being checked."""
     images = [im for s in submits for m in s.messages for im in m.images]
     if not images:
-        return
+        return submits
     if not takes_images(worker):
         param = images[0].param
         raise InvalidRequest(
@@ -134,6 +135,12 @@ async def check_images(submits: Sequence[Submit], worker: Ready, limits: ImageLi
             f"('{param}' is over it)",
             param=param,
         )
+    urls = [im for im in images if isinstance(im, ImageUrl)]
+    if urls:
+        # One at a time: the first refusal ends the request with no fetch left running.
+        fetched = {id(u): await fetch_image(u, limits) for u in urls}
+        submits = [_replaced(s, fetched) for s in submits]
+        images = [fetched.get(id(im), im) for im in images]
     for im in images:
         if len(im.data) > limits.bytes:
             raise InvalidRequest(
@@ -157,6 +164,19 @@ async def check_images(submits: Sequence[Submit], worker: Ready, limits: ImageLi
                 raise InvalidRequest(f"'{im.param}' {problem}", param=im.param)
     finally:
         _checking -= 1
+    return submits
+
+
+def _replaced(submit: Submit, fetched: dict[int, ImageInput]) -> Submit:
+    if not any(id(im) in fetched for m in submit.messages for im in m.images):
+        return submit
+    messages = tuple(
+        msgspec.structs.replace(m, images=tuple(fetched.get(id(im), im) for im in m.images))
+        if m.images
+        else m
+        for m in submit.messages
+    )
+    return msgspec.structs.replace(submit, messages=messages)
 
 
 def inspect(data: bytes, max_pixels: int) -> str | None:

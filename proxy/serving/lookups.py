@@ -55,7 +55,7 @@ async def tokenize(request: web.Request, submit: Submit, add_special_tokens: boo
     state = request.app[STATE]
     worker = ready_worker(state)
     check_prompt(submit, worker)
-    await check_images([submit], worker, state.settings.image_limits())
+    (submit,) = await check_images([submit], worker, state.settings.image_limits())
     rid = "tok-" + uuid.uuid4().hex
     params = msgspec.structs.replace(submit.params, grammar=None, grammar_param=None, logprobs=None)
     plain = msgspec.structs.replace(submit, request_id=rid, params=params, n=1)

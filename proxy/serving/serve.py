@@ -201,7 +201,7 @@ async def serve(request: web.Request, dialect: Dialect) -> web.StreamResponse:
     if settings.cache_isolation == "key" and KEY_DIGEST in request:
         submits = [salted(s, request[KEY_DIGEST]) for s in submits]
     check_limits(submits, settings.max_n, worker)
-    await check_images(submits, worker, settings.image_limits())
+    submits = await check_images(submits, worker, settings.image_limits())
     await check_grammars(submits)
     # What every dialect shares is decided here once: progress only on a stream.
     options = dataclasses.replace(options, progress=job.stream and job.return_progress, fields=dialect.fields)
