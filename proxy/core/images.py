@@ -157,8 +157,12 @@ async def check_images(submits: list[Submit], worker: Ready, limits: ImageLimits
     _checking += 1
     try:
         loop = asyncio.get_running_loop()
-        # A repeated image (the same bytes sent again in the history) is checked once.
-        for im in {im.data: im for im in images}.values():
+        # A repeated image (the same bytes sent again in the history) is checked once,
+        # and named by its first part.
+        unique: dict[bytes, ImageInput] = {}
+        for im in images:
+            unique.setdefault(im.data, im)
+        for im in unique.values():
             problem = await loop.run_in_executor(_DECODERS, inspect, im.data, limits.pixels)
             if problem is not None:
                 raise InvalidRequest(f"'{im.param}' {problem}", param=im.param)
