@@ -217,8 +217,8 @@ def answer_filter_factory(
                 return mask
             if self._constrained:
                 inner = self._grammar.get_next_logit_mask()
-                mask = new_words(int(inner.shape[-1]))
-                mask[0, :] = inner[0, :]  # a copy: the grammar reuses its buffer
+                # A copy in the grammar's own array type: it reuses its buffer.
+                mask = inner.clone() if hasattr(inner, "clone") else inner.copy()
                 if self._also is not None:
                     put(mask, self._also, True)
             else:
