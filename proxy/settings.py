@@ -55,7 +55,7 @@ be refused, one burst of accepts (up to the listen backlog), the worker link and
 files."""
 
 
-ToolCallFormatName = Literal["auto", "hermes", "llama3_json", "mistral"]
+ToolCallFormatName = Literal["auto", "hermes", "llama3_json", "mistral", "harmony"]
 """``--tool-call-format`` values (``proxy.tools.TOOL_CALL_FORMAT_CHOICES``)."""
 
 

@@ -25,8 +25,11 @@ them), sets ``MAX_JOBS`` to the cores, ``TORCH_CUDA_ARCH_LIST``, ``TORCH_EXTENSI
   generator): load time, and Triton's kernels compiled into ``TRITON_CACHE_DIR``, so that no
   later step compiles one.
 - ``backend``: the backend driven in-process (progress, prefix reuse, stops, aborts,
-  re-queues, drafts, the context limit, a fault and its recovery, the longest ``iterate()``
-  and whether a heartbeat-like thread kept its pace during it).
+  re-queues, drafts, the context limit, a Harmony call's frame written by a grammar and read
+  by the proxy's ``harmony`` format, a grammar after a reasoning parser's thinking with
+  logprobs for the answer only and a stop string the thinking contains, a fault and its
+  recovery, the longest ``iterate()`` and whether a heartbeat-like thread kept its pace
+  during it).
 - ``proxy``: worker and proxy as processes, through HTTP (progress, reuse, the context 400,
   TTFT and the gap between tokens beside the in-process numbers).
 
@@ -828,6 +831,7 @@ def phase_backend(work: Path, res: Result) -> None:
     from engine_worker.exllamav3.backend import ExLlamaV3Backend
     from engine_worker.exllamav3.loader import load_engine
     from protocol.messages import (
+        Channel,
         ChatMessage,
         ErrorCode,
         Event,
@@ -1081,6 +1085,80 @@ def phase_backend(work: Path, res: Result) -> None:
                 fault_failed=failed,
             )
 
+        def grammar_after_thinking() -> None:
+            # deepseek_r1 starts inside the span: what the model writes is thinking until the
+            # budget's forced </think> (several tokens here); the grammar then writes the
+            # answer through 1.6.5's own Filter API (grammar.answer_filter_factory), only the
+            # answer carries logprobs, and a stop string that the thinking contains stops nothing.
+            thinker = ExLlamaV3Backend(handle, dataclasses.replace(settings, reasoning_parser="deepseek_r1"))
+            n_before = len(rec.results)
+            first = chat(
+                "g1",
+                "Say ok.",
+                grammar='start: "ok"',
+                grammar_param="response_format",
+                reasoning_budget=4,
+                logprobs=1,
+            )
+            events, _ = drive(thinker, first)
+            deltas = [e for e in of(events, "g1") if isinstance(e, TokenDelta)]
+            thinking = "".join(d.text for d in deltas if d.channel is Channel.REASONING)
+            answer = [d for d in deltas if d.channel is Channel.CONTENT]
+            mine = [r for r in rec.results[n_before:] if r.get("identifier") == "g1" and r.get("eos")]
+            eos = [r.get("eos_reason") for r in mine]
+            entries = [e.token for d in answer for e in d.logprobs or ()]
+            f = fin(events, "g1")
+            ok = (
+                bool(thinking)
+                and "".join(d.text for d in answer) == "ok"
+                and "".join(entries) == "ok"
+                and all(d.logprobs is None for d in deltas if d.channel is Channel.REASONING)
+                and f.finish_reason is FinishReason.STOP
+                and eos == ["end_filter"]
+            )
+            stop = thinking[:2]
+            again = chat("g2", "Say ok.", stop=(stop,), reasoning_budget=4, max_tokens=12) if stop else None
+            second = drive(thinker, again)[0] if again is not None else []
+            thinking2 = "".join(
+                e.text
+                for e in of(second, "g2")
+                if isinstance(e, TokenDelta) and e.channel is Channel.REASONING
+            )
+            res.check(
+                "grammar_after_thinking",
+                ok and thinking2 == thinking,
+                thinking=thinking,
+                thinking_with_stop=thinking2,
+                answer="".join(d.text for d in answer),
+                answer_logprob_tokens=entries,
+                eos_reasons=eos,
+            )
+
+        def harmony_call() -> None:
+            # The frame GPT-OSS writes for a call, as the content the worker sends for it
+            # (engine_worker.reasoning.gpt_oss): written here by a grammar over this model's
+            # ordinary tokens (the SmolLM2 vocabulary has no Harmony tokens), streamed by the
+            # real Job and read by the proxy's harmony format into one call.
+            from proxy.tools import HARMONY, parse_output
+            from proxy.tools.spec import FunctionTool, ToolConfig
+
+            frame = (
+                '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}'
+            )
+            lark = "start: " + json.dumps(frame)
+            request = raw("hc", "Weather?", grammar=lark, grammar_param="tool_choice", max_tokens=256)
+            events, _ = drive(backend, request)
+            text = text_of(events, "hc")
+            config = ToolConfig(tools=(FunctionTool(name="get_weather"),))
+            parsed = parse_output(HARMONY, config, text)
+            calls = [(c.function.name, c.function.arguments) for c in parsed.tool_calls]
+            res.check(
+                "harmony_call",
+                text == frame and calls == [("get_weather", '{"city":"Paris"}')] and parsed.content is None,
+                harmony_text=text,
+                harmony_calls=calls,
+            )
+
         for name, fn in (
             ("progress_rises_to_total", progress),
             ("max_tokens_1", max_tokens_one),
@@ -1089,6 +1167,9 @@ def phase_backend(work: Path, res: Result) -> None:
             ("abort_in_prefill_and_decode", aborts),
             ("requeue_usage_and_progress", requeue),
             ("context_length_exceeded", context),
+            ("harmony_call", harmony_call),
+            # its own backend over the same generator, as requeue's: after the others
+            ("grammar_after_thinking", grammar_after_thinking),
             ("fault_rebuilds_the_generator", fault),
         ):
             res.attempt(name, fn)

@@ -26,13 +26,15 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from engine_worker.backend import EngineFailed, ModelInfo, Prepared, RequestRejected, check_token_ids
 from engine_worker.constraints import grammar_failure
 from engine_worker.exllamav3 import logprobs as lp
 from engine_worker.exllamav3.engine import EngineHandle, GeneratorLike, id_list
 from engine_worker.exllamav3.grammar import compile_filter, failure_of
 from engine_worker.exllamav3.kv_pages import PageTableEvents
-from engine_worker.exllamav3.results import JobRecord, Phase, ResultConverter
+from engine_worker.exllamav3.results import AnswerText, JobRecord, Phase, ResultConverter
 from engine_worker.exllamav3.sampling import FLOAT32_MAX, breaker_ids, job_settings
 from engine_worker.exllamav3.segments import SegmentSizes
 from engine_worker.kv_events import MEDIUM_GPU, BatchSink, KvEvents
@@ -137,10 +139,11 @@ class ExLlamaV3Backend:
             reasoning_parser=self._reasoning.name if self._reasoning is not None else None,
             xtc=handle.new_xtc_sampler is not None,
             reasoning_budget=config.reasoning_budget,
-            thinking_budget=handle.new_budget_filter is not None,
-            # The engine's grammar filter and logprobs would cover the thinking too.
-            grammar_while_thinking=False,
-            logprobs_while_thinking=False,
+            thinking_budget=handle.new_answer_filter is not None,
+            # The answer filter keeps grammar and stop strings to the answer (grammar.answer_filter_factory),
+            # and only the answer's tokens carry logprobs (results.ResultConverter).
+            grammar_while_thinking=handle.new_answer_filter is not None,
+            logprobs_while_thinking=handle.new_answer_filter is not None,
         )
         self._token_bytes = lp.TokenBytes(handle.ll_tokenizer, handle.pieces)
         self._sizes = sizes = SegmentSizes(
@@ -295,8 +298,14 @@ class ExLlamaV3Backend:
         prompt: _Prompt = prepared.prompt
         rid, n, input_ids = request_id, prepared.prompt_tokens, prompt.ids
         max_new = prepared.max_new_tokens
+        h = self._h
+        budget = thinking_budget(params, self._config.reasoning_budget)
+        # While the model may think, the client's stop strings are matched in the answer
+        # only: by the answer filter (which ends the job) and the converter (which cuts the
+        # text), not by the Job, which would match them in the thinking too.
+        answer_only = prompt.reasoning is not None and h.new_answer_filter is not None
         settings = job_settings(
-            params,
+            msgspec.structs.replace(params, stop=()) if answer_only and params.stop else params,
             max_new_tokens=max_new,
             eos_token_ids=self._eos_ids,
             stop_strings=self._stop_strings,
@@ -308,17 +317,17 @@ class ExLlamaV3Backend:
             # One filter per choice, compiled by prepare; more starts than choices (a test
             # driving start directly) compile here.
             grammar = prompt.filters.pop() if prompt.filters else self._compile(params)
-        h = self._h
         filters = [grammar] if grammar is not None else []
-        budget = thinking_budget(params, self._config.reasoning_budget)
-        if prompt.reasoning is not None and budget and h.new_budget_filter is not None:
-            # Ends the thinking once the budget is spent (grammar.budget_filter_factory).
-            filters.append(h.new_budget_filter(prompt.reasoning.new_splitter))
+        stops = tuple(s for s in params.stop if s) if answer_only else ()
+        if answer_only and (grammar is not None or stops or budget is not None):
+            assert h.new_answer_filter is not None and prompt.reasoning is not None
+            # The budget's forced end, and the grammar and stop strings on the answer only
+            # (grammar.answer_filter_factory); it holds the grammar filter itself.
+            grammar = h.new_answer_filter(prompt.reasoning.new_splitter, grammar, stops, params.min_tokens)
+            filters = [grammar]
 
         def new_job() -> Any:
             kwargs = dict(settings.job_kwargs)
-            if grammar is not None:
-                kwargs["filters"] = [grammar]
             if settings.xtc is None:
                 sampler = h.new_sampler(**settings.sampler_kwargs)
             else:
@@ -356,6 +365,7 @@ class ExLlamaV3Backend:
         if prompt.reasoning is not None:
             decode = self._h.decode
             req.split = TextSplitter(prompt.reasoning.new_splitter(), lambda ids: decode(list(ids)))
+            req.answer = AnswerText(stops, params.min_tokens)
         # Same prompt and budget as the first choice, which enqueue() accepted: a held
         # choice fits the cache too, so holding it back cannot hide a rejection.
         if req in self._startable([*self._requests.values(), req]):

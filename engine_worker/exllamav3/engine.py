@@ -111,9 +111,11 @@ class EngineHandle:
     - ``new_xtc_sampler(xtc_probability, xtc_threshold, **sampler_kwargs)``: a sampler with XTC
       (``engine_worker.exllamav3.sampling.xtc_sampler`` bound to the module and tokenizer);
       ``None`` where the engine has none (XTC is then refused).
-    - ``new_budget_filter(new_splitter)``: a filter that forces the end of a reasoning model's
-      thinking once its budget is spent (``grammar.budget_filter_factory``); ``None``: budgets
-      above 0 are refused.
+    - ``new_answer_filter(new_splitter, grammar=None, stops=(), min_tokens=0)``: the filter of a
+      reasoning model's job, which forces the end of the thinking once its budget is spent and
+      keeps a grammar and the client's stop strings to the answer
+      (``grammar.answer_filter_factory``); ``None``: budgets above 0 are refused, and so are
+      grammars and logprobs while the model may think.
     - ``as_ids(ids)``: a list of ids as the ``(1, n)`` tensor jobs take (a prompt the reasoning
       plan extended); ``None`` where unavailable.
     """
@@ -147,7 +149,7 @@ class EngineHandle:
     ll_tokenizer: Callable[[], Any] | None = None
     new_xtc_sampler: Callable[..., Any] | None = None
     as_ids: Callable[[list[int]], IdTensor] | None = None
-    new_budget_filter: Callable[[Callable[[], Any]], Any] | None = None
+    new_answer_filter: Callable[..., Any] | None = None
 
 
 def id_list(ids: Any) -> list[int]:

@@ -40,12 +40,14 @@ that request alone.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine_worker.backend import RequestRejected
 from engine_worker.constraints import invalid_grammar, llguidance_reason
-from protocol.messages import ErrorCode
+from engine_worker.reasoning import Splitter
+from engine_worker.requests.stops import StopAutomaton, StopMatcher
+from protocol.messages import Channel, ErrorCode
 
 
 def contained_filter_class(base: type) -> type:
@@ -92,48 +94,139 @@ def failure_of(flt: Any) -> str | None:
     return getattr(flt, "failure", None) if flt is not None else None
 
 
-def budget_filter_factory(
-    base: type, tokenizer: Any, vocab_size: int, new_words: Callable[[int], Any]
-) -> Callable[[Callable[[], Any]], Any]:
-    """``new_splitter -> filter``: a 1.6.5 ``Filter`` (subclass of ``base``) that ends a
-    reasoning model's thinking once its budget is spent (``engine_worker.reasoning``).
+def answer_filter_factory(
+    base: type,
+    tokenizer: Any,
+    vocab_size: int,
+    new_words: Callable[[int], Any],
+    pieces: Sequence[str],
+    decode: Callable[[list[int]], str],
+) -> Callable[..., Any]:
+    """``(new_splitter, grammar=None, stops=(), min_tokens=0) -> filter``: the one 1.6.5
+    ``Filter`` (subclass of ``base``) a reasoning model's job gets, which keeps the
+    request's constraints to the answer, as the CPU engine does (``engine_worker.requests.output``):
 
-    It runs its own ``Splitter`` (``new_splitter()``, fresh on every ``reset``, which
-    ``Job.activate`` calls, ``job.py:1764-1773``) over every sampled token, fed to it by
-    ``Filter.feed`` (``job.py:807-811``), and its mask (bit set = allowed, as
-    ``LLGuidanceFilter``'s, ``llguidance.py:146-153``) allows every token until the
-    splitter names a ``forced`` one, then only that one. It never completes, so it never
-    ends the job. ``new_words(n)``: a ``(1, n)`` int32 array of zeros, the type the
-    engine's masks are (a CPU torch tensor in 1.6.5)."""
+    - it runs its own ``Splitter`` (``new_splitter()``, fresh on every ``reset``, which
+      ``Job.activate`` calls, ``job.py:1764-1773``) over every sampled token, fed to it by
+      ``Filter.feed`` (``filter.py:50-70``, called from ``job.py:807-811``);
+    - its mask (bit set = allowed, as ``LLGuidanceFilter``'s, ``llguidance.py:146-153``)
+      allows only the ``forced`` token once the thinking budget is spent, never the
+      splitter's ``banned`` one, and otherwise everything while the splitter is ``free``;
+      after that, ``grammar``'s mask (a filter from ``filter_factory``, never attached to
+      the job itself), plus the splitter's ``allow_with_grammar`` token;
+    - the answer's tokens, and only those, go to ``grammar`` and, as text (each token's
+      piece; a run whose piece text has an incomplete character decoded together, as
+      ``Job`` does, ``job.py:1005-1016``), to a ``StopMatcher`` of the client's ``stops``,
+      searched once ``min_tokens`` tokens were fed;
+    - it completes when the grammar does or a stop string matched; constructed with
+      ``eos_after_completed``, so the job then ends with ``eos_reason == "end_filter"``
+      (``job.py:1001-1002``) on that very token, its counters intact.
+
+    A banned-string rewind through it replays the journal (``Filter.rewind``,
+    ``filter.py:72-107``): it has no ``rollback_tokens``. ``new_words(n)``: a ``(1, n)``
+    int32 array of zeros, the type the engine's masks are (a CPU torch tensor in 1.6.5);
+    ``pieces`` and ``decode`` as ``EngineHandle``'s."""
     words = (vocab_size + 31) // 32
 
-    class ReasoningBudgetFilter(base):  # type: ignore[misc]
-        def __init__(self, new_splitter: Callable[[], Any]) -> None:
-            super().__init__(tokenizer, None, None, False)
+    def put(mask: Any, token: int, on: bool) -> None:
+        i, bit = token // 32, 1 << (token % 32)
+        word = int(mask[0, i]) & 0xFFFFFFFF
+        word = word | bit if on else word & ~bit
+        mask[0, i] = word - (1 << 32) if word >= 1 << 31 else word
+
+    class AnswerFilter(base):  # type: ignore[misc]
+        def __init__(
+            self,
+            new_splitter: Callable[[], Splitter],
+            grammar: Any = None,
+            stops: Sequence[str] = (),
+            min_tokens: int = 0,
+        ) -> None:
+            super().__init__(tokenizer, None, None, True)
             self._new_splitter = new_splitter
-            self._splitter = new_splitter()
+            self._grammar = grammar
+            self._stops = StopAutomaton(stops)
+            self._min_tokens = min_tokens
+            self.reset()
+
+        @property
+        def failure(self) -> str | None:
+            """The grammar's matcher error (``contained_filter_class``), if any."""
+            return failure_of(self._grammar)
 
         def reset(self) -> None:
             self._splitter = self._new_splitter()
+            if self._grammar is not None:
+                self._grammar.reset()
+            self._matcher = StopMatcher(self._stops)
+            self._unshown: list[int] = []  # answer tokens whose text is an incomplete character
+            self._fed = 0
+            self._done = False
+            self._plan()
+
+        def attach(self, job: Any) -> None:
+            super().attach(job)
+            if self._grammar is not None:
+                self._grammar.attach(job)
 
         def accept_token(self, token: int) -> None:
-            self._splitter.feed(token)
+            self._fed += 1
+            for channel, t in self._splitter.feed(token):
+                if channel is Channel.CONTENT and not self._done:
+                    self._answer(t)
+            self._plan()
+
+        def _answer(self, token: int) -> None:
+            grammar = self._grammar
+            if grammar is not None and not grammar.is_completed():
+                grammar.accept_token(token)
+                self._done = bool(grammar.is_completed())
+            if self._stops:
+                self._unshown.append(token)
+                text = "".join(pieces[t] if 0 <= t < len(pieces) else "" for t in self._unshown)
+                if "\ufffd" in text:
+                    text = decode(self._unshown)
+                    if text.endswith("\ufffd"):
+                        return  # the character completes with a later token
+                self._unshown.clear()
+                _, stopped = self._matcher.feed(text, check=self._fed >= self._min_tokens)
+                self._done = self._done or stopped
+
+        def _plan(self) -> None:
+            # The next position's mask, decided here on the engine thread: the mask itself
+            # may be computed on the generator's filter pool (generator.py:1703-1712).
+            splitter = self._splitter
+            self._forced = splitter.forced()
+            self._constrained = (
+                self._grammar is not None and self._forced is None and not self._done and not splitter.free
+            )
+            self._also = splitter.allow_with_grammar if self._constrained else None
+            self._banned = splitter.banned()
 
         def is_completed(self) -> bool:
-            return False
+            return self._done
 
         def use_background_worker(self) -> bool:
-            return False  # a mask of one word set: cheaper inline than on the pool
+            # Only the grammar's mask is worth a pool thread; the others are a fill.
+            return self._constrained
 
         def get_next_logit_mask(self) -> Any:
-            mask = new_words(words)
-            forced = self._splitter.forced()
-            if forced is None:
-                mask[0, :] = -1  # every bit: anything goes
+            if self._forced is not None:
+                mask = new_words(words)
+                put(mask, self._forced, True)
+                return mask
+            if self._constrained:
+                inner = self._grammar.get_next_logit_mask()
+                # A copy in the grammar's own array type: it reuses its buffer.
+                mask = inner.clone() if hasattr(inner, "clone") else inner.copy()
+                if self._also is not None:
+                    put(mask, self._also, True)
             else:
-                bit = 1 << (forced % 32)
-                mask[0, forced // 32] = bit - (1 << 32) if bit >= 1 << 31 else bit
+                mask = new_words(words)
+                mask[0, :] = -1  # every bit: anything goes
+            if self._banned is not None:
+                put(mask, self._banned, False)
             return mask
 
-    ReasoningBudgetFilter.__qualname__ = f"ReasoningBudget{base.__name__}"
-    return ReasoningBudgetFilter
+    AnswerFilter.__qualname__ = f"Answer{base.__name__}"
+    return AnswerFilter

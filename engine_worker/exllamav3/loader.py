@@ -60,7 +60,7 @@ from typing import Any
 from engine_worker.exllamav3 import chat_template, sizes
 from engine_worker.exllamav3.backend import ExLlamaV3Backend
 from engine_worker.exllamav3.engine import EngineHandle, id_list
-from engine_worker.exllamav3.grammar import budget_filter_factory, contained_filter_class, filter_factory
+from engine_worker.exllamav3.grammar import answer_filter_factory, contained_filter_class, filter_factory
 from engine_worker.exllamav3.sampling import xtc_sampler
 from engine_worker.load_stages import LoadReporter, Stage
 from engine_worker.options.exllamav3 import PAGE_SIZE, CacheMode, parse_split
@@ -539,8 +539,13 @@ class LoadedEngine:
             if getattr(generator, "recurrent_cache", None) is not None
             else PAGE_SIZE,
             new_filter=filter_factory(contained_filter_class(self.ex.LLGuidanceFilter), tokenizer),
-            new_budget_filter=budget_filter_factory(
-                self.ex.Filter, tokenizer, int(tokenizer.actual_vocab_size), _int32_words
+            new_answer_filter=answer_filter_factory(
+                self.ex.Filter,
+                tokenizer,
+                int(tokenizer.actual_vocab_size),
+                _int32_words,
+                tokenizer.get_id_to_piece_list(True),
+                self.decode,
             ),
             ll_tokenizer=self.ll_tokenizer,
         )

@@ -166,13 +166,28 @@ def entries(
     """One ``TokenLogprob`` per token of ``ids`` whose share is not ``None``, from the
     ``token_probs``/``top_k_tokens``/``top_k_probs`` of ``source`` (a result dict or its
     ``held``), whose rows start with ``ids``; at most ``top`` alternatives each."""
+    out = aligned_entries(ids, shares, source, top=top, pieces=pieces, token_bytes=token_bytes)
+    return [e for e in out if e is not None]
+
+
+def aligned_entries(
+    ids: Sequence[int],
+    shares: Sequence[str | None],
+    source: dict[str, Any],
+    *,
+    top: int,
+    pieces: Sequence[str],
+    token_bytes: Callable[[int], bytes],
+) -> list[TokenLogprob | None]:
+    """``entries``, one per token of ``ids``: ``None`` where its share is ``None``."""
     probs = _row(source.get("token_probs"))
     k_tokens = _row(source.get("top_k_tokens"))
     k_probs = _row(source.get("top_k_probs"))
     vocab = len(pieces)
-    out: list[TokenLogprob] = []
+    out: list[TokenLogprob | None] = []
     for i, (token, share) in enumerate(zip(ids, shares, strict=True)):
         if share is None:
+            out.append(None)
             continue
         alternatives: list[TopLogprob] = []
         if top > 0 and i < len(k_tokens) and i < len(k_probs):

@@ -9,9 +9,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from engine_worker.backend import Prepared
 from engine_worker.exllamav3 import logprobs as lp
@@ -20,7 +23,9 @@ from engine_worker.exllamav3.segments import Segment, SegmentSizes
 from engine_worker.options.exllamav3 import PAGE_SIZE
 from engine_worker.reasoning.text_split import TextSplitter
 from engine_worker.requests.events import opening
+from engine_worker.requests.stops import StopMatcher
 from protocol.messages import (
+    Channel,
     ErrorCode,
     Event,
     Finished,
@@ -61,6 +66,94 @@ class JobRecord:
     uncredited_tokens: int = 0  # tokens of empty-text dicts, credited to the next TokenDelta
     split: TextSplitter | None = None  # thinking vs answer, with a reasoning parser
     uncredited_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    answer: AnswerText | None = None  # the answer's stop strings and logprobs, with a splitter
+    seen_tokens: int = 0  # output tokens in the results so far
+
+
+class AnswerText:
+    """The answer of a reasoning model's job on its way out: the client's ``stops``
+    matched in it alone (the Job was not given them, so the thinking never stops a
+    request; ``grammar.answer_filter_factory`` ends the job on the same token), and its
+    tokens' logprob entries kept with their text as ``engine_worker.requests.logprobs``
+    keeps them on the CPU engine: an entry is reported once all its text is let
+    through, a delta's text cut at its last reported entry, and at a stop string the
+    entries starting before it keep the part shown, the rest are dropped."""
+
+    def __init__(self, stops: tuple[str, ...], min_tokens: int) -> None:
+        self._matcher = StopMatcher(stops)
+        self._min_tokens = min_tokens
+        self._entries: deque[tuple[TokenLogprob, int, int]] = deque()  # entry, its [start, end) of the text
+        self._fed = 0  # characters fed
+        self._emitted = 0  # characters the matcher let through
+        self._reported = 0  # characters sent in deltas
+        self._pending = ""  # text from _reported to _emitted
+        self._tokens = 0  # answer tokens not credited to a delta yet
+
+    @property
+    def stopped(self) -> bool:
+        return self._matcher.stopped
+
+    def feed(
+        self, text: str, tokens: int, entries: list[TokenLogprob] | None, output_tokens: int, final: bool
+    ) -> tuple[str, int, tuple[TokenLogprob, ...] | None]:
+        """``text`` of the answer, ``tokens`` answer tokens and their ``entries`` (``None``:
+        no logprobs asked; their shares join to ``text``), with ``output_tokens`` of the
+        sequence so far (stops are searched from ``min_tokens`` on): the text, token count
+        and entries of the delta to send (no text: none yet)."""
+        self._tokens += tokens
+        if entries is not None:
+            at, stop = self._fed, self._fed + len(text)
+            for i, e in enumerate(entries):
+                # The last entry ends where the text does, whatever the shares said.
+                end = stop if i == len(entries) - 1 else min(at + len(e.token), stop)
+                self._entries.append((e, at, end))
+                at = end
+        self._fed += len(text)
+        check = output_tokens >= self._min_tokens
+        emit, stopped = self._matcher.feed(text, check=check) if text else ("", False)
+        if final and not stopped:
+            emit += self._matcher.flush()
+        self._pending += emit
+        self._emitted += len(emit)
+        return self._take(final, entries is not None)
+
+    def _take(self, final: bool, scored: bool) -> tuple[str, int, tuple[TokenLogprob, ...] | None]:
+        if not scored and not self._entries:
+            text, self._pending = self._pending, ""
+            self._reported = self._emitted
+        else:
+            count = 0
+            if final:
+                cut = self._matcher.stopped
+                count = sum(1 for _, start, _ in self._entries if not cut or start < self._emitted)
+            else:
+                for i, (_, start, end) in enumerate(self._entries):
+                    if end > self._emitted:
+                        break
+                    if end > start:
+                        count = i + 1
+            out: list[TokenLogprob] = []
+            boundary = self._reported
+            for _ in range(count):
+                e, start, end = self._entries.popleft()
+                end = min(end, self._emitted)
+                share = self._pending[start - self._reported : end - self._reported]
+                out.append(e if share == e.token else msgspec.structs.replace(e, token=share))
+                boundary = end
+            if final:
+                self._entries.clear()
+                boundary = self._emitted
+            text = self._pending[: boundary - self._reported]
+            self._pending = self._pending[boundary - self._reported :]
+            self._reported = boundary
+            if text or out:
+                tokens, self._tokens = self._tokens, 0
+                return text, tokens, tuple(out)
+            return "", 0, None
+        if not text:
+            return "", 0, None
+        tokens, self._tokens = self._tokens, 0
+        return text, tokens, None
 
 
 def as_int(x: Any) -> int:
@@ -147,12 +240,7 @@ class ResultConverter:
             if entries is not None and held_entries is not None:
                 entries += held_entries
         if req.split is not None:
-            held_ids = (
-                self._held_before_stop_token(r)[1] if eos and r.get("eos_reason") == "stop_token" else []
-            )
-            for channel, part, count in req.split.feed([*ids, *held_ids], text, final=eos):
-                if part:
-                    events.append(TokenDelta(req.request_id, part, count, channel=channel))
+            self._split(req, r, ids, text, eos, events)
         elif text:
             tokens += req.uncredited_tokens
             req.uncredited_tokens = 0
@@ -175,6 +263,57 @@ class ResultConverter:
             events.append(self._finished(req, r))
             return True
         return False
+
+    def _split(
+        self, req: JobRecord, r: dict[str, Any], ids: list[int], text: str, eos: bool, events: list[Event]
+    ) -> None:
+        """The thinking and the answer of one result of a reasoning model's job (``text``:
+        its text, a stop token's held text included): thinking as it comes, without
+        logprobs; the answer through ``AnswerText``."""
+        assert req.split is not None and req.answer is not None
+        held_text, held_ids, held = "", list[int](), dict[str, Any]()
+        if eos and r.get("eos_reason") == "stop_token":
+            held_text, held_ids, held = self._held_before_stop_token(r)
+        all_ids = [*ids, *held_ids]
+        req.seen_tokens += len(all_ids)
+        extras: list[TokenLogprob | None] | None = None
+        if req.logprobs is not None:
+            # Shares of the whole result's text; the splitter keeps the answer tokens' entries.
+            shown = text[: len(text) - len(held_text)]
+            extras = self._aligned(req, ids, shown, r)
+            if held_ids:
+                extras += self._aligned(req, held_ids, held_text, held)
+        pieces = req.split.feed(all_ids, text, final=eos, extras=extras)
+        answered = False
+        for channel, part, count in pieces:
+            if channel is Channel.REASONING:
+                if part:
+                    events.append(TokenDelta(req.request_id, part, count, channel=channel))
+                continue
+            answered = True
+            self._answer(req, part, count, eos, events)
+        if eos and not answered:
+            self._answer(req, "", 0, eos, events)
+
+    def _answer(self, req: JobRecord, text: str, count: int, final: bool, events: list[Event]) -> None:
+        assert req.split is not None and req.answer is not None
+        entries: list[TokenLogprob] | None = None
+        if req.logprobs is not None:
+            entries = [e for e in req.split.answer_extras() if isinstance(e, TokenLogprob)]
+        if req.answer.stopped:
+            return  # past a stop string: the job ends on this token (grammar.answer_filter_factory)
+        part, tokens, out = req.answer.feed(text, count, entries, req.seen_tokens, final)
+        if part:
+            events.append(TokenDelta(req.request_id, part, tokens, out, channel=Channel.CONTENT))
+
+    def _aligned(
+        self, req: JobRecord, ids: list[int], text: str, source: dict[str, Any]
+    ) -> list[TokenLogprob | None]:
+        assert req.logprobs is not None
+        shares = lp.split_text(ids, text, self._pieces, self._decode)
+        return lp.aligned_entries(
+            ids, shares, source, top=req.logprobs, pieces=self._pieces, token_bytes=self._token_bytes
+        )
 
     def _logprobs(
         self, req: JobRecord, ids: list[int], text: str, source: dict[str, Any]

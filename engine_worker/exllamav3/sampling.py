@@ -48,8 +48,10 @@ Semantics that differ from OpenAI's, documented rather than hidden:
   ``252-253``) and after every token scans its held text against all of them in C++
   (``ext.partial_strings_match``, ``generator/job.py:1162-1166``), a cost that grows with
   the number and length of the stops. The worker bounds both (``MAX_STOP_STRINGS`` 64,
-  ``MAX_STOP_CHARS`` 256, ``engine_worker.admission``), which bounds that scan; matching
-  outside ``Job`` would mean holding back text (and its logprobs) here as well.
+  ``MAX_STOP_CHARS`` 256, ``engine_worker.admission``), which bounds that scan. The one
+  exception: while a reasoning model may think, the backend passes ``params`` without
+  ``stop`` here and matches the client's stops in the answer only
+  (``grammar.answer_filter_factory``, ``results.AnswerText``).
 - ``seed`` seeds the job's own RNG; ExLlamaV3 does not promise bitwise determinism.
 - special tokens the model emits that are not stop conditions (``<think>``, tool-call
   markers) are streamed as their text: ``decode_special_tokens=True``, as TabbyAPI does.

@@ -12,6 +12,16 @@ prompt with ``<|start|>assistant``; the model writes
 (``Parser.not_stops``); ``<|return|>`` and ``<|call|>`` are (the model's EOS ids).
 Headers and the structure tokens are never shown; they count as reasoning
 tokens where they frame an ``analysis`` message.
+
+Except a function call's: a message whose header names a ``functions.`` recipient
+(``<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{...}<|call|>``,
+or the recipient in the role part, ``<|start|>assistant to=functions.get_weather<|channel|>...``,
+as the template renders history calls) is sent whole as the answer: its frame (the
+tokens since the previous message ended: ``<|start|>``, the role, ``<|channel|>``, the
+header, ``<|message|>``) and its arguments, for the proxy's ``harmony`` tool-call
+format (``proxy.tools.formats``) to read; ``<|call|>`` ends the turn (an EOS id, never
+text). A call on the ``analysis`` channel (written in the thinking) is a call too, as
+Qwen3's ``<tool_call>`` inside ``<think>`` is (``qwen3``): the model meant to call.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from engine_worker.reasoning.family import Family
 from protocol.messages import Channel
 
 _MAX_HEADER = 64  # header tokens before a header is given up as text (a model not writing Harmony)
+_RECIPIENT = "to=functions."
 
 
 class _Tokens:
@@ -102,6 +113,7 @@ class HarmonySplitter(Splitter):
         self._channel = channel
         self._budget = budget
         self._header: list[int] = []
+        self._role: list[int] = []  # the frame before <|channel|>: <|start|>, the role, a recipient
         self._answered = state is _State.BODY and channel is Channel.CONTENT
         self._spent = 0
         self._forcing: list[int] = []
@@ -118,43 +130,54 @@ class HarmonySplitter(Splitter):
         if self._state is _State.BODY:
             if token == t.end:
                 self._state = _State.BETWEEN
-                self._swallow()
+                self._swallow(1)
                 return [(None, token)]
             if self._channel is Channel.REASONING:
                 self.reasoning_tokens += 1
                 self._spent += 1
             return [(self._channel, token)]
         if self._state is _State.BETWEEN:
+            # Held until the header shows whether the message is a call (the recipient may
+            # be written here, in the role part).
+            self._role.append(token)
             if token == t.channel:
                 self._state, self._header = _State.HEADER, []
-            self._swallow()
-            return [(None, token)]
+            return []
         # HEADER
         if token == t.message:
             header = self._decode(self._header).strip()
-            self._channel = Channel.REASONING if header.startswith("analysis") else Channel.CONTENT
+            frame = [*self._role, *self._header, token]
+            self._role, self._header = [], []
             self._state = _State.BODY
-            self._swallow()
+            if _RECIPIENT in self._decode(frame):
+                self._channel = Channel.CONTENT
+                self._answered = True
+                return [(Channel.CONTENT, i) for i in frame]
+            self._channel = Channel.REASONING if header.startswith("analysis") else Channel.CONTENT
+            self._swallow(len(frame))
             self._answered = self._answered or self._channel is Channel.CONTENT
-            return [(None, t) for t in [*self._header, token]]
+            return [(None, i) for i in frame]
         self._header.append(token)
-        self._swallow()
         if len(self._header) > _MAX_HEADER:  # not Harmony after all: the header is text
-            out: Released = [(Channel.CONTENT, i) for i in self._header]
-            self._header = []
+            role = self._role
+            self._swallow(len(role))
+            out: Released = [(None, i) for i in role] + [(Channel.CONTENT, i) for i in self._header]
+            self._role, self._header = [], []
             self._state, self._channel = _State.BODY, Channel.CONTENT
             return out
         return []
 
-    def _swallow(self) -> None:
+    def _swallow(self, n: int) -> None:
         # Structure before the answer's message counts as thinking (it frames analysis
         # messages); after it, as the answer's.
         if not self._answered:
-            self.reasoning_tokens += 1
+            self.reasoning_tokens += n
 
     def flush(self) -> Released:
-        out: Released = [(Channel.CONTENT, i) for i in self._header] if self._state is _State.HEADER else []
-        self._header = []
+        role, header = self._role, self._header if self._state is _State.HEADER else []
+        self._swallow(len(role))
+        out: Released = [(None, i) for i in role] + [(Channel.CONTENT, i) for i in header]
+        self._role, self._header = [], []
         return out
 
     def forced(self) -> int | None:

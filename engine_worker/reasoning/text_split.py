@@ -35,12 +35,18 @@ class TextSplitter:
         self._released = 0  # chars of the engine's text consumed
         self._held = ""  # engine text past the settled tokens, waiting for the splitter
         self._uncredited: dict[Channel, int] = {Channel.CONTENT: 0, Channel.REASONING: 0}
+        self._extras: list[object] = []  # what came with each token the splitter has not settled
+        self._answer_extras: list[object] = []
 
-    def feed(self, ids: Sequence[int], text: str, final: bool = False) -> list[Piece]:
+    def feed(
+        self, ids: Sequence[int], text: str, final: bool = False, extras: Sequence[object] | None = None
+    ) -> list[Piece]:
         """The pieces of one result (``ids`` sampled, ``text`` released by the engine);
-        ``final`` at the sequence's end (held tokens settle as they are)."""
-        for token in ids:
+        ``final`` at the sequence's end (held tokens settle as they are). ``extras``, one
+        per id (its logprob entry), are kept for the answer's tokens (``answer_extras``)."""
+        for i, token in enumerate(ids):
             self._ids.append(token)
+            self._extras.append(extras[i] if extras is not None and i < len(extras) else None)
             self._settle(self.splitter.feed(token))
         if final:
             self._settle(self.splitter.flush())
@@ -62,6 +68,15 @@ class TextSplitter:
                 self._state = channel
             self._settled += 1
             self._uncredited[channel or Channel.REASONING] += 1
+            extra = self._extras.pop(0) if self._extras else None
+            if channel is Channel.CONTENT and extra is not None:
+                self._answer_extras.append(extra)
+
+    def answer_extras(self) -> list[object]:
+        """The ``extras`` of the answer's tokens settled since the last call, in order
+        (thinking and marker tokens' are dropped)."""
+        out, self._answer_extras = self._answer_extras, []
+        return out
 
     def _pieces(self, text: str, start: int) -> list[Piece]:
         out: list[Piece] = []

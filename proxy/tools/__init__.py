@@ -4,7 +4,7 @@ fallback prompt for templates without tools, and grammars for forced calls.
 | module | what |
 |---|---|
 | ``spec`` | request and history types, ``resolve_tools``, ``check_history``, ``ToolSpecError`` |
-| ``formats`` | ``hermes``, ``llama3_json``, ``mistral``; ``--tool-call-format``; template detection |
+| ``formats`` | ``harmony``, ``hermes``, ``llama3_json``, ``mistral``; ``--tool-call-format``; detection |
 | ``parser`` | ``ToolCallParser`` (streaming), ``parse_output`` (whole output), ``finish_reason`` |
 | ``render`` | ``render_fallback``: tools and tool turns as plain messages |
 | ``grammar`` | grammars for forced calls and for tools beside ``response_format``; JSON options |
@@ -15,6 +15,7 @@ Pure logic: no I/O, no aiohttp, standard library and msgspec only.
 
 from proxy.tools.formats import (
     FORMATS,
+    HARMONY,
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
@@ -55,6 +56,7 @@ from proxy.tools.spec import (
 
 __all__ = [
     "FORMATS",
+    "HARMONY",
     "HERMES",
     "LLAMA3_JSON",
     "MISTRAL",

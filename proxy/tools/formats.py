@@ -39,9 +39,27 @@ is chosen (``--tool-call-format``: ``auto`` or a name in ``FORMATS``).
   call ids that are not 9 alphanumeric characters, so this format's ids are
   those, not ``call_...``.
 
+``harmony`` (GPT-OSS: OpenAI's Harmony messages, whose header names a recipient)::
+
+    <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>
+
+  one call per turn (``<|call|>`` ends it: the model's EOS, never in the text);
+  the recipient may be written in the role part instead
+  (``<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>``).
+  The worker's Harmony splitter (``engine_worker.reasoning.gpt_oss``) swallows every
+  other message's header, and sends a call message's whole frame (``<|start|>``, role,
+  ``<|channel|>``, header, ``<|message|>``) and its arguments as content, so this
+  format reads only calls; a call written on the ``analysis`` channel (in the
+  thinking) is a call too. Sources: ``openai/harmony``'s ``docs/format.md``
+  ("Function calling", "Receiving tool calls"); vLLM's ``openai`` tool parser for
+  GPT-OSS (calls are messages whose recipient starts with ``functions.``); llama.cpp's
+  GPT-OSS handler (either placement of ``to=``). Forced calls (``tool_choice``
+  ``required`` or named) have no grammar pieces in this format yet.
+
 Template detection looks at the template source in llama.cpp's order:
 ``<tool_call>`` -> hermes; ``<|python_tag|>``, or the ``ipython`` role with
-``"parameters"`` -> llama3_json; ``[TOOL_CALLS]`` -> mistral.
+``"parameters"`` -> llama3_json; ``[TOOL_CALLS]`` -> mistral; ``<|channel|>`` with
+``<|call|>`` -> harmony.
 
 Markers are text here: the worker must detokenize marker tokens that are
 special tokens in the model's vocabulary (``[TOOL_CALLS]``, ``<|python_tag|>``)
@@ -304,6 +322,78 @@ class _MistralBlock:
         return calls or None
 
 
+_MESSAGE = "<|message|>"
+_CALL_END = "<|call|>"
+_RECIPIENT = "to=functions."
+_MAX_FRAME = 256  # header characters before a frame without <|message|> is given up as text
+
+
+class _HarmonyBlock:
+    """After a Harmony frame's first marker (``<|start|>``, ``<|channel|>``, or
+    ``" to=functions."`` where the output starts with the role's recipient): the rest of
+    the header up to ``<|message|>``, whose recipient names the function, then the
+    arguments object and an optional ``<|call|>``."""
+
+    def __init__(self, marker: str, names: frozenset[str]) -> None:
+        self._marker = marker
+        self._names = names
+        self._name: str | None = None
+        self._args = -1  # index of the arguments' "{" in the body
+        self._span: JsonSpan | None = None
+        self._end = -1  # just past the arguments object, once scanned (JsonSpan scans once)
+
+    def _header(self, body: str, final: bool) -> BlockOutcome | None:
+        i = body.find(_MESSAGE)
+        if i < 0:
+            too_long = len(body) > _MAX_FRAME
+            return _not_a_call(0) if too_long or final else None
+        header = self._marker + body[:i]
+        at = header.find(_RECIPIENT)
+        if at < 0:
+            return _not_a_call(0)
+        j = at + len(_RECIPIENT)
+        k = j
+        while k < len(header) and header[k] in _NAME_CHAR:
+            k += 1
+        self._name = header[j:k]
+        a = skip_whitespace(body, i + len(_MESSAGE))
+        if a == len(body):
+            self._args = a
+            return _wait_or_fail(body, final)
+        if body[a] != "{":
+            return _not_a_call(0)
+        self._args = a
+        self._span = JsonSpan(a)
+        return None
+
+    def advance(self, body: str, final: bool) -> BlockOutcome | None:
+        if self._span is None:
+            outcome = self._header(body, final)
+            if self._span is None:
+                return outcome
+        assert self._span is not None and self._name is not None
+        if self._end < 0:
+            end = self._span.scan(body)
+            if end is None:
+                return _wait_or_fail(body, final)
+            self._end = end
+        end = self._end
+        call = decode_call_arguments(self._name, body[self._args : end], self._names)
+        if call is None:
+            return _not_a_call(0)
+        k = skip_whitespace(body, end)
+        if body.startswith(_CALL_END, k):
+            return BlockOutcome(k + len(_CALL_END), [call])
+        if not final and _CALL_END.startswith(body[k:]):
+            return None  # <|call|> may follow (it is text only where the engine shows it)
+        return BlockOutcome(end, [call])
+
+    def cut(self, body: str) -> list[FunctionCall] | None:
+        if self._name is None or self._name not in self._names or self._args < 0:
+            return None
+        return [FunctionCall(self._name, partial_arguments(body[self._args :]))]
+
+
 # ---------------------------------------------------------------- formats
 
 
@@ -445,9 +535,37 @@ MISTRAL = ToolCallFormat(
     grammar_close=("]",),
 )
 
+# harmony --------------------------------------------------------
+
+
+def _harmony_block(marker: str, names: frozenset[str]) -> CallBlock:
+    return _HarmonyBlock(marker, names)
+
+
+def _harmony_render(calls: Sequence[FunctionCall]) -> str:
+    return "".join(
+        f"<|start|>assistant<|channel|>commentary {_RECIPIENT}{c.name} <|constrain|>json"
+        f"{_MESSAGE}{_arguments_json(c.arguments)}{_CALL_END}"
+        for c in calls
+    )
+
+
+HARMONY = ToolCallFormat(
+    name="harmony",
+    markers=("<|start|>", "<|channel|>", " " + _RECIPIENT),
+    open_block=_harmony_block,
+    # The template renders history calls in the frame and ends them with <|call|>.
+    matches_template=lambda source: "<|channel|>" in source and _CALL_END in source,
+    render_calls=_harmony_render,
+    syntax_hint=(
+        f"<|channel|>commentary {_RECIPIENT}<function-name> <|constrain|>json{_MESSAGE}"
+        f"<arguments-json-object>{_CALL_END}"
+    ),
+)
+
 # registry -------------------------------------------------------
 
-FORMATS: Mapping[str, ToolCallFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL)}
+FORMATS: Mapping[str, ToolCallFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, HARMONY)}
 """Formats by their ``--tool-call-format`` name, in template-detection order."""
 
 AUTO = "auto"

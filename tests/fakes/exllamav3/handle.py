@@ -54,7 +54,7 @@ def make_handle(
     does (``grammar.contained_filter_class``)."""
     from engine_worker.exllamav3.chat_template import chat_encoder
     from engine_worker.exllamav3.engine import EngineHandle
-    from engine_worker.exllamav3.grammar import budget_filter_factory, contained_filter_class, filter_factory
+    from engine_worker.exllamav3.grammar import answer_filter_factory, contained_filter_class, filter_factory
 
     model = Model(script=script, fail_prefill=fail_prefill)
     cache = Cache(model, cache_tokens)
@@ -133,5 +133,7 @@ def make_handle(
         new_filter=filter_factory(contained_filter_class(LLGuidanceFilter), tok),
         ll_tokenizer=lambda: create_ll_tokenizer(tok),
         as_ids=FakeTensor,
-        new_budget_filter=budget_filter_factory(Filter, tok, VOCAB_SIZE, _int32_words),
+        new_answer_filter=answer_filter_factory(
+            Filter, tok, VOCAB_SIZE, _int32_words, tok.get_id_to_piece_list(True), decode
+        ),
     )

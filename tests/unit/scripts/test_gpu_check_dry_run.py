@@ -111,6 +111,12 @@ def test_the_one_command_runs_every_phase(full: tuple[Machine, subprocess.Comple
     # Triton's kernels went to TRITON_CACHE_DIR during the warm-up, before the scenarios
     assert metrics["warm.triton_cache_files_before"] == 0 and metrics["warm.triton_cache_files"] == 1
     assert metrics["proxy.cached_tokens_repeat"] > 0 and "proxy_minus_backend.ttft_s" in metrics
+    # the reasoning-parity scenarios ran on the engine (here the fake one) and passed
+    checks = m.phases()["backend"]["checks"]
+    assert checks["grammar_after_thinking"] is True and checks["harmony_call"] is True
+    assert metrics["backend.answer"] == "ok" and metrics["backend.harmony_calls"] == [
+        ["get_weather", '{"city":"Paris"}']
+    ]
     for phase in gpu_check.COMMANDS["all"]:
         assert f"==== [gpu_check] {phase.name} " in m.log()
 

@@ -112,8 +112,9 @@ def test_ngram_load(tmp_path: Path, fake_exl3: list[str], capsys: pytest.Capture
         logit_bias_ban=True,
         context_settings="settings: max_seq_len, cache_size",
         banned_strings=True,
-        grammar_while_thinking=False,
-        logprobs_while_thinking=False,
+        # the loader builds the answer filter (grammar.answer_filter_factory)
+        grammar_while_thinking=True,
+        logprobs_while_thinking=True,
     )
     err = capsys.readouterr().err
     assert "Loading tiny-exl3" in err and "5/5" in err

@@ -45,11 +45,15 @@ def test_deepseek_r1_output_starts_inside_the_span() -> None:
 
 
 def test_a_marker_split_across_results_is_never_shown() -> None:
-    # The stop string holds "</thin..." back in the job until ">" shows it is no stop.
-    backend, rec = make_backend(settings(reasoning_parser="deepseek_r1"), script=fx.reply("ab</think>cd"))
-    add(backend, raw("a", "x", stop=("</thinx",)))
+    # A stop string the Job matches (the template's turn end, which applies in the thinking
+    # too) holds "</thin..." back in the job until ">" shows it is no stop.
+    backend, rec = make_backend(
+        settings(reasoning_parser="deepseek_r1"), script=fx.reply("ab</think>cd"), stop_strings=("</thinx",)
+    )
+    add(backend, raw("a", "x"))
     events = run(backend)
-    assert any("text" not in r for r in rec.results if r.get("stage") == "streaming")  # held
+    streamed = [r for r in rec.results if r.get("stage") == "streaming" and not r.get("eos")]
+    assert any("text" not in r for r in streamed)  # held
     assert channels(events, "a") == ("ab", "cd")
     assert "think" not in "".join(e.text for e in of(events, "a") if isinstance(e, TokenDelta))
 
@@ -82,15 +86,9 @@ def test_qwen3_thinks_when_it_opens_the_span() -> None:
     assert channels(events, "a") == ("hm", "yes")
 
 
-def test_what_needs_a_filter_is_refused_while_the_model_may_think() -> None:
+def test_a_grammar_with_thinking_off_is_the_answers() -> None:
     backend, _ = make_backend(settings(reasoning_parser="deepseek_r1"), script=fx.reply("x"))
     grammar = 'start: "x"'
-    with pytest.raises(RequestRejected) as e:
-        checked_prepare(backend, chat("a", "hi", grammar=grammar, grammar_param="response_format"))
-    assert e.value.param == "response_format"
-    with pytest.raises(RequestRejected) as e:
-        checked_prepare(backend, chat("a", "hi", logprobs=1))
-    assert e.value.param == "logprobs"
     # No thinking: the span is closed in the prompt and the grammar is the answer's.
     add(backend, chat("b", "hi", grammar=grammar, grammar_param="response_format", reasoning_budget=0))
     events = run(backend)
@@ -118,13 +116,12 @@ def test_the_budget_forces_the_end_marker() -> None:
     assert fin.finish_reason is FinishReason.LENGTH
 
 
-def test_no_budget_filter_means_budgets_are_refused() -> None:
+def test_no_answer_filter_means_budgets_are_refused() -> None:
     import dataclasses
 
-    from engine_worker.admission import checked_prepare
     from engine_worker.exllamav3 import ExLlamaV3Backend
 
-    handle = dataclasses.replace(fx.make_handle(script=fx.reply("x")), new_budget_filter=None)
+    handle = dataclasses.replace(fx.make_handle(script=fx.reply("x")), new_answer_filter=None)
     backend = ExLlamaV3Backend(handle, settings(reasoning_parser="deepseek_r1"))
     assert not backend.info.thinking_budget  # a flag of ModelInfo, checked by admission
     with pytest.raises(RequestRejected) as e:

@@ -224,3 +224,81 @@ def test_gpt_oss_budget_writes_the_final_header() -> None:
         splitter.feed(f)
     assert tok.decode(forced) == "<|end|><|start|>assistant<|channel|>final<|message|>"
     assert not splitter.free
+
+
+def _harmony(tok: Any) -> Any:
+    parser = choose("gpt_oss", tok.chat_template, VocabFromHF(tok))
+    assert parser is not None
+    return parser.plan(prompt(tok), None)
+
+
+def test_gpt_oss_a_call_message_is_the_answer_whole() -> None:
+    # Thinking, then a call with the recipient in the channel header: the frame and the
+    # arguments are the answer's text, for the proxy's harmony format.
+    tok = tok_of("gpt_oss")
+    analysis = [200005, *ids(tok, "analysis"), 200008, *ids(tok, "Need weather."), 200007]
+    call = [
+        200006,
+        *ids(tok, "assistant"),
+        200005,
+        *ids(tok, "commentary to=functions.get_weather "),
+        200003,
+        *ids(tok, "json"),
+        200008,
+        *ids(tok, '{"city":"Paris"}'),
+    ]
+    splitter = _harmony(tok).new_splitter()
+    thinking, answer, swallowed = run(splitter, [*analysis, *call])
+    assert tok.decode(thinking) == "Need weather."
+    assert tok.decode(answer) == (
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        '{"city":"Paris"}'
+    )
+    assert swallowed == len(analysis) - len(thinking)
+    assert splitter.reasoning_tokens == len(analysis)  # the call is the answer's, not thinking
+
+
+def test_gpt_oss_a_recipient_in_the_role_part_and_on_analysis_is_a_call() -> None:
+    tok = tok_of("gpt_oss")
+    # At the start of the output (the prompt ends with <|start|>assistant), on the analysis channel.
+    out = [*ids(tok, " to=functions.get_time"), 200005, *ids(tok, "analysis json"), 200008, *ids(tok, "{}")]
+    thinking, answer, swallowed = run(_harmony(tok).new_splitter(), out)
+    assert thinking == [] and swallowed == 0
+    assert tok.decode(answer) == " to=functions.get_time<|channel|>analysis json<|message|>{}"
+
+
+def test_gpt_oss_other_headers_stay_hidden_and_the_text_splitter_agrees() -> None:
+    # ExLlamaV3's path: the same split over the job's (ids, text) results.
+    from engine_worker.reasoning.text_split import TextSplitter
+
+    tok = tok_of("gpt_oss")
+    out = [
+        200005,
+        *ids(tok, "analysis"),
+        200008,
+        *ids(tok, "hm"),
+        200007,
+        200006,
+        *ids(tok, "assistant"),
+        200005,
+        *ids(tok, "commentary"),
+        200008,
+        *ids(tok, "Checking."),
+        200007,
+        200006,
+        *ids(tok, "assistant"),
+        200005,
+        *ids(tok, "commentary to=functions.f json"),
+        200008,
+        *ids(tok, "{}"),
+    ]
+    split = TextSplitter(_harmony(tok).new_splitter(), lambda i: tok.decode(list(i)))
+    pieces = [p for t in out for p in split.feed([t], tok.decode([t]))]
+    pieces += split.feed([], "", final=True)
+    text = {c: "".join(p for ch, p, _ in pieces if ch is c) for c in (Channel.REASONING, Channel.CONTENT)}
+    assert text[Channel.REASONING] == "hm"
+    # The preamble (a commentary message without recipient) is text; its header is not.
+    assert (
+        text[Channel.CONTENT]
+        == "Checking.<|start|>assistant<|channel|>commentary to=functions.f json<|message|>{}"
+    )

@@ -6,6 +6,7 @@ import pytest
 
 from proxy.tools.formats import (
     FORMATS,
+    HARMONY,
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
@@ -35,18 +36,23 @@ LLAMA31 = (
     '{{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}'
 )
 LLAMA31_BUILTIN = LLAMA31 + '{{- "<|python_tag|>" + tool_call.name + ".call(" }}'
+# openai/gpt-oss-20b's template: history calls in the role header, ended by <|call|>.
+GPT_OSS = (
+    '{{- "<|start|>assistant to=" }}{{- "functions." + tool_call.name + "<|channel|>commentary " }}'
+    '{{- "json<|message|>" }}{{- tool_call.arguments|tojson }}{{- "<|call|>" }}'
+)
 MISTRAL_V3 = '{%- if message.tool_calls %}{{- "[TOOL_CALLS][" }}{%- for tool_call in message.tool_calls %}'
 
 
 def test_names_and_choices() -> None:
-    assert list(FORMATS) == ["hermes", "llama3_json", "mistral"]
-    assert TOOL_CALL_FORMAT_CHOICES == ("auto", "hermes", "llama3_json", "mistral")
-    assert [get_format(n) for n in FORMATS] == [HERMES, LLAMA3_JSON, MISTRAL]
+    assert list(FORMATS) == ["hermes", "llama3_json", "mistral", "harmony"]
+    assert TOOL_CALL_FORMAT_CHOICES == ("auto", "hermes", "llama3_json", "mistral", "harmony")
+    assert [get_format(n) for n in FORMATS] == [HERMES, LLAMA3_JSON, MISTRAL, HARMONY]
     assert [f.name for f in FORMATS.values()] == list(FORMATS)
 
 
 def test_unknown_name() -> None:
-    with pytest.raises(ValueError, match=r"'qwen'.*hermes, llama3_json, mistral"):
+    with pytest.raises(ValueError, match=r"'qwen'.*hermes, llama3_json, mistral, harmony"):
         get_format("qwen")
 
 
@@ -57,6 +63,7 @@ def test_unknown_name() -> None:
         (LLAMA31, LLAMA3_JSON),
         (LLAMA31_BUILTIN, LLAMA3_JSON),
         (MISTRAL_V3, MISTRAL),
+        (GPT_OSS, HARMONY),
         (SMOLLM2, None),
         ("", None),
         (None, None),
@@ -70,6 +77,7 @@ def test_markers() -> None:
     assert HERMES.markers == ("<tool_call>",)
     assert LLAMA3_JSON.markers == ("<|python_tag|>",) and LLAMA3_JSON.bare_json
     assert MISTRAL.markers == ("[TOOL_CALLS]",)
+    assert HARMONY.markers == ("<|start|>", "<|channel|>", " to=functions.")
 
 
 @pytest.mark.parametrize(
@@ -80,6 +88,7 @@ def test_markers() -> None:
         ("auto", QWEN25, FormatChoice(HERMES, native=True)),
         ("auto", LLAMA31, FormatChoice(LLAMA3_JSON, native=True)),
         ("auto", MISTRAL_V3, FormatChoice(MISTRAL, native=True)),
+        ("auto", GPT_OSS, FormatChoice(HARMONY, native=True)),
         ("mistral", SMOLLM2, FormatChoice(MISTRAL, native=False)),
         ("llama3_json", QWEN25, FormatChoice(LLAMA3_JSON, native=True)),
     ],

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from proxy.tools.formats import FORMATS, HERMES, LLAMA3_JSON, MISTRAL, ToolCallFormat
+from proxy.tools.formats import FORMATS, HARMONY, HERMES, LLAMA3_JSON, MISTRAL, ToolCallFormat
 from proxy.tools.parser import (
     ContentDelta,
     FunctionDelta,
@@ -184,6 +184,32 @@ CASES: dict[str, Case] = {
         "",
         [("get_weather", PARIS), ("get_time", {})],
     ),
+    # harmony: the frames the worker's Harmony splitter lets through as content
+    "harmony-channel-recipient": Case(
+        HARMONY,
+        '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}',
+        "",
+        [("get_weather", PARIS)],
+    ),
+    "harmony-role-recipient-after-a-preamble": Case(
+        HARMONY,
+        "Let me check.<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+        '{"city": "Berlin", "unit": "f"}<|call|>',
+        "Let me check.",
+        [("get_weather", BERLIN_F)],
+    ),
+    "harmony-role-recipient-at-the-start": Case(
+        HARMONY,
+        " to=functions.get_time<|channel|>commentary json<|message|>{}",
+        "",
+        [("get_time", {})],
+    ),
+    "harmony-on-the-analysis-channel": Case(
+        HARMONY,
+        '<|channel|>analysis to=functions.get_weather code<|message|>{"city":"Paris"}',
+        "",
+        [("get_weather", PARIS)],
+    ),
 }
 
 # Malformed output: the raw text comes back as content, never an error.
@@ -219,6 +245,14 @@ RAW: dict[str, tuple[ToolCallFormat, str]] = {
     ),
     "mistral-args-not-object": (MISTRAL, "[TOOL_CALLS]get_time[ARGS][1, 2]"),
     "mistral-unterminated": (MISTRAL, '[TOOL_CALLS][{"name": "get_time", "arguments": {'),
+    "harmony-unknown-function": (
+        HARMONY,
+        "<|channel|>commentary to=functions.get_stock json<|message|>{}",
+    ),
+    "harmony-no-recipient": (HARMONY, "<|channel|>commentary<|message|>{}"),
+    "harmony-arguments-not-object": (HARMONY, "<|channel|>commentary to=functions.get_time<|message|>[1]"),
+    "harmony-no-message": (HARMONY, "<|channel|>commentary to=functions.get_time json"),
+    "harmony-prose": (HARMONY, "Call it with to=functions.get_time in the header."),
     "plain": (HERMES, "  Just an answer, < and [ and { included.\n"),
 }
 
@@ -263,7 +297,15 @@ def test_valid_call_after_a_malformed_one(auto: ToolConfig) -> None:
         assert [(c[1], c[2]) for c in got.calls] == [("get_time", "{}")]
 
 
-MARKERS = ("<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]")
+MARKERS = (
+    "<tool_call>",
+    "</tool_call>",
+    "<|python_tag|>",
+    "[TOOL_CALLS]",
+    "[ARGS]",
+    "<|channel|>",
+    "<|message|>",
+)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -454,6 +496,13 @@ CUT_CASES = [
         [("get_weather", '{"city":"Paris"}')],
     ),
     (HERMES, '<tool_call>\n{"name": "get_weather", "arg', "", [("get_weather", "")]),
+    (
+        HARMONY,
+        '<|channel|>commentary to=functions.get_weather json<|message|>{"city": "Par',
+        "",
+        [("get_weather", '{"city": "Par')],
+    ),
+    (HARMONY, "Ok.<|channel|>commentary to=functions.get_wea", "Ok.", []),
     (HERMES, '<tool_call>\n{"name": "get_wea', "", []),  # no name yet: dropped, no marker in content
     (HERMES, "It is <tool_c", "It is ", []),  # a marker's start is held back, then dropped
     (
