@@ -166,10 +166,12 @@ def tool_plan(task: ChatTask, choice: FormatChoice) -> ToolPlan | None:
     """The task's ``ToolPlan`` (``None`` without tools), the format from
     ``choice`` (``proxy.tools.choose_format``). Raises ``InvalidRequest``
     for logprobs asked together with tool calls (not honoured on an answer
-    that may be a call), and for stop strings with a
-    forced call. With ``auto`` tools and a JSON output the answer is a call or
-    that JSON (one grammar for both), and one call unless parallel calls were
-    asked for explicitly. A forced call is one call: always for a named function (as
+    that may be a call), for stop strings with a
+    forced call, and for a forced call or tools with a JSON output in a format
+    with no call grammar (``ToolCallFormat.grammar_calls``: Harmony). With
+    ``auto`` tools and a JSON output the answer is a call or that JSON (one
+    grammar for both), and one call unless parallel calls were asked for
+    explicitly. A forced call is one call: always for a named function (as
     OpenAI's), and for ``required`` unless the client asked for parallel calls
     explicitly; otherwise a grammar that allows "another call" lets a small
     model repeat calls until ``max_tokens``. A named function's call is opened
@@ -191,6 +193,16 @@ def tool_plan(task: ChatTask, choice: FormatChoice) -> ToolPlan | None:
     if config.mode == "auto" and task.json_output is not None and not task.parallel_asked:
         # The grammar is a call or the JSON answer: one call, as for a forced one.
         config = msgspec.structs.replace(config, parallel=False)
+    grammar_needed = config.forced or (config.mode == "auto" and task.json_output is not None)
+    if grammar_needed and not choice.format.grammar_calls:
+        # The call would have to be forced by a grammar this format has none of:
+        # refused rather than served unconstrained.
+        param = "tool_choice" if config.forced else "response_format"
+        raise InvalidRequest(
+            f"'{param}' with tools needs a grammar of the model's tool calls, which the "
+            f"{choice.format.name} format has none of yet; use tool_choice 'auto' without a JSON output",
+            param=param,
+        )
     if config.active and task.sampling.logprobs is not None:
         raise InvalidRequest(
             "'logprobs' cannot be combined with tool calls ('tool_choice' is not 'none')",

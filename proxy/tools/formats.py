@@ -434,7 +434,9 @@ class ToolCallFormat:
       each as ``grammar_call_prefix`` + JSON + ``grammar_call_suffix`` joined by
       ``grammar_joiner``, then ``grammar_close``; ``arguments_key`` names the
       arguments in the JSON. A piece equal to a marker may be replaced by a
-      special-token reference.
+      special-token reference. ``grammar_calls``: calls fit that shape, so a
+      grammar can force them (Harmony's name sits in the message header, not in
+      the JSON: no grammar is written for it).
     """
 
     name: str
@@ -452,6 +454,7 @@ class ToolCallFormat:
     grammar_call_suffix: tuple[str, ...] = ()
     grammar_joiner: tuple[str, ...] = ()
     grammar_close: tuple[str, ...] = ()
+    grammar_calls: bool = True
 
 
 # hermes ---------------------------------------------------------
@@ -561,6 +564,7 @@ HARMONY = ToolCallFormat(
         f"<|channel|>commentary {_RECIPIENT}<function-name> <|constrain|>json{_MESSAGE}"
         f"<arguments-json-object>{_CALL_END}"
     ),
+    grammar_calls=False,
 )
 
 # registry -------------------------------------------------------

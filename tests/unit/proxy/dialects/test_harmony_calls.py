@@ -100,3 +100,27 @@ async def test_a_harmony_call_is_a_tool_call_in_every_dialect(
     assert calls == [("get_weather", {"city": "Paris"})]
     assert thinking == "Need weather."
     assert text is None  # no frame text leaks into the answer
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)
+async def test_a_call_harmony_has_no_grammar_for_is_refused_by_name(
+    make_client: MakeClient, fake: FakeEngineClient, extra: dict[str, Any], param: str
+) -> None:
+    """A forced call, or tools with a JSON output, would need a grammar of Harmony's
+    frames (the name is in the header, not the JSON): a 400, not an unconstrained answer."""
+    assert fake.worker_ready is not None
+    fake.worker_ready = msgspec.structs.replace(fake.worker_ready, chat_template=GPT_OSS)
+    client = await make_client()
+    path, body = CASES["chat"]
+    resp = await client.post(path, json={"model": "m", **body, **extra})
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert error["param"] == param and "harmony" in error["message"]
+    assert fake.submits == []
