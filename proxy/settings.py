@@ -241,13 +241,13 @@ class ProxySettings(LinkSettings):
     def body_limit_bytes(self, max_prompt_chars: int | None, images: bool = False) -> int:
         """The request body limit: ``max_body_mb`` when set, else derived from
         ``max_prompt_chars`` (the longest prompt text that can fit the context;
-        ``None`` while unknown), plus, when the model takes ``images``,
-        ``max_images`` images of ``max_image_mb`` in base64 (4 bytes per 3)."""
+        ``None`` while unknown: ``BODY_BYTES_UNKNOWN``), plus, when the model takes
+        ``images``, ``max_images`` images of ``max_image_mb`` in base64 (4 bytes per 3)."""
         if self.max_body_mb is not None:
             return int(self.max_body_mb * MIB)
-        if max_prompt_chars is None:
-            return BODY_BYTES_UNKNOWN
         room = self.max_images * int(self.max_image_mb * MIB) * 4 // 3 if images else 0
+        if max_prompt_chars is None:
+            return BODY_BYTES_UNKNOWN + room
         return BODY_BYTES_PER_CHAR * max_prompt_chars + BODY_OVERHEAD_BYTES + room
 
     def image_limits(self) -> ImageLimits:

@@ -6,14 +6,14 @@
 
 1. intake (``proxy.server.intake``): media type, admission (not draining), body size
    and read time; the API key was checked by ``proxy.app``'s middleware;
-2. the dialect parses and validates the body (``Dialect.parse``; in a thread when
-   it is large: ``parsed``), then converts
-   it into ``Submit``s (``Job.submits``);
+2. the dialect parses and validates the body (``Dialect.parse``), then converts
+   it into ``Submit``s (``Job.submits``), both in a thread when the body is large
+   (``off_loop``);
 3. this server's limits: ``max_n`` choices, prompt texts no longer than the
    context can hold at ``Ready.longest_token_chars`` per token (refused without
    being sent); images, for a model that takes them, checked in a thread
-   (``proxy.core.images.check_images``); each grammar checked off the event loop, bounded in time and
-   memory (``proxy.grammar.check.validate``);
+   (``proxy.core.images.check_images``); each grammar checked off the event
+   loop, bounded in time and memory (``proxy.grammar.check.validate``);
 4. one of the ``max_in_flight`` slots, then the worker (``EngineClient.submit``);
 5. delivery (``proxy.serving.delivery``): the SSE stream through the dialect's encoder,
    or the dialect's JSON body once every choice finished.
@@ -34,6 +34,7 @@ import hashlib
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import msgspec
@@ -197,7 +198,7 @@ async def serve(request: web.Request, dialect: Dialect) -> web.StreamResponse:
     record = record_of(request)
     record.request_id = request_id
     record.stream = job.stream
-    submits, options = job.submits(request_id, context)
+    submits, options = await off_loop(len(body) > PARSE_INLINE_BYTES, job.submits, request_id, context)
     if settings.cache_isolation == "key" and KEY_DIGEST in request:
         submits = [salted(s, request[KEY_DIGEST]) for s in submits]
     check_limits(submits, settings.max_n, worker)
@@ -240,18 +241,30 @@ async def serve(request: web.Request, dialect: Dialect) -> web.StreamResponse:
 
 
 PARSE_INLINE_BYTES = 256 * 1024
-"""Bodies up to this size are parsed on the event loop; larger ones (images in
-base64, long conversations) in a thread, so that decoding tens of MiB of JSON and
-base64 takes turns with the streams the loop serves instead of stalling them."""
+"""Bodies up to this size are parsed and converted on the event loop; larger ones
+(images in base64, long conversations) in a thread, so that decoding tens of MiB
+of JSON and base64 takes turns with the streams the loop serves instead of
+stalling them (30 requests of 8 images each, 40 MiB bodies, held ``/health`` for
+up to 2.9 s while their base64 was decoded on the loop)."""
 
 _T = TypeVar("_T")
+
+_CONVERTER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="convert")
+"""The one thread large bodies are parsed and converted in. One: this work holds the
+GIL in long C calls (JSON, base64), and each thread more doing it is one more the
+loop waits behind for the GIL (six threads made the stalls longer, not shorter)."""
+
+
+async def off_loop(large: bool, fn: Callable[..., _T], *args: object) -> _T:
+    """``fn(*args)``: on the loop, or in ``_CONVERTER`` where the input is ``large``."""
+    if not large:
+        return fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(_CONVERTER, fn, *args)
 
 
 async def parsed(parse: Callable[[bytes], _T], body: bytes) -> _T:
     """``parse(body)``, in a thread for a body over ``PARSE_INLINE_BYTES``."""
-    if len(body) <= PARSE_INLINE_BYTES:
-        return parse(body)
-    return await asyncio.get_running_loop().run_in_executor(None, parse, body)
+    return await off_loop(len(body) > PARSE_INLINE_BYTES, parse, body)
 
 
 async def check_grammars(submits: Sequence[Submit]) -> None:

@@ -145,6 +145,12 @@ def test_body_limit_is_sized_to_the_context_unless_set() -> None:
     assert derived.body_limit_bytes(4096 * 16) == 6 * 4096 * 16 + MIB
     assert make_config(max_body_mb=2).body_limit_bytes(4096 * 16) == 2 * MIB
     assert make_config(max_body_mb=100).body_limit_bytes(None) == 100 * MIB
+    # A model that reads images: room for max_images files of max_image_mb in base64.
+    images = make_config(max_images=3, max_image_mb=1.5)
+    room = 3 * int(1.5 * MIB) * 4 // 3
+    assert images.body_limit_bytes(None, images=True) == 8 * MIB + room
+    assert images.body_limit_bytes(4096 * 16, images=True) == 6 * 4096 * 16 + MIB + room
+    assert make_config(max_body_mb=2).body_limit_bytes(None, images=True) == 2 * MIB
 
 
 async def test_derived_limit_follows_the_worker(make_client: MakeClient, fake: FakeEngineClient) -> None:
