@@ -59,9 +59,9 @@ async def count_tokens(request: web.Request) -> web.Response:
     """``POST /v1/messages/count_tokens``: ``{"input_tokens": int}``, the whole
     prompt the same Messages request would run with (its ``input_tokens`` plus
     ``cache_read_input_tokens``)."""
-    side = await side_request(request, parse_count_tokens_request)
-    context = side.context
-    task = chat_task(side.req)
+    # The task is built with the parse (images decoded), in a thread for a large body.
+    side = await side_request(request, lambda body: chat_task(parse_count_tokens_request(body)))
+    context, task = side.context, side.req
     submit = chat_submit(task, "count", context.max_context_tokens, tool_plan(task, context.tool_format))
     await check_grammars([submit])  # as the same Messages request would be refused
     ids = await tokenize(request, submit)

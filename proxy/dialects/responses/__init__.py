@@ -109,8 +109,9 @@ class InputTokens(msgspec.Struct, gc=False):
 async def input_tokens(request: web.Request) -> web.Response:
     """``POST /v1/responses/input_tokens`` (module docstring); what ``/v1/responses``
     refuses for the same body is refused here the same way."""
-    side = await side_request(request, parse_responses_request)
-    submits, _ = chat_submits(responses_task(side.req), "count", side.context)
+    # The task is built with the parse (images decoded), in a thread for a large body.
+    side = await side_request(request, lambda body: responses_task(parse_responses_request(body)))
+    submits, _ = chat_submits(side.req, "count", side.context)
     await check_grammars(submits)
     ids = await tokenize(request, submits[0])
     return web.Response(body=encode(InputTokens(len(ids))), content_type="application/json")
