@@ -68,18 +68,24 @@ def validate_request(submit: Submit, info: ModelInfo) -> None:
         raise _reject("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}")
 
 
-def check_capabilities(submit: Submit, info: ModelInfo) -> None:
-    """Raises ``RequestRejected`` (``INVALID_REQUEST``) naming the field of a feature
-    the backend declares it lacks in ``info`` (``ModelInfo.template_tools``,
-    ``grammar``, ``logprobs``, ``cache_salt``, ``banned_strings``, ``vision``: an image
-    named by its part): a backend never refuses for a missing capability on its own."""
-    params = submit.params
+def check_images(submit: Submit, info: ModelInfo) -> None:
+    """Raises ``RequestRejected`` naming the first image part when the model reads text
+    only (``ModelInfo.vision`` off); generation and ``/tokenize`` both check here."""
     image = next((im for m in submit.messages for im in m.images), None)
     if image is not None and not info.vision:
         raise _reject(
             image.param,
             f"'{image.param}' is an image; the model {info.model_id!r} on this engine reads text only",
         )
+
+
+def check_capabilities(submit: Submit, info: ModelInfo) -> None:
+    """Raises ``RequestRejected`` (``INVALID_REQUEST``) naming the field of a feature
+    the backend declares it lacks in ``info`` (``ModelInfo.template_tools``,
+    ``grammar``, ``logprobs``, ``cache_salt``, ``banned_strings``, ``vision``: an image
+    named by its part): a backend never refuses for a missing capability on its own."""
+    params = submit.params
+    check_images(submit, info)
     if submit.tools_json is not None and not info.template_tools:
         raise _reject("tools", "this engine cannot pass 'tools' to its chat template")
     if params.grammar is not None and not info.grammar:

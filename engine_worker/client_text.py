@@ -76,10 +76,12 @@ class ControlToken:
 @dataclass(frozen=True, slots=True)
 class Piece:
     """A run of the rendered prompt: one control token the template wrote
-    (``control``), or text to tokenize with special-token parsing off."""
+    (``control``), text to tokenize with special-token parsing off, or the place
+    of an image (``image``: its index in ``ClientText.with_images``; ``text`` empty)."""
 
     text: str
     control: bool
+    image: int | None = None
 
 
 def control_tokens(hf_tokenizer: Any) -> list[ControlToken]:
@@ -138,7 +140,9 @@ class ClientText:
     def __init__(self, tokens: ControlTokens) -> None:
         self._tokens = tokens
         self._nonce = secrets.token_hex(8)
-        self._placeholder = re.compile(f"{_OPEN}{self._nonce}([0-9]+){_CLOSE}")
+        # group 1: "i" for an image's place (with_images), empty for a control token's text
+        self._placeholder = re.compile(f"{_OPEN}{self._nonce}(i?)([0-9]+){_CLOSE}")
+        self._images = 0
 
     def escape(self, value: T) -> T:
         """``value`` with every control-token string in its strings replaced by a
@@ -161,13 +165,31 @@ class ClientText:
             return tuple(self._escape(v) for v in value)
         return value
 
+    def with_images(self, content: str, offsets: Iterable[int]) -> str:
+        """``content`` escaped, with an image's place marked at each of ``offsets``
+        (characters into ``content``, ascending): ``pieces`` gives an image piece
+        there, numbered across this request's calls in order (0, 1, ...). The text
+        between two places is escaped apart, so no control token spans an image."""
+        parts: list[str] = []
+        at = 0
+        for offset in offsets:
+            parts.append(self._escape(content[at:offset]))
+            parts.append(f"{_OPEN}{self._nonce}i{self._images}{_CLOSE}")
+            self._images += 1
+            at = offset
+        parts.append(self._escape(content[at:]))
+        return "".join(parts)
+
     def pieces(self, rendered: str) -> list[Piece]:
         """The rendered prompt with the client's control-token strings put back,
-        cut into text and the template's control tokens (module docstring).
-        Raises ``TemplateMangled`` when a placeholder did not survive rendering."""
-        tokens, literals = self._tokens.tokens, self._tokens.literals
+        cut into text and the template's control tokens (module docstring), with an
+        image piece where ``with_images`` marked one. Raises ``TemplateMangled`` when
+        a placeholder did not survive rendering, or an image's place is missing or
+        repeated."""
+        literals = self._tokens.literals
         parts: list[str] = []
         client: list[tuple[int, int]] = []  # [start, end) of restored client text, ascending
+        images: list[tuple[int, int]] = []  # (position in the text, image index)
         at = length = 0
         for m in [*self._placeholder.finditer(rendered), None]:
             end = len(rendered) if m is None else m.start()
@@ -178,22 +200,42 @@ class ClientText:
             length += end - at
             if m is None:
                 break
-            k = int(m.group(1))
+            at = m.end()
+            k = int(m.group(2))
+            if m.group(1):
+                images.append((length, k))
+                continue
             if k >= len(literals):
                 raise TemplateMangled("the chat template changed the client's text")
             restored = literals[k]
             parts.append(restored)
             client.append((length, length + len(restored)))
             length += len(restored)
-            at = m.end()
+        if sorted(k for _, k in images) != list(range(self._images)):
+            raise TemplateMangled("the chat template dropped or repeated an image of the conversation")
         text = "".join(parts)
+        spans = (client, [s for s, _ in client])
+        out: list[Piece] = []
+        start = 0
+        for position, k in images:
+            out += self._cut(text, start, position, spans)
+            out.append(Piece("", False, k))
+            start = position
+        return out + self._cut(text, start, len(text), spans)
+
+    def _cut(
+        self, text: str, start: int, end: int, spans: tuple[list[tuple[int, int]], list[int]]
+    ) -> list[Piece]:
+        """``text[start:end]`` cut at the control tokens the template wrote, outside the
+        client's spans (``spans``: the ``[start, end)`` pairs and their starts)."""
         pattern = self._tokens.pattern
         if pattern is None:
-            return [Piece(text, False)] if text else []
-        starts = [s for s, _ in client]
+            return [Piece(text[start:end], False)] if end > start else []
+        tokens = self._tokens.tokens
+        client, starts = spans
         out: list[Piece] = []
-        pos = cut = 0
-        while (m := pattern.search(text, pos)) is not None:
+        pos = cut = start
+        while (m := pattern.search(text, pos, end)) is not None:
             # A client span that overlaps the match: the one starting last before its end.
             i = bisect.bisect_left(starts, m.end()) - 1
             if i >= 0 and client[i][1] > m.start():
@@ -208,9 +250,9 @@ class ClientText:
             out.append(Piece(token.text, True))
             cut = pos = m.end()
             if token.rstrip:
-                while cut < len(text) and text[cut].isspace():
+                while cut < end and text[cut].isspace():
                     cut += 1
                 pos = cut
-        if cut < len(text):
-            out.append(Piece(text[cut:], False))
+        if cut < end:
+            out.append(Piece(text[cut:end], False))
         return out

@@ -11,7 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 
-from engine_worker.admission import check_prompt_size
+from engine_worker.admission import check_images, check_prompt_size
 from engine_worker.backend import Backend, RequestRejected
 from protocol import Detokenize, Detokenized, ErrorCode, Event, RequestError, Tokenize, Tokens
 
@@ -58,6 +58,7 @@ class Lookups:
         submit = msg.submit
         backend = self._backend
         check_prompt_size(submit, backend.info)
+        check_images(submit, backend.info)
         # The prompt alone: a grammar or logprobs do not change it, and compiling one (or
         # building the vocabulary) here would race the prepare thread's.
         params = msgspec.structs.replace(submit.params, grammar=None, grammar_param=None, logprobs=None)

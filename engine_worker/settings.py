@@ -271,6 +271,17 @@ class WorkerSettings(LinkSettings):
         2048, "[exllamav3] Completion tokens per job before it is re-queued (output chunking).", ge=1
     )
     warmup: bool = setting(True, "[exllamav3] Run one warm-up pass before serving.")
+    vision: bool = setting(
+        True,
+        "[exllamav3] Load the model's vision component where it has one, so chat turns may hold "
+        "images; --no-vision leaves it unloaded (its VRAM free) and images are refused.",
+    )
+    image_cache_mb: int = setting(
+        1024,
+        "[exllamav3] Host memory, MiB, for the embeddings of recent images, kept by the SHA-256 of "
+        "their bytes so that an image sent again reuses its embedding and the prefix cache's pages.",
+        ge=0,
+    )
     add_bos: bool = setting(
         True, "[exllamav3] Prepend the tokenizer's BOS token to raw-text prompts (if the model uses one)."
     )

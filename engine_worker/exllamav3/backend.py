@@ -23,6 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Collection, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,7 @@ from engine_worker.exllamav3.kv_pages import PageTableEvents
 from engine_worker.exllamav3.results import AnswerText, JobRecord, Phase, ResultConverter
 from engine_worker.exllamav3.sampling import FLOAT32_MAX, breaker_ids, job_settings
 from engine_worker.exllamav3.segments import SegmentSizes
+from engine_worker.exllamav3.vision import GpuTurns, ImageEmbeddings, distinct
 from engine_worker.kv_events import MEDIUM_GPU, BatchSink, KvEvents
 from engine_worker.options.exllamav3 import PAGE_SIZE
 from engine_worker.reasoning import Plan, VocabFromTables, choose, template_kwargs
@@ -64,6 +66,7 @@ class _Prompt:
     ids: Any
     filters: list[Any] = dataclasses.field(default_factory=list)
     reasoning: Plan | None = None  # with a reasoning parser: the request's plan
+    embeddings: list[Any] = dataclasses.field(default_factory=list)  # the images' MMEmbeddings, each once
 
 
 def _token_count(ids: Any) -> int:
@@ -144,7 +147,15 @@ class ExLlamaV3Backend:
             # and only the answer's tokens carry logprobs (results.ResultConverter).
             grammar_while_thinking=handle.new_answer_filter is not None,
             logprobs_while_thinking=handle.new_answer_filter is not None,
+            vision=handle.vision is not None,
         )
+        # The vision forward pass and iterate() take turns on the GPU (vision module docstring).
+        self._gpu: AbstractContextManager[None] = nullcontext()
+        self._images: ImageEmbeddings | None = None
+        if handle.vision is not None:
+            turns = GpuTurns()
+            self._gpu = turns
+            self._images = ImageEmbeddings(handle.vision, turns, config.image_cache_mb << 20)
         self._token_bytes = lp.TokenBytes(handle.ll_tokenizer, handle.pieces)
         self._sizes = sizes = SegmentSizes(
             config.max_rq_tokens if config.output_chunking else None,
@@ -192,10 +203,11 @@ class ExLlamaV3Backend:
 
     # ------------------------------------------------------------------ admission
 
-    def _tokenize(self, submit: Submit, budget: int | None) -> tuple[Any, str]:
+    def _tokenize(self, submit: Submit, budget: int | None) -> tuple[Any, str, list[Any]]:
+        """``(ids, param, embeddings)``: the prompt, what names it, the images' embeddings."""
         if submit.prompt is not None:
             add_bos = self._config.add_bos if submit.add_bos is None else submit.add_bos
-            return self._h.encode(submit.prompt, add_bos), "prompt"
+            return self._h.encode(submit.prompt, add_bos), "prompt", []
         if not submit.messages:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, "messages must not be empty", "messages")
         messages = template_turns(submit, tool_fields=True)
@@ -204,10 +216,14 @@ class ExLlamaV3Backend:
             extra = template_kwargs(submit.template_kwargs_json, self._h.chat_template, budget)
         except ValueError as e:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, str(e), "chat_template_kwargs") from e
+        images = None
+        if any(m.images for m in submit.messages):
+            assert self._images is not None  # refused by admission.check_images otherwise
+            images = self._images.for_turns([m.images for m in submit.messages])
         ids = self._h.encode_chat(
-            messages, submit.add_generation_prompt, tools, submit.forced_prefix, extra or None
+            messages, submit.add_generation_prompt, tools, submit.forced_prefix, extra or None, images
         )
-        return ids, "messages"
+        return ids, "messages", distinct(e for turn in images or () for _, e in turn)
 
     def prepare(self, submit: Submit) -> Prepared:
         """Tokenize (chat template for ``messages``, with ``tools_json`` and the turns'
@@ -224,7 +240,7 @@ class ExLlamaV3Backend:
         param = "prompt" if submit.prompt is not None else "messages"
         budget = thinking_budget(params, self._config.reasoning_budget)
         try:
-            input_ids, param = self._tokenize(submit, budget)
+            input_ids, param, embeddings = self._tokenize(submit, budget)
         except RequestRejected:
             raise
         except Exception as e:
@@ -244,7 +260,7 @@ class ExLlamaV3Backend:
             filters = [self._compile(params) for _ in range(max(1, submit.n))]
         if params.logprobs is not None:
             self._token_bytes.load()
-        return Prepared(submit, _Prompt(input_ids, filters, plan), n, param)
+        return Prepared(submit, _Prompt(input_ids, filters, plan, embeddings), n, param)
 
     def _compile(self, params: SamplingParams) -> Any:
         assert params.grammar is not None
@@ -335,6 +351,8 @@ class ExLlamaV3Backend:
                 sampler = h.new_xtc_sampler(*settings.xtc, **settings.sampler_kwargs)
             if filters:
                 kwargs["filters"] = list(filters)
+            if prompt.embeddings:
+                kwargs["embeddings"] = list(prompt.embeddings)
             return h.new_job(
                 input_ids=input_ids,
                 sampler=sampler,
@@ -416,7 +434,8 @@ class ExLlamaV3Backend:
             return []
         t0 = time.monotonic()
         try:
-            results = self._gen.iterate()
+            with self._gpu:
+                results = self._gen.iterate()
         except Exception as e:
             return self._recover(e)
         finally:

@@ -82,11 +82,24 @@ def renderer(hf_tokenizer: Any) -> Render:
     return render
 
 
+TurnImages = Sequence[Sequence[tuple[int, Any]]]
+"""Per message, its images as ``(offset in the content, embedding)``; an embedding is
+1.6.5's ``MMEmbedding`` (``engine_worker.exllamav3.vision``)."""
+
 EncodeChat = Callable[
-    [list[dict[str, Any]], bool, list[Any] | None, Sequence[PromptPiece], dict[str, Any] | None], Any
+    [
+        list[dict[str, Any]],
+        bool,
+        list[Any] | None,
+        Sequence[PromptPiece],
+        dict[str, Any] | None,
+        TurnImages | None,
+    ],
+    Any,
 ]
-"""``EngineHandle.encode_chat``: ``(messages, add_generation_prompt, tools, prefix, extra) -> (1, n)
-ids``; ``extra``: more template variables (``chat_template_kwargs``), escaped as client text."""
+"""``EngineHandle.encode_chat``: ``(messages, add_generation_prompt, tools, prefix, extra, images)
+-> (1, n) ids``; ``extra``: more template variables (``chat_template_kwargs``), escaped as client
+text; ``images``: ``TurnImages`` or ``None``."""
 
 
 def chat_encoder(hf_tokenizer: Any, tokenizer: Any, as_ids: Callable[[list[int]], Any]) -> EncodeChat:
@@ -105,7 +118,16 @@ def chat_encoder(hf_tokenizer: Any, tokenizer: Any, as_ids: Callable[[list[int]]
     in both modes (``369-389``). ``prefix`` (``Submit.forced_prefix``) follows the
     rendered prompt, its markers control tokens where the tokenizer has them
     (``ControlTokens.prefix_pieces``). Raises what the template raises, and
-    ``client_text.TemplateMangled``."""
+    ``client_text.TemplateMangled``.
+
+    Images: each one's place is marked in its message's content
+    (``ClientText.with_images``), the template renders the content as the text it
+    is, and the image's ids (``token_list_at`` of the prompt position it lands on,
+    its start and end tokens included) go where the mark is. 1.6.5's own way puts
+    the embedding's ``text_alias`` in the text and has ``encode`` split every
+    piece of text on the aliases (``tokenizer/tokenizer.py:416-438``), so a
+    client that typed an alias (``<$EMB_1000000000$>``) would put another
+    request's image in its prompt; here no text ever stands for an image."""
     controls = ControlTokens(control_tokens(hf_tokenizer))
 
     def encode_chat(
@@ -114,18 +136,31 @@ def chat_encoder(hf_tokenizer: Any, tokenizer: Any, as_ids: Callable[[list[int]]
         tools: list[Any] | None,
         prefix: Sequence[PromptPiece] = (),
         variables: dict[str, Any] | None = None,
+        images: TurnImages | None = None,
     ) -> Any:
         guard = controls.guard()
         extra = guard.escape(dict(variables or {}))
         if tools is not None:
             extra["tools"] = guard.escape(tools)
+        escaped = guard.escape(messages)
+        placed: list[Any] = []  # the embeddings, in the order their places were marked
+        for i, turn_images in enumerate(images or ()):
+            if turn_images:
+                escaped[i] = {
+                    **escaped[i],
+                    "content": guard.with_images(messages[i]["content"], [at for at, _ in turn_images]),
+                }
+                placed += (e for _, e in turn_images)
         text = hf_tokenizer.apply_chat_template(
-            guard.escape(messages), add_generation_prompt=add_generation_prompt, tokenize=False, **extra
+            escaped, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
         )
         if not isinstance(text, str):
             raise TypeError(f"apply_chat_template returned {type(text).__name__}, not text")
         ids: list[int] = []
         for piece in [*guard.pieces(text), *controls.prefix_pieces(prefix)]:
+            if piece.image is not None:
+                ids += placed[piece.image].token_list_at(len(ids))
+                continue
             encoded = tokenizer.encode(piece.text, encode_special_tokens=piece.control).tolist()
             ids += (int(i) for i in (encoded[0] if encoded and isinstance(encoded[0], list) else encoded))
         return as_ids(ids)

@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from engine_worker.exllamav3.chat_template import TurnImages
+from engine_worker.exllamav3.vision import Vision
 from engine_worker.options.exllamav3 import EXLLAMAV3_MAX_BATCH_SIZE
 from protocol.messages import PromptPiece
 
@@ -68,13 +70,13 @@ class EngineHandle:
     - ``generator``: the one ``Generator`` over the model's cache.
     - ``new_job(**kwargs)`` / ``new_sampler(**kwargs)``: ``Job`` / ``ComboSampler`` constructors.
     - ``encode(text, add_bos)``: raw prompt -> ``(1, n)`` ids, special tokens in the text parsed.
-    - ``encode_chat(messages, add_generation_prompt, tools, prefix)``: the model's chat template applied
-      and tokenized (``Tokenizer.hf_chat_template``); ``messages`` are ``{"role", "content"}``
-      dicts, with ``tool_calls`` (a list of call objects), ``tool_call_id`` and ``name`` where a
-      turn has them; ``tools`` (OpenAI's ``tools`` array) goes to the template as its ``tools``
-      variable, ``None`` passes nothing; ``prefix`` (``Submit.forced_prefix``) is tokenized after it.
-      variable, ``None`` passes nothing; the last argument, extra template variables
-      (``chat_template_kwargs``) or ``None``.
+    - ``encode_chat(messages, add_generation_prompt, tools, prefix, variables, images)``: the model's
+      chat template applied and tokenized (``chat_template.chat_encoder``); ``messages`` are
+      ``{"role", "content"}`` dicts, with ``tool_calls`` (a list of call objects), ``tool_call_id``
+      and ``name`` where a turn has them; ``tools`` (OpenAI's ``tools`` array) goes to the template
+      as its ``tools`` variable, ``None`` passes nothing; ``prefix`` (``Submit.forced_prefix``) is
+      tokenized after it; ``variables``, extra template variables (``chat_template_kwargs``) or
+      ``None``; ``images``, each message's ``(offset, embedding)`` pairs or ``None``.
     - ``decode(ids)``: token ids -> text, special tokens as their text (``Tokenizer.decode`` with
       ``decode_special_tokens=True``, as jobs decode).
     - ``decode_plain(ids)``: the same without special tokens (``decode_special_tokens=False``:
@@ -118,6 +120,9 @@ class EngineHandle:
       grammars and logprobs while the model may think.
     - ``as_ids(ids)``: a list of ids as the ``(1, n)`` tensor jobs take (a prompt the reasoning
       plan extended); ``None`` where unavailable.
+    - ``vision``: the model's vision component (``engine_worker.exllamav3.vision.Vision``), loaded
+      where the model has one (``"vision" in Config.model_classes``, ``model/model.py:186-189``);
+      ``None``: images are refused.
     """
 
     generator: GeneratorLike
@@ -125,7 +130,15 @@ class EngineHandle:
     new_sampler: Callable[..., Any]
     encode: Callable[[str, bool], IdTensor]
     encode_chat: Callable[
-        [list[dict[str, Any]], bool, list[Any] | None, Sequence[PromptPiece], dict[str, Any] | None], IdTensor
+        [
+            list[dict[str, Any]],
+            bool,
+            list[Any] | None,
+            Sequence[PromptPiece],
+            dict[str, Any] | None,
+            TurnImages | None,
+        ],
+        IdTensor,
     ]
     decode: Callable[[list[int]], str]
     decode_plain: Callable[[list[int]], str]
@@ -150,6 +163,7 @@ class EngineHandle:
     new_xtc_sampler: Callable[..., Any] | None = None
     as_ids: Callable[[list[int]], IdTensor] | None = None
     new_answer_filter: Callable[..., Any] | None = None
+    vision: Vision | None = None
 
 
 def id_list(ids: Any) -> list[int]:

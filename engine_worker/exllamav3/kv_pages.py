@@ -15,6 +15,13 @@ update, and leave it when they are evicted for other content (``add_ref_clear``,
 ``add_ref_unique``, ``clear``), made unique again (``make_unique``), or the table is
 reset (a new ``Generator`` builds a new one).
 
+A page whose chain holds an image's ids (``FIRST_MM_EMBEDDING_INDEX`` and up: ids the
+process allocates for each embedding, ``tokenizer/mm_embedding.py:4-21``) is not published:
+1.6.5 marks it ``persistable = False`` at allocation (``pagetable.py:79-81``, ``295-297``),
+and keeps it out of its own disk tier for the same reason (``disk_cache.py:610-618``). The
+pages of the text before the first image are published as usual; what a router does with
+the rest is in ``docs/kubernetes.md`` ("Images").
+
 The table changes only inside ``Generator.iterate()`` (and ``cancel``, which keeps the
 content of the pages it releases). So after each ``iterate()`` the set of complete
 content-hashed pages is compared with the one published last: new pages become
@@ -71,6 +78,8 @@ class PageTableEvents:
             by_hash = {p.phash: p for p in pages}
             for h in added:
                 page = by_hash[h]
+                if not page.persistable:
+                    continue  # its chain holds image ids, which mean nothing outside this process
                 self.events.stored(h, page.prev_hash, page.sequence.tolist()[0])
                 self._published.add(h)
         self._complete = now

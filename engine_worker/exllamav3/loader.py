@@ -15,7 +15,9 @@ tokenizer first; ``load_engine`` runs one function per step:
    becomes a stop string, and its token a stop token when it is one.
 1. ``create_models``: ``Model.from_config`` (``model_init.py:283``); an MTP head is
    ``Model.from_config(config, component="mtp")`` (``model_init.py:284-288``,
-   ``model/model.py:171-194``).
+   ``model/model.py:171-194``), the vision component ``component="vision"`` where the
+   architecture has one (``"vision" in config.model_classes``, ``model/model.py:186-189``)
+   and ``vision`` is on.
 2. ``plan_sizes``: context, batch, draft window and cache size; what ``config`` leaves
    unset is resolved for the model by ``WorkerSettings.exllamav3_*``, where every
    default lives.
@@ -25,7 +27,8 @@ tokenizer first; ``load_engine`` runs one function per step:
    covers the draft window for recurrent models (``model_init.py:291-297``).
    When cache and weights will not fit the free VRAM, a warning says so
    (``warn_if_cache_exceeds_vram``).
-4. ``load_weights``: the drafter's ``load`` before the main model's, which gets
+4. ``load_weights``: the vision component first, as exllamav3's ``examples/multimodal.py``
+   does, then the drafter's ``load`` before the main model's, which gets
    ``draft_model=`` for its split (``model_init.py:379-405``). ``Model.load_gen`` yields
    ``(modules_done, modules_total)`` (``model/model_ls.py:140``,
    ``model/model_tp.py:615``): that drives the console progress bar. Then
@@ -49,6 +52,7 @@ reaches the llguidance tokenizer those filters share (``create_ll_tokenizer``,
 from __future__ import annotations
 
 import functools
+import io
 import logging
 import sys
 import time
@@ -59,9 +63,11 @@ from typing import Any
 
 from engine_worker.exllamav3 import chat_template, sizes
 from engine_worker.exllamav3.backend import ExLlamaV3Backend
+from engine_worker.exllamav3.chat_template import TurnImages
 from engine_worker.exllamav3.engine import EngineHandle, id_list
 from engine_worker.exllamav3.grammar import answer_filter_factory, contained_filter_class, filter_factory
 from engine_worker.exllamav3.sampling import xtc_sampler
+from engine_worker.exllamav3.vision import Vision
 from engine_worker.load_stages import LoadReporter, Stage
 from engine_worker.options.exllamav3 import PAGE_SIZE, CacheMode, parse_split
 from engine_worker.settings import DraftMode, WorkerSettings
@@ -251,29 +257,39 @@ class Models:
     model: Any
     draft_model: Any
     draft_label: str
+    vision_model: Any = None
+    """The vision component, ``None`` for a text-only model (or ``vision`` off)."""
 
 
 def create_models(ex: Any, config: WorkerSettings, text: Text) -> Models:
-    """``Model.from_config`` for the main model and, by ``draft_mode``, the draft model's own
-    ``Config``/``Model`` or the MTP head (``component="mtp"``). Raises ``ValueError`` for
-    ``mtp`` on a model without a head."""
+    """``Model.from_config`` for the main model, its vision component where it has one (and
+    ``vision`` is on) and, by ``draft_mode``, the draft model's own ``Config``/``Model`` or the
+    MTP head (``component="mtp"``). Raises ``ValueError`` for ``mtp`` on a model without a head."""
     ex_config = text.ex_config
     if config.max_seq_len:
         # A no-op in 1.6.5 (model/config.py:337-343); kept because later versions use it to pick
         # the RoPE factors of models with two sets (Phi) before the model is created.
         ex_config.override_dynamic_seq_len(config.max_seq_len)
     model = ex.Model.from_config(ex_config)
+    components = getattr(ex_config, "model_classes", {})
+    vision = None
+    if "vision" in components:
+        if config.vision:
+            vision = ex.Model.from_config(ex_config, component="vision")
+        else:
+            log.info("exllamav3: %s has a vision component; not loaded (--no-vision)", ex_config.architecture)
     if config.draft_mode is DraftMode.DRAFT_MODEL:
         assert config.draft_model_dir is not None  # checked by options.exllamav3.validate
         draft_config = ex.Config.from_directory(str(config.draft_model_dir))
-        return Models(model, ex.Model.from_config(draft_config), f"draft model {config.draft_model_dir.name}")
+        drafter = ex.Model.from_config(draft_config)
+        return Models(model, drafter, f"draft model {config.draft_model_dir.name}", vision)
     if config.draft_mode is DraftMode.MTP:
-        if "mtp" not in getattr(ex_config, "model_classes", {}):
+        if "mtp" not in components:
             raise ValueError(
                 f"draft_mode=mtp: {config.model_dir} ({ex_config.architecture}) has no MTP head in ExLlamaV3"
             )
-        return Models(model, ex.Model.from_config(ex_config, component="mtp"), "MTP head")
-    return Models(model, None, "")
+        return Models(model, ex.Model.from_config(ex_config, component="mtp"), "MTP head", vision)
+    return Models(model, None, "", vision)
 
 
 @dataclass(frozen=True)
@@ -357,14 +373,19 @@ def _splits(config: WorkerSettings) -> tuple[list[float] | None, list[float] | N
 def load_weights(
     config: WorkerSettings, models: Models, cache: Any, sizes: Sizes, stages: LoadReporter | None = None
 ) -> None:
-    """Step 4: the drafter's weights, then the main model's with ``draft_model=`` for its
-    split (``model_init.py:379-405``), a progress bar each; then, with ``warmup``,
-    ``Model.warmup`` before a generator owns the cache (``model/model.py:203``, ``232-233``)."""
+    """Step 4: the vision component's weights, the drafter's, then the main model's with
+    ``draft_model=`` for its split (``model_init.py:379-405``), a progress bar each; then, with
+    ``warmup``, ``Model.warmup`` before a generator owns the cache (``model/model.py:203``,
+    ``232-233``)."""
     import torch
 
     assert config.model_dir is not None
     split, draft_split = _splits(config)
     with torch.inference_mode():
+        if models.vision_model is not None:
+            # Placed automatically, first, as examples/multimodal.py loads it: the text model's
+            # split then counts on top of it, as it does for the drafter.
+            _progress_bar(models.vision_model.load_gen(), "Loading the vision component", stages)
         if models.draft_model is not None:
             # use_per_device counts on top of what is already allocated (model/model.py:522-526):
             # reusing gpu_split here would let drafter + model take about twice the split.
@@ -454,10 +475,11 @@ class LoadedEngine:
         tools: list[Any] | None,
         prefix: Sequence[PromptPiece] = (),
         variables: dict[str, Any] | None = None,
+        images: TurnImages | None = None,
     ) -> Any:
         # Client text tokenized as text, control tokens only where the template
-        # (or the proxy's prefix, Submit.forced_prefix) wrote them.
-        return self._encode_chat(messages, add_generation_prompt, tools, prefix, variables)
+        # (or the proxy's prefix, Submit.forced_prefix) wrote them; images where their parts were.
+        return self._encode_chat(messages, add_generation_prompt, tools, prefix, variables, images)
 
     def decode(self, ids: list[int], special: bool = True) -> str:
         import torch
@@ -504,8 +526,35 @@ class LoadedEngine:
     def close(self) -> None:
         self.generator.close()
         self.models.model.unload()
-        if self.models.draft_model is not None:
-            self.models.draft_model.unload()
+        for other in (self.models.draft_model, self.models.vision_model):
+            if other is not None:
+                other.unload()
+
+    @staticmethod
+    def open_image(data: bytes) -> Any:
+        # The proxy checked the file (format, pixels, a full decode: proxy.core.images); the
+        # model's own preprocessing converts it to RGB (architecture/mm_processing/common.py:4-16).
+        from PIL import Image
+
+        image = Image.open(io.BytesIO(data))
+        image.load()  # a GIF's first frame
+        return image
+
+    def embed_image(self, image: Any) -> Any:
+        import torch
+
+        with torch.inference_mode():
+            embedding = self.models.vision_model.get_image_embeddings(
+                tokenizer=self.text.tokenizer, image=image
+            )
+            # Done before the GPU turn ends: a step after it may capture a CUDA graph.
+            torch.cuda.synchronize()
+        return embedding
+
+    @staticmethod
+    def embedding_bytes(embedding: Any) -> int:
+        tensors = [embedding.embeddings, *(getattr(embedding, "deepstack_embeddings", None) or ())]
+        return sum(int(t.numel()) * int(t.element_size()) for t in tensors if t is not None)
 
     def handle(self, sizes: Sizes, warmup_s: float) -> EngineHandle:
         tokenizer, generator = self.text.tokenizer, self.generator
@@ -548,6 +597,9 @@ class LoadedEngine:
                 self.decode,
             ),
             ll_tokenizer=self.ll_tokenizer,
+            vision=None
+            if self.models.vision_model is None
+            else Vision(self.open_image, self.embed_image, self.embedding_bytes),
         )
 
 

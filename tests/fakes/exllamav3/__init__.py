@@ -96,6 +96,16 @@ choosing tokens instead of a network:
   settings did (softmax of the raw logits, ``job.py:764-778``), buffered with the held
   tokens and sent with their ``token_ids`` (``job.py:902-907``, ``981-985``), in ``held``
   at a stop token (``job.py:949-961``), carried over a re-queue (``job.py:1217-1219``).
+- Vision (``mm_embedding.py``, ``model.VisionModel``): a config with a ``vision_config``
+  has a ``"vision"`` component (``model/model.py:186-190``); its ``get_image_embeddings``
+  returns an ``MMEmbedding`` whose ids come from one per-process allocator counting from
+  1,000,000,000 (``tokenizer/mm_embedding.py:4-21``), wrapped in the start and end tokens
+  (``architecture/qwen3_vl.py:405-407``). ``Job(embeddings=...)`` keeps them over a
+  re-queue (``generator/job.py:1254``) and refuses image ids no embedding covers (fake-only:
+  1.6.5 would read uninitialised rows). Pages from the first one holding an image id on are
+  ``persistable = False`` (``generator/pagetable.py:295-297``). ``decode`` drops image ids
+  (``tokenizer/tokenizer.py:567-568``). MRoPE positions, atomic multimodal prefill and
+  aligned embeddings' model side are not modelled.
 - ``hf_chat_template`` forwards keywords (``tools``) to ``apply_chat_template``
   (``tokenizer/tokenizer.py:830-832``, ``870-876``); ``hf_tokenizer(template)`` makes a
   real ``transformers`` tokenizer with any template (``QWEN_TOOLS_TEMPLATE`` renders tools).
@@ -105,7 +115,7 @@ Deliberately stricter than 1.6.5: ``Job``, ``Generator``, ``Cache`` and
 (``CustomSampler`` and the ``SS_*`` steps the backend's XTC stack uses record their
 arguments; a logit bias of ``-inf`` bans its token, as ``LogitBias`` does)
 misspelt keyword fails here instead of being ignored; features the worker does
-not use (token healing, banned strings, embeddings, ``return_logits``, loop
+not use (token healing, banned strings, ``return_logits``, loop
 detection, recurrent models) raise ``NotImplementedError``. N-gram drafting follows 1.6.5's
 suffix automaton (``_SuffixAutomaton``); the drafting *model* is the script, so acceptance
 rates are the fake model's, not a real one's.
@@ -124,8 +134,9 @@ from .cache import _CacheLayerSize as _CacheLayerSize
 from .constants import PAGE_SIZE
 from .filter import FJ_ACCEPT, FJ_COMPLETE, FJ_PASS, FJ_TRIGGER, Filter, LLGuidanceFilter, create_ll_tokenizer
 from .generator import Generator
-from .handle import make_handle
+from .handle import make_handle, vision_model
 from .job import Job
+from .mm_embedding import FIRST_MM_EMBEDDING_INDEX, MMEmbedding
 from .model import (
     DEFAULT_SCRIPT,
     DOMINANT_BIAS,
@@ -135,7 +146,9 @@ from .model import (
     Model,
     NonFiniteLogits,
     Script,
+    VisionModel,
     by_prompt,
+    image_rows,
     raw_probs,
     reply,
     top_k,
@@ -183,6 +196,7 @@ __all__ = [
     "DEFAULT_SCRIPT",
     "DOMINANT_BIAS",
     "EOS",
+    "FIRST_MM_EMBEDDING_INDEX",
     "FJ_ACCEPT",
     "FJ_COMPLETE",
     "FJ_PASS",
@@ -210,6 +224,7 @@ __all__ = [
     "Generator",
     "Job",
     "LLGuidanceFilter",
+    "MMEmbedding",
     "Model",
     "NonFiniteLogits",
     "SS_LogitBias",
@@ -222,12 +237,15 @@ __all__ = [
     "SS_TopP",
     "Script",
     "Tokenizer",
+    "VisionModel",
     "by_prompt",
     "create_ll_tokenizer",
     "hf_tokenizer",
+    "image_rows",
     "make_handle",
     "raw_probs",
     "reply",
     "top_k",
+    "vision_model",
     "write_hf_tokenizer",
 ]

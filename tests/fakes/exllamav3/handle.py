@@ -15,7 +15,7 @@ from .cache import Cache
 from .filter import Filter, LLGuidanceFilter, create_ll_tokenizer
 from .generator import Generator
 from .job import Job
-from .model import DEFAULT_SCRIPT, Model, Script
+from .model import DEFAULT_SCRIPT, Model, Script, VisionModel
 from .sampler import ComboSampler
 from .tensor import FakeTensor
 from .tokenizer import CHATML_TEMPLATE, EOS, IM_END, VOCAB_SIZE, ChatMLTemplate, Tokenizer, hf_tokenizer
@@ -44,6 +44,7 @@ def make_handle(
     stop_strings: tuple[str, ...] = (),
     special_pieces: bool = True,
     chat_template: str | None = None,
+    vision: bool = False,
 ) -> Any:
     """An ``EngineHandle`` over a fake generator, as ``loader.load_engine`` would build it.
     The generator is ``handle.generator`` (a ``Generator``); ``rebuild_generator`` makes a
@@ -51,10 +52,14 @@ def make_handle(
     ``model.device_error`` (``handle.generator.model``) once it is set. Chat renders with
     ``ChatMLTemplate``, or with a real ``transformers`` tokenizer holding ``chat_template``
     when one is given (``hf_tokenizer``). Grammars use ``LLGuidanceFilter`` as the loader
-    does (``grammar.contained_filter_class``)."""
+    does (``grammar.contained_filter_class``). ``vision``: a vision component
+    (``VisionModel``, reached with ``vision_model(handle)``), images opened and sized as the
+    loader does (``LoadedEngine.open_image``, ``embedding_bytes``)."""
     from engine_worker.exllamav3.chat_template import chat_encoder
     from engine_worker.exllamav3.engine import EngineHandle
     from engine_worker.exllamav3.grammar import answer_filter_factory, contained_filter_class, filter_factory
+    from engine_worker.exllamav3.loader import LoadedEngine
+    from engine_worker.exllamav3.vision import Vision
 
     model = Model(script=script, fail_prefill=fail_prefill)
     cache = Cache(model, cache_tokens)
@@ -67,6 +72,9 @@ def make_handle(
     model.load()
     if draft_model is not None:
         draft_model.load()
+    vision_model = VisionModel() if vision else None
+    if vision_model is not None:
+        vision_model.load()
     tok = Tokenizer(special_pieces=special_pieces)
     if chat_template is not None:
         tok.hf_tokenizer = hf_tokenizer(chat_template)
@@ -136,4 +144,28 @@ def make_handle(
         new_answer_filter=answer_filter_factory(
             Filter, tok, VOCAB_SIZE, _int32_words, tok.get_id_to_piece_list(True), decode
         ),
+        vision=None
+        if vision_model is None
+        else Vision(
+            LoadedEngine.open_image,
+            _VisionCall(vision_model, tok),
+            LoadedEngine.embedding_bytes,
+        ),
     )
+
+
+class _VisionCall:
+    """``Vision.embed`` over the fake vision component: ``model`` is that component."""
+
+    def __init__(self, model: VisionModel, tokenizer: Tokenizer) -> None:
+        self.model, self._tokenizer = model, tokenizer
+
+    def __call__(self, image: Any) -> Any:
+        return self.model.get_image_embeddings(tokenizer=self._tokenizer, image=image)
+
+
+def vision_model(handle: Any) -> VisionModel:
+    """The fake vision component of a ``make_handle(vision=True)`` handle."""
+    call = handle.vision.embed
+    assert isinstance(call, _VisionCall)
+    return call.model

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from .constants import PAGE_SIZE
 from .filter import _allowed_by
+from .mm_embedding import FIRST_MM_EMBEDDING_INDEX
 from .ngram import _SuffixAutomaton
 from .pagetable import _chain_hash
 from .sampler import ComboSampler
@@ -72,9 +73,21 @@ class Job:
         stop_on_loop: tuple[int, int] | None = None,
         rq_state: dict[str, Any] | None = None,
     ) -> None:
-        if token_healing or embeddings or stop_on_loop or return_logits:
+        if token_healing or stop_on_loop or return_logits:
             raise NotImplementedError("feature not modelled by the fake")
         ids = _ids_of(input_ids)
+        # job.py:297-298. Fake-only check: an image id no embedding covers would read rows of an
+        # uninitialised tensor in 1.6.5 (modules/embedding.py:198-211), silently.
+        self.embeddings: list[Any] = list(embeddings or [])
+        uncovered = [
+            i
+            for i in ids
+            if i >= FIRST_MM_EMBEDDING_INDEX
+            and not any(e.first_index <= i < e.last_index for e in self.embeddings)
+        ]
+        assert not uncovered, f"fake: image ids {uncovered[:3]} without their embedding"
+        mm = [k for k, i in enumerate(ids) if i >= FIRST_MM_EMBEDDING_INDEX]
+        self.mm_first_page: int | None = mm[0] // PAGE_SIZE if mm else None  # pagetable.py:232-233
         assert len(ids) > 0, "Input IDs cannot be empty."
         assert max_new_tokens is None or max_new_tokens >= 1, (
             "max_new_tokens must be >= 1, or None for no limit"
@@ -272,6 +285,9 @@ class Job:
 
     def allocate_pages(self) -> None:
         self.allocated_pages, cached = self.pagetable.allocate(self._reusable_hashes(), self._fresh_pages())
+        # pagetable.py:295-297: pages from the first one holding an image id on are process-local
+        for i, page in enumerate(self.allocated_pages):
+            page.persistable = self.mm_first_page is None or i < self.mm_first_page
         self.kv_position = cached * PAGE_SIZE
         self.cached_pages += cached
 
@@ -677,6 +693,7 @@ class Job:
             filters=self.filters,
             identifier=self.identifier,
             banned_strings=self.banned_strings,  # job.py:1253
+            embeddings=self.embeddings,  # job.py:1254
             max_rq_tokens=self.orig_max_rq_tokens,
             rq_state=rq_state,
         )

@@ -50,7 +50,12 @@ def by_prompt(default: Script, **scripts: Script) -> Script:
 class Config:
     """``Config.from_directory`` (``model/config.py:259``): reads ``config.json``.
 
-    Fake-only keys: ``"fake_mtp": true`` gives the model an MTP component."""
+    Fake-only keys: ``"fake_mtp": true`` gives the model an MTP component. A
+    ``"vision_config"`` (as Qwen2.5-VL's, Gemma 3's and Mistral 3's configs have) gives it a
+    vision component (``VisionModel``), as the vision architectures register one
+    (``architecture/qwen2_5_vl.py:42``); ``vision_start_token_id``/``vision_end_token_id``
+    (Qwen's names) default to the bytes ``[`` and ``]``, the fake vocabulary having no
+    image tokens."""
 
     def __init__(self, directory: str, config_dict: dict[str, Any]) -> None:
         self.directory = directory
@@ -64,6 +69,11 @@ class Config:
         self.model_classes: dict[str, type[Model]] = {"text": Model}
         if config_dict.get("fake_mtp"):
             self.model_classes["mtp"] = Model
+        if "vision_config" in config_dict:
+            self.model_classes["vision"] = VisionModel
+        self.vision_start_token_id = int(config_dict.get("vision_start_token_id", ord("[")))
+        self.vision_end_token_id = int(config_dict.get("vision_end_token_id", ord("]")))
+        self.hidden_size = int(config_dict.get("hidden_size", 64))
         self.dynamic_seq_len: int | None = None
         self.script: Script | None = None
 
@@ -156,10 +166,11 @@ class Model:
 
     @staticmethod
     def from_config(config: Config, component: str = "text") -> Model:
+        # model/model.py:186-190: the component's class from the config's map
         assert component in config.model_classes, (
             f"{config.architecture} does not define a '{component}' component model"
         )
-        return Model(config, component)
+        return config.model_classes[component](config, component)
 
     def load_gen(
         self,
@@ -227,3 +238,44 @@ class Model:
         self.loaded = False
         for c in self.caches:
             c.initialized = False
+
+
+VISION_PATCH = 28
+"""The fake vision component's rule: one embedding row per 28 x 28 pixels (rounded up), as
+Qwen2.5-VL's 14-pixel patches merged 2 x 2 give."""
+
+
+def image_rows(width: int, height: int) -> int:
+    """Rows (image tokens) the fake vision component gives an image of this size."""
+    return max(1, -(-width // VISION_PATCH)) * max(1, -(-height // VISION_PATCH))
+
+
+class VisionModel(Model):
+    """A vision component (``Model.from_config(config, component="vision")``, as
+    ``Qwen3VLVisionModel``, ``architecture/qwen3_vl.py:154``): ``get_image_embeddings`` with
+    1.6.5's signature (``qwen3_vl.py:368-373``) returns an ``MMEmbedding`` whose
+    ``token_string`` is the start token, ``image_rows`` placeholders and the end token
+    (``qwen3_vl.py:405-407``). ``embedded`` lists each call's ``(width, height)``;
+    ``fail(image)`` returning True makes a call raise (``RuntimeError``)."""
+
+    def __init__(self, config: Config | None = None, component: str = "vision", **kwargs: Any) -> None:
+        super().__init__(config, component, **kwargs)
+        self.embedded: list[tuple[int, int]] = []
+        self.fail: Callable[[Any], bool] | None = None
+
+    def get_image_embeddings(self, tokenizer: Any, image: Any, text_alias: str | None = None) -> Any:
+        from .mm_embedding import MMEmbedding, Rows
+
+        assert self.loaded, "the vision component is not loaded"
+        assert not isinstance(image, list), "a list of images is a video batch: not modelled"
+        if self.fail is not None and self.fail(image):
+            raise RuntimeError("vision forward pass failed (fake)")
+        width, height = image.size
+        self.embedded.append((width, height))
+        start = self.config.vision_start_token_id if self.config else ord("[")
+        end = self.config.vision_end_token_id if self.config else ord("]")
+        hidden = self.config.hidden_size if self.config else 64
+        rows = image_rows(width, height)
+        embedding = MMEmbedding(Rows(rows, hidden), [start, *([-1] * rows), end], text_alias)
+        embedding.metadata.update({"original_size": image.size})
+        return embedding

@@ -51,6 +51,8 @@ class _Page:
         self.tokens_revert: list[int] = []
         self.kv_position_revert = 0
         self.access_revert = 0
+        # pagetable.py:79-81: False once a page's chain holds an image id (set at allocation)
+        self.persistable = True
 
     @property
     def content_hashed(self) -> bool:

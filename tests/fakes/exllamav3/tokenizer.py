@@ -105,6 +105,8 @@ class Tokenizer:
         if not decode_special_tokens:
             pad = Tokenizer.pad_token_id
             seq = [t for t in seq if t != pad and t < VOCAB_SIZE and t != EOS]
+        else:
+            seq = [t for t in seq if t < VOCAB_SIZE]  # tokenizer.py:567-568: image ids leave no text
         out = bytearray()
         text = ""
         for t in seq:
