@@ -14,6 +14,7 @@ import json
 import math
 import threading
 from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,19 +110,11 @@ def addrs(tmp_path: Path) -> tuple[str, str]:
     return f"ipc://{tmp_path / 'in'}", f"ipc://{tmp_path / 'out'}"
 
 
-@pytest.fixture
-def worker(addrs: tuple[str, str]) -> Iterator[Worker]:
-    backend, rec = make_backend(
-        WorkerSettings(
-            backend="exllamav3", model_dir=Path("/models/tiny-exl3"), max_seq_len=CONTEXT, max_rq_tokens=256
-        ),
-        script=SCRIPT,
-        drafting="ngram",
-        max_chunk_size=CHUNK,
-        cache_tokens=8192,
-        chat_template=fx.QWEN_TOOLS_TEMPLATE,
-    )
-    MODEL[:] = [rec.inner.model]
+@contextmanager
+def running_worker(
+    backend: ExLlamaV3Backend, rec: RecordingGenerator, addrs: tuple[str, str]
+) -> Iterator[Worker]:
+    """The worker loop over ``backend`` on ``addrs``, in a thread, until the block ends."""
     sockets = WorkerSockets(*addrs)
     stop = threading.Event()
     loop = EngineLoop(backend, sockets, heartbeat_interval=0.2, max_queue=64)
@@ -146,20 +139,40 @@ def worker(addrs: tuple[str, str]) -> Iterator[Worker]:
 
 
 @pytest.fixture
-async def client(
-    aiohttp_client: Any, worker: Worker, addrs: tuple[str, str]
-) -> AsyncIterator[TestClient[Any, Any]]:
+def worker(addrs: tuple[str, str]) -> Iterator[Worker]:
+    backend, rec = make_backend(
+        WorkerSettings(
+            backend="exllamav3", model_dir=Path("/models/tiny-exl3"), max_seq_len=CONTEXT, max_rq_tokens=256
+        ),
+        script=SCRIPT,
+        drafting="ngram",
+        max_chunk_size=CHUNK,
+        cache_tokens=8192,
+        chat_template=fx.QWEN_TOOLS_TEMPLATE,
+    )
+    MODEL[:] = [rec.inner.model]
+    with running_worker(backend, rec, addrs) as w:
+        yield w
+
+
+async def proxy_client(aiohttp_client: Any, addrs: tuple[str, str]) -> TestClient[Any, Any]:
+    """The real proxy app over the worker at ``addrs``, once it reads ready."""
     config = ProxySettings(
         input_addr=addrs[0], output_addr=addrs[1], heartbeat_timeout=5.0, sse_ping_interval=5.0
     )
     c: TestClient[Any, Any] = await aiohttp_client(create_app(config, ZmqEngineClient(config)))
     for _ in range(200):  # the worker handshake, polled as a Kubernetes probe would
         if (await c.get("/ready")).status == 200:
-            break
+            return c
         await asyncio.sleep(0.05)
-    else:
-        raise AssertionError("proxy never became ready")
-    yield c
+    raise AssertionError("proxy never became ready")
+
+
+@pytest.fixture
+async def client(
+    aiohttp_client: Any, worker: Worker, addrs: tuple[str, str]
+) -> AsyncIterator[TestClient[Any, Any]]:
+    yield await proxy_client(aiohttp_client, addrs)
 
 
 async def _sse(c: TestClient[Any, Any], path: str, body: dict[str, Any]) -> list[Any]:

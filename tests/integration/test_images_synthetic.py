@@ -76,7 +76,8 @@ def _messages(image: str, follow_up: bool) -> tuple[str, dict[str, Any]]:
 
 
 def _kind(image: str) -> str:
-    return "png" if image == RED else "jpeg"
+    """``png`` or ``jpeg``, by the file's signature (the pictures here are one or the other)."""
+    return "png" if base64.b64decode(image[:8]).startswith(b"\x89PNG") else "jpeg"
 
 
 _RESPONSE_ENDS = ("response.completed", "response.incomplete")  # max_output_tokens ends these
