@@ -350,7 +350,10 @@ class ZmqEngineClient:
         if self._push is None:
             return False
         try:
-            self._push.send_multipart(encode(msg), zmq.NOBLOCK)
+            # copy=False: a large frame (a Submit with images) is handed over instead of copied
+            # into a zmq message, which costs the loop 18 ms for 32 MiB (benchmarks/submit_wire.py);
+            # pyzmq still copies frames under the socket's copy_threshold (64 KiB), where that is cheaper.
+            self._push.send_multipart(encode(msg), zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return False
         return True
