@@ -10,10 +10,12 @@ and open a ``system`` one.
 
 Here the template renders client text with every control-token string replaced
 by a placeholder (``ClientText.escape``): private-use characters (U+E000, U+E001)
-around a per-request random nonce and the token's index, which no template filter
-in use (``trim``, ``tojson`` with HF's ``ensure_ascii=False``, ``upper``) changes
-and no client can guess; the client's own U+E000/U+E001 are escaped the same
-way. The placeholders are put back afterwards and their spans remembered
+around a per-request random nonce of decimal digits and the token's index (an
+image's place, ``ClientText.with_images``, has U+E002 before its index), which no
+template filter in use (``trim``, ``tojson`` with HF's ``ensure_ascii=False``,
+``upper``, ``lower``, ``title``: none has a case for digits or private-use
+characters) changes and no client can guess; the client's own U+E000/U+E001 are
+escaped the same way. The placeholders are put back afterwards and their spans remembered
 (``ClientText.pieces``); the rendered prompt is then cut at the control tokens
 that lie wholly outside those spans, i.e. that the template wrote (templates write
 their control tokens whole). Each engine tokenizes the text between them with
@@ -57,10 +59,18 @@ T = TypeVar("T")
 
 _OPEN = "\ue000"
 _CLOSE = "\ue001"
+_IMAGE = "\ue002"
+_NONCE_DIGITS = 16
 
 
 class TemplateMangled(ValueError):
-    """The chat template changed a placeholder of client text (``client_text`` module)."""
+    """The chat template changed a placeholder of client text (``client_text`` module).
+    ``image``: the index (``ClientText.with_images``' numbering) of an image whose place
+    the template dropped or repeated, else ``None``."""
+
+    def __init__(self, message: str, image: int | None = None) -> None:
+        super().__init__(message)
+        self.image = image
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,9 +149,10 @@ class ClientText:
 
     def __init__(self, tokens: ControlTokens) -> None:
         self._tokens = tokens
-        self._nonce = secrets.token_hex(8)
-        # group 1: "i" for an image's place (with_images), empty for a control token's text
-        self._placeholder = re.compile(f"{_OPEN}{self._nonce}(i?)([0-9]+){_CLOSE}")
+        # Digits only: a template's ``upper`` would change hex letters, and the placeholder with them
+        self._nonce = f"{secrets.randbelow(10**_NONCE_DIGITS):0{_NONCE_DIGITS}d}"
+        # group 1: U+E002 for an image's place (with_images), empty for a control token's text
+        self._placeholder = re.compile(f"{_OPEN}{self._nonce}({_IMAGE}?)([0-9]+){_CLOSE}")
         self._images = 0
 
     def escape(self, value: T) -> T:
@@ -174,7 +185,7 @@ class ClientText:
         at = 0
         for offset in offsets:
             parts.append(self._escape(content[at:offset]))
-            parts.append(f"{_OPEN}{self._nonce}i{self._images}{_CLOSE}")
+            parts.append(f"{_OPEN}{self._nonce}{_IMAGE}{self._images}{_CLOSE}")
             self._images += 1
             at = offset
         parts.append(self._escape(content[at:]))
@@ -211,8 +222,10 @@ class ClientText:
             parts.append(restored)
             client.append((length, length + len(restored)))
             length += len(restored)
-        if sorted(k for _, k in images) != list(range(self._images)):
-            raise TemplateMangled("the chat template dropped or repeated an image of the conversation")
+        placed = [k for _, k in images]
+        if sorted(placed) != list(range(self._images)):
+            k = next((k for k in range(self._images) if placed.count(k) != 1), 0)
+            raise TemplateMangled("the chat template dropped or repeated an image of the conversation", k)
         text = "".join(parts)
         spans = (client, [s for s, _ in client])
         out: list[Piece] = []

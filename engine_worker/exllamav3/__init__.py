@@ -13,7 +13,7 @@ inside functions.
 | ``grammar`` | constrained decoding with 1.6.5's ``LLGuidanceFilter``; the thinking budget's filter |
 | ``logprobs`` | the probabilities 1.6.5 returns, lined up with the streamed text |
 | ``chat_template`` | the chat template rendered with the tokenizer transformers loads |
-| ``vision`` | images: the vision component's embeddings, cached by the image bytes' hash; one GPU turn at a time |
+| ``vision`` | image embeddings by the vision component, kept by the bytes' hash; GPU turns |
 | ``kv_pages`` | the page table's complete pages as KV-cache events |
 | ``loader`` | ``load_engine``/``build_backend``: config, model, caches, generator, warm-up |
 | ``sizes`` | the context, batch, draft window and cache size the model decides when the options do not |

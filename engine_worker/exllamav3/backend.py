@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 
 from engine_worker.backend import EngineFailed, ModelInfo, Prepared, RequestRejected, check_token_ids
+from engine_worker.client_text import TemplateMangled
 from engine_worker.constraints import grammar_failure
 from engine_worker.exllamav3 import logprobs as lp
 from engine_worker.exllamav3.engine import EngineHandle, GeneratorLike, id_list
@@ -220,9 +221,17 @@ class ExLlamaV3Backend:
         if any(m.images for m in submit.messages):
             assert self._images is not None  # refused by admission.check_images otherwise
             images = self._images.for_turns([m.images for m in submit.messages])
-        ids = self._h.encode_chat(
-            messages, submit.add_generation_prompt, tools, submit.forced_prefix, extra or None, images
-        )
+        try:
+            ids = self._h.encode_chat(
+                messages, submit.add_generation_prompt, tools, submit.forced_prefix, extra or None, images
+            )
+        except TemplateMangled as e:
+            if e.image is None:
+                raise
+            param = [i.param for m in submit.messages for i in m.images][e.image]
+            raise RequestRejected(
+                ErrorCode.INVALID_REQUEST, f"could not build the prompt: {e}: '{param}'", param
+            ) from e
         return ids, "messages", distinct(e for turn in images or () for _, e in turn)
 
     def prepare(self, submit: Submit) -> Prepared:

@@ -146,3 +146,22 @@ async def test_count_tokens_counts_the_image(base_url: str) -> None:
         assert resp.json() == {"input_tokens": FIRST_PROMPT}
         props = (await client.get(base_url + "/props")).json()
         assert props["modalities"] == {"vision": True, "audio": False}
+
+
+async def test_the_prompt_text_of_a_conversation_with_an_image_is_refused_naming_it(
+    base_url: str,
+) -> None:
+    async with httpx.AsyncClient(timeout=30) as client:
+        _, body = _chat(RED, follow_up=False)
+        resp = await client.post(base_url + "/apply-template", json=body)
+        assert resp.status_code == 400
+        assert resp.json()["error"]["param"] == "messages[0].content[1]"
+        # /tokenize takes the same conversation and counts the image as generation does
+        resp = await client.post(base_url + "/tokenize", json={"messages": body["messages"]})
+        assert resp.json()["count"] == FIRST_PROMPT
+        del body["messages"][0]["content"][1]
+        resp = await client.post(base_url + "/apply-template", json=body)
+        assert resp.status_code == 200
+        ids = (await client.post(base_url + "/tokenize", json={"messages": body["messages"]})).json()
+        text = (await client.post(base_url + "/detokenize", json={"tokens": ids["tokens"]})).json()
+        assert resp.json()["prompt"] == text["prompt"]

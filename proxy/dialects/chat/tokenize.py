@@ -16,7 +16,8 @@ Shapes (vLLM's ``TokenizeRequest``/``TokenizeResponse``)::
 
 ``/apply-template`` answers the prompt text a chat request runs with (the template,
 tools and thinking switch applied), as llama.cpp's does: the text of the ids
-``/tokenize`` gives for the same messages, special tokens written out.
+``/tokenize`` gives for the same messages, special tokens written out. A conversation
+with an image is a 400 naming the image part (``_parse_template``).
 
 The prompt is the one the generation endpoint would run: the chat template and
 tools applied, client text tokenized as text (``proxy.serving.lookups``).
@@ -115,9 +116,25 @@ async def detokenize_handler(request: web.Request) -> web.Response:
     return web.Response(body=encode(DetokenizeResponse(text)), content_type="application/json")
 
 
+def _parse_template(body: bytes) -> ChatTask:
+    """The conversation as ``/v1/chat/completions`` would take it, without images.
+    Raises ``InvalidRequest``: an image part is a 400 naming it, since its place in the
+    prompt is embeddings, not text (llama.cpp writes a ``<__media__>`` marker there, a
+    string its own ``/completion`` reads back and this server's would take as text)."""
+    task = chat_task(parse_chat_request(body))
+    image = next((i for m in task.messages for i in m.images), None)
+    if image is not None:
+        raise InvalidRequest(
+            f"'{image.param}' is an image: '/apply-template' answers the prompt as text, and an"
+            " image's place in it is embeddings; '/tokenize' counts its tokens",
+            param=image.param,
+        )
+    return task
+
+
 async def apply_template_handler(request: web.Request) -> web.Response:
     """llama.cpp's ``POST /apply-template`` (module docstring)."""
-    side = await side_request(request, lambda body: chat_task(parse_chat_request(body)))
+    side = await side_request(request, _parse_template)
     context = side.context
     submit = chat_submit(
         side.req, "template", context.max_context_tokens, tool_plan(side.req, context.tool_format)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import pytest
 
@@ -111,3 +112,32 @@ def test_the_clients_own_private_use_delimiters_survive_as_text() -> None:
     guard = TOKENS.guard()
     content = "\ue000 0 \ue001 <|im_end|>"
     assert guard.pieces(guard.escape(content)) == [Piece(content, False)]
+
+
+@pytest.mark.parametrize("change", [str.upper, str.lower, str.title])
+def test_placeholders_survive_a_template_that_changes_case(change: Callable[[str], str]) -> None:
+    # Jinja's upper/lower/title are str's (jinja2/filters.py do_upper: soft_str(s).upper())
+    for _ in range(8):  # a fresh nonce each time: letters in any one of them would be changed
+        guard = TOKENS.guard()
+        content = guard.with_images("look<|im_end|>", [4]) + guard.escape(" at it")
+        pieces = guard.pieces(_chatml([{"role": "user", "content": change(content)}]))
+        assert pieces == [
+            Piece("<|im_start|>", True),
+            Piece("user\n" + change("look"), False),
+            Piece("", False, 0),
+            Piece("<|im_end|>" + change(" at it"), False),
+            Piece("<|im_end|>", True),
+            Piece("\n", False),
+        ]
+
+
+def test_an_image_place_dropped_or_repeated_names_that_image() -> None:
+    guard = TOKENS.guard()
+    first, second = guard.with_images("a", [1]), guard.with_images("b", [0])
+    with pytest.raises(TemplateMangled) as e:
+        guard.pieces(_chatml([{"role": "user", "content": second}]))
+    assert e.value.image == 0
+    with pytest.raises(TemplateMangled) as e:
+        guard.pieces(_chatml([{"role": "user", "content": c} for c in (first, second, second)]))
+    assert e.value.image == 1
+    assert [p.image for p in guard.pieces(first + second) if p.image is not None] == [0, 1]

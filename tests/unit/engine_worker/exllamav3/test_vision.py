@@ -214,10 +214,12 @@ def test_a_template_that_drops_an_image_is_refused() -> None:
     )
     backend, _ = vision_backend(chat_template=last_only)
     history = (ChatMessage("user", "\nold", images=(ImageInput(png(28, 28), 0, "messages[0].content[0]"),)),)
-    submit = Submit("a", SamplingParams(max_tokens=4), messages=(*history, ChatMessage("user", "new")))
+    last = ChatMessage("user", "\nnew", images=(ImageInput(png(56, 28), 0, "messages[1].content[0]"),))
+    submit = Submit("a", SamplingParams(max_tokens=4), messages=(*history, last))
     with pytest.raises(RequestRejected) as e:
         backend.prepare(submit)
-    assert e.value.param == "messages" and "dropped or repeated an image" in e.value.message
+    # the image the template left out is named, not the one it kept
+    assert e.value.param == "messages[0].content[0]" and "dropped or repeated an image" in e.value.message
 
 
 def test_a_requeued_job_keeps_its_embeddings() -> None:
