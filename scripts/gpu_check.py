@@ -20,7 +20,8 @@ them), sets ``MAX_JOBS`` to the cores, ``TORCH_CUDA_ARCH_LIST``, ``TORCH_EXTENSI
 - ``pack_ext``: the built library gzip-compressed into at most ``MAX_PIECES`` pieces of under
   16 MiB in the output folder, with a manifest, for ``restore_ext`` on a fresh machine.
 - ``model``: a random-weight Llama in Hugging Face format (fp16 safetensors, which ExLlamaV3
-  loads without conversion) over the SmolLM2 tokenizer and chat template.
+  loads without conversion) over the SmolLM2 tokenizer and chat template, and a Qwen2.5-VL
+  over the same text weights with a small random vision tower (``write_vision_model``).
 - ``warm``: the worker's load (model, cache, ``Model.warmup``, one job through the
   generator): load time, and Triton's kernels compiled into ``TRITON_CACHE_DIR``, so that no
   later step compiles one.
@@ -32,6 +33,9 @@ them), sets ``MAX_JOBS`` to the cores, ``TORCH_CUDA_ARCH_LIST``, ``TORCH_EXTENSI
   during it).
 - ``proxy``: worker and proxy as processes, through HTTP (progress, reuse, the context 400,
   TTFT and the gap between tokens beside the in-process numbers).
+- ``images``: the Qwen2.5-VL served the same way: vision announced, a picture's prompt
+  tokens in chat, Responses and Messages, the same picture again read from the prefix cache
+  past its end, another picture at the same place only up to its first row.
 
 Each phase is a child process with its own timeout inside the budget (and started only with
 its minimum left after reserving the later phases' minimums), so one hang cannot eat the
@@ -50,6 +54,8 @@ over the stand-ins in ``tests/fakes/gpu_standin/`` (an ``nvcc``, CUDA in torch, 
 from __future__ import annotations
 
 import argparse
+import base64
+import contextlib
 import datetime
 import gzip
 import hashlib
@@ -62,7 +68,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,6 +117,7 @@ COMMANDS: dict[str, tuple[Phase, ...]] = {
         Phase("warm", 90, min_s=20, needs=("reimport", "model")),
         Phase("backend", 120, min_s=30, needs=("warm",)),
         Phase("proxy", 100, min_s=30, needs=("warm",)),
+        Phase("images", 100, min_s=30, needs=("warm",)),
     ),
 }
 DEFAULT_BUDGET = {"all": 570.0}
@@ -688,6 +695,123 @@ def phase_model(work: Path, res: Result, tokenizer_dir: Path = TOKENIZER) -> Non
     model.half().save_pretrained(str(out))  # safetensors, the only format transformers 5 writes
     res.metrics.update({"vocab_size": size, "model_dir": str(out)})
     res.check("model_written", (out / "config.json").exists() and any(out.glob("*.safetensors")))
+    vision = write_vision_model(out, work / "vision-model")
+    res.check("vision_model_written", (vision / "visual.safetensors").exists(), vision_model_dir=str(vision))
+
+
+VISION_TOWER = {
+    "depth": 2,
+    "fullatt_block_indexes": [1],
+    "hidden_act": "silu",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_heads": 4,
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "spatial_patch_size": 14,
+    "temporal_patch_size": 2,
+    "window_size": 112,
+}
+"""A small Qwen2.5-VL vision tower: every key 1.6.5's ``read_qwen2_5_vl_vision_config``
+reads (``architecture/qwen2_5_vl.py:85-114``); ``out_hidden_size`` is the text model's."""
+IMAGE_SIDE = 56
+"""Pixels a side of the check's pictures: at or above the preprocessor's ``min_pixels`` (56 x 56),
+so 1.6.5's ``qwen2_smart_resize`` keeps the size and the grid is (1, 4, 4) patches."""
+
+
+def image_tokens_expected() -> int:
+    """Prompt tokens of one ``IMAGE_SIDE`` square picture on the tower above, computed from
+    Qwen2.5-VL's rule, not read off the engine: 14-pixel patches merged 2 x 2 into one
+    embedding row each (``architecture/qwen2_5_vl.py:328-347``), between the start and end tokens
+    (``architecture/qwen2_5_vl.py:434-436``): 4 rows, 6 tokens."""
+    patches = (IMAGE_SIDE // VISION_TOWER["patch_size"]) ** 2
+    return patches // VISION_TOWER["spatial_merge_size"] ** 2 + 2
+
+
+def write_vision_model(llama: Path, out: Path) -> Path:
+    """A Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``) over the Llama's weights: the text
+    model's keys are the ones 1.6.5 reads for it (``model.layers.*``, ``model.norm``,
+    ``lm_head``: ``architecture/llama.py:62-133``; Qwen2's q/k/v biases are optional,
+    ``architecture/qwen2.py:8-9``), so its answers repeat as the Llama's do; ``visual.*`` holds a random
+    ``VISION_TOWER`` (``architecture/qwen2_5_vl.py:187-266``), and ``preprocessor_config.json`` what
+    ``read_qwen2_5_vl_pp_config`` needs (``architecture/qwen2_5_vl.py:117-147``). The start and end tokens
+    are the vocabulary's ``[`` and ``]`` (the byte tokenizer of the dry run has no spare
+    special tokens). Returns ``out``."""
+    import torch
+    from safetensors.torch import save_file
+
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    for f in llama.iterdir():
+        if f.name != "config.json":
+            try:
+                os.link(f, out / f.name)
+            except OSError:
+                shutil.copy(f, out / f.name)
+    cfg = json.loads((llama / "config.json").read_text())
+    vocab = json.loads((llama / "tokenizer.json").read_text())["model"]["vocab"]
+    hidden, v = cfg["hidden_size"], VISION_TOWER
+    head_half = cfg["head_dim"] // 2
+    cfg.update(
+        {
+            "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+            "model_type": "qwen2_5_vl",
+            "hidden_act": "silu",
+            # contiguous T/H/W sections of the rotary frequencies (Qwen2.5-VL's layout, util/rope.py:493-500)
+            "rope_scaling": {
+                "type": "mrope",
+                "mrope_section": [head_half // 4, 3 * head_half // 8, 3 * head_half // 8],
+            },
+            "vision_config": {**v, "out_hidden_size": hidden, "model_type": "qwen2_5_vl"},
+            "vision_start_token_id": vocab["["],
+            "vision_end_token_id": vocab["]"],
+        }
+    )
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    pp = {
+        "image_processor_type": "Qwen2_5_VLImageProcessor",
+        "patch_size": v["patch_size"],
+        "temporal_patch_size": v["temporal_patch_size"],
+        "merge_size": v["spatial_merge_size"],
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "min_pixels": IMAGE_SIDE * IMAGE_SIDE,
+        "max_pixels": 1024 * 28 * 28,
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps(pp, indent=1))
+    h, i, p, t = v["hidden_size"], v["intermediate_size"], v["patch_size"], v["temporal_patch_size"]
+    merged = h * v["spatial_merge_size"] ** 2
+    g = torch.Generator().manual_seed(1)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.02).half()
+
+    tensors = {"visual.patch_embed.proj.weight": rand(h, 3, t, p, p)}
+    for b in range(v["depth"]):
+        k = f"visual.blocks.{b}"
+        tensors |= {
+            f"{k}.norm1.weight": torch.ones(h).half(),
+            f"{k}.norm2.weight": torch.ones(h).half(),
+            f"{k}.attn.qkv.weight": rand(3 * h, h),
+            f"{k}.attn.qkv.bias": rand(3 * h),
+            f"{k}.attn.proj.weight": rand(h, h),
+            f"{k}.attn.proj.bias": rand(h),
+            f"{k}.mlp.gate_proj.weight": rand(i, h),
+            f"{k}.mlp.gate_proj.bias": rand(i),
+            f"{k}.mlp.up_proj.weight": rand(i, h),
+            f"{k}.mlp.up_proj.bias": rand(i),
+            f"{k}.mlp.down_proj.weight": rand(h, i),
+            f"{k}.mlp.down_proj.bias": rand(h),
+        }
+    tensors |= {
+        "visual.merger.ln_q.weight": torch.ones(h).half(),
+        "visual.merger.mlp.0.weight": rand(merged, merged),
+        "visual.merger.mlp.0.bias": rand(merged),
+        "visual.merger.mlp.2.weight": rand(hidden, merged),
+        "visual.merger.mlp.2.bias": rand(hidden),
+    }
+    save_file(tensors, str(out / "visual.safetensors"), metadata={"format": "pt"})
+    return out
 
 
 # ---------------------------------------------------------------- the backend, in-process
@@ -1269,9 +1393,12 @@ def stream_chat(base: str, prompt: str, max_tokens: int, timeout: float = 60) ->
     }
 
 
-def phase_proxy(work: Path, res: Result, worker_args: list[str] | None = None) -> None:
-    """Worker and proxy as processes, over HTTP. ``worker_args`` replaces the worker's
-    engine options (tests run this phase on the synthetic engine)."""
+@contextlib.contextmanager
+def served(work: Path, res: Result, engine: list[str], name: str, wait_s: float = 75) -> Iterator[str | None]:
+    """Worker (``engine``: its engine options) and proxy as processes over IPC: yields the
+    proxy's base URL once ``/ready`` answers 200 within ``wait_s``, else ``None`` (the check
+    ``ready`` fails and ``ready_s`` says how long it waited). Stops both on the way out, and
+    prints the last 8 KiB of each one's log into the phase's output."""
     import tempfile
     import urllib.request
 
@@ -1281,33 +1408,61 @@ def phase_proxy(work: Path, res: Result, worker_args: list[str] | None = None) -
     base = f"http://127.0.0.1:{port}"
     logs = work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    engine = worker_args or [
-        "--backend", "exllamav3", "--model-dir", str(work / "model"), "--draft-mode", "ngram",
-        "--max-seq-len", "4096", "--cache-size", "16384", "--chunk-size", "256",
-    ]  # fmt: skip
     worker_cmd = [sys.executable, "-m", "engine_worker", *addr, *engine]
     proxy_cmd = [sys.executable, "-m", "proxy", *addr, "--host", "127.0.0.1", "--port", str(port)]
     procs: dict[str, subprocess.Popen[bytes]] = {}
     outs = []
     try:
-        for name, cmd in (("worker", worker_cmd), ("proxy", proxy_cmd)):
-            outs.append((logs / f"run-proxy-{name}.log").open("wb"))
-            procs[name] = subprocess.Popen(
+        for role, cmd in (("worker", worker_cmd), ("proxy", proxy_cmd)):
+            outs.append((logs / f"run-{name}-{role}.log").open("wb"))
+            procs[role] = subprocess.Popen(
                 cmd, stdout=outs[-1], stderr=subprocess.STDOUT, start_new_session=True
             )
         t0 = time.monotonic()
         ready = False
-        while time.monotonic() - t0 < 75 and not ready:
-            for name, p in procs.items():
+        while time.monotonic() - t0 < wait_s and not ready:
+            for role, p in procs.items():
                 if p.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {p.returncode} before /ready")
+                    res.metrics["ready_s"] = round(time.monotonic() - t0, 1)
+                    raise RuntimeError(f"{role} exited with {p.returncode} before /ready")
             try:
                 with urllib.request.urlopen(base + "/ready", timeout=2) as r:
                     ready = r.status == 200
             except OSError:
                 time.sleep(0.5)
         res.metrics["ready_s"] = round(time.monotonic() - t0, 1)
-        if not res.check("ready", ready):
+        yield base if res.check("ready", ready) else None
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for out in outs:
+            out.close()
+        shutil.rmtree(rundir, ignore_errors=True)
+        for role in ("worker", "proxy"):
+            # into this phase's output, which is the command's log in the output folder
+            print(f"---- {role} (last 8 KiB)\n{_tail(logs / f'run-{name}-{role}.log', 8192)}", flush=True)
+
+
+def _engine_args(model_dir: Path) -> list[str]:
+    """The worker's engine options of the HTTP phases: ``_settings`` as flags."""
+    return [
+        "--backend", "exllamav3", "--model-dir", str(model_dir), "--draft-mode", "ngram",
+        "--max-seq-len", "4096", "--cache-size", "16384", "--chunk-size", "256",
+    ]  # fmt: skip
+
+
+def phase_proxy(work: Path, res: Result, worker_args: list[str] | None = None) -> None:
+    """Worker and proxy as processes, over HTTP. ``worker_args`` replaces the worker's
+    engine options (tests run this phase on the synthetic engine)."""
+    with served(work, res, worker_args or _engine_args(work / "model"), "proxy") as base:
+        if base is None:
             return
         prompt = "Fresh prompt. " + CHAT_PROMPT
         first = stream_chat(base, prompt, 64)
@@ -1335,22 +1490,134 @@ def phase_proxy(work: Path, res: Result, worker_args: list[str] | None = None) -
             status == 400 and (body.get("error") or {}).get("code") == "context_length_exceeded",
             context_status=status,
         )
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs.values():
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        for out in outs:
-            out.close()
-        shutil.rmtree(rundir, ignore_errors=True)
-        for name in ("worker", "proxy"):
-            # into this phase's output, which is the command's log in the output folder
-            print(f"---- {name} (last 8 KiB)\n{_tail(logs / f'run-proxy-{name}.log', 8192)}", flush=True)
+
+
+# ---------------------------------------------------------------- images, over HTTP
+
+PAGE_TOKENS = 256
+"""ExLlamaV3's page size (``generator/pagetable.py``): the prefix cache matches whole pages."""
+
+
+def picture(seed: int) -> str:
+    """A base64 PNG of ``IMAGE_SIDE`` square pixels, a different pattern per ``seed``."""
+    import io
+    import random
+
+    from PIL import Image
+
+    rng = random.Random(seed)
+    img = Image.frombytes("RGB", (IMAGE_SIDE, IMAGE_SIDE), rng.randbytes(IMAGE_SIDE * IMAGE_SIDE * 3))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def image_turn(dialect: str, image: str, before: str, after: str) -> tuple[str, dict[str, Any]]:
+    """``(path, body)``: one user turn of ``before``, the PNG ``image`` and ``after``, in
+    ``dialect`` (``chat``, ``responses`` or ``messages``), greedy, 4 tokens."""
+    url = f"data:image/png;base64,{image}"
+    if dialect == "chat":
+        parts = [
+            {"type": "text", "text": before},
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": after},
+        ]
+        return "/v1/chat/completions", {"messages": [{"role": "user", "content": parts}], "max_tokens": 4}
+    if dialect == "responses":
+        parts = [
+            {"type": "input_text", "text": before},
+            {"type": "input_image", "image_url": url},
+            {"type": "input_text", "text": after},
+        ]
+        return "/v1/responses", {"input": [{"role": "user", "content": parts}], "max_output_tokens": 4}
+    source = {"type": "base64", "media_type": "image/png", "data": image}
+    parts = [
+        {"type": "text", "text": before},
+        {"type": "image", "source": source},
+        {"type": "text", "text": after},
+    ]
+    return "/v1/messages", {"messages": [{"role": "user", "content": parts}], "max_tokens": 4}
+
+
+def prompt_and_cached(path: str, body: dict[str, Any]) -> tuple[int | None, int | None]:
+    """``(prompt tokens, cached tokens)`` of a response body, in its dialect's terms
+    (Anthropic's ``input_tokens`` leaves out ``cache_read_input_tokens``)."""
+    usage = body.get("usage") or {}
+    if path == "/v1/chat/completions":
+        return usage.get("prompt_tokens"), (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if path == "/v1/responses":
+        return usage.get("input_tokens"), (usage.get("input_tokens_details") or {}).get("cached_tokens")
+    read = usage.get("cache_read_input_tokens")
+    total = usage.get("input_tokens")
+    return (total + read if isinstance(total, int) and isinstance(read, int) else None), read
+
+
+def phase_images(work: Path, res: Result) -> None:
+    """The Qwen2.5-VL of ``write_vision_model`` served over HTTP: its vision component is
+    loaded and announced; a picture takes ``image_tokens_expected()`` prompt tokens in each
+    dialect; the same picture again is read from the prefix cache past its end token, and
+    another picture at the same place only up to its first row."""
+    notes = CHAT_PROMPT.split(" Note ")
+    quarter = max(4, len(notes) // 4)
+    before = "Look at this picture. " + " Note ".join(notes[1 : 1 + quarter])
+    after = "What does it show? " + " Note ".join(notes[1 + quarter : 1 + 2 * quarter])
+    with served(work, res, _engine_args(work / "vision-model"), "images") as base:
+        if base is None:
+            return
+        import urllib.request
+
+        with urllib.request.urlopen(base + "/props", timeout=10) as r:
+            props = json.loads(r.read())
+        with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
+            card = json.loads(r.read())["data"][0]
+        res.check(
+            "vision_served",
+            (props.get("modalities") or {}).get("vision") is True
+            and "image" in (card.get("architecture") or {}).get("input_modalities", []),
+        )
+        red = picture(1)
+        path, chat = image_turn("chat", red, before, after)
+        status, tok = _post(base, "/tokenize", {"messages": chat["messages"]})
+        ids = tok.get("tokens") or []
+        vocab = json.loads((work / "vision-model" / "config.json").read_text())
+        rows = [i for i, t in enumerate(ids) if t >= vocab["vocab_size"]]
+        if not rows:
+            raise RuntimeError(f"/tokenize {status}: no image rows in {len(ids)} tokens: {str(tok)[:300]}")
+        first, end = rows[0], rows[-1] + 1  # end: the index of the image's end token
+        placed = (
+            rows == list(range(first, end))
+            and ids[first - 1] == vocab["vision_start_token_id"]
+            and ids[end] == vocab["vision_end_token_id"]
+        )
+        res.metrics.update({"image_tokens": len(rows) + 2, "image_first_row": first, "image_end": end})
+        expected = image_tokens_expected()
+        for dialect, image in (("chat", red), ("responses", picture(2)), ("messages", picture(3))):
+            path, body = image_turn(dialect, image, before, after)
+            status, answer = _post(base, path, body)
+            total, _ = prompt_and_cached(path, answer)
+            res.check(
+                f"image_{dialect}",
+                status == 200 and placed and len(rows) + 2 == expected and total == len(ids),
+                **{f"image_{dialect}_status": status, f"image_{dialect}_prompt_tokens": total},
+            )
+        path, body = image_turn("chat", red, before, after)
+        status, answer = _post(base, path, body)
+        _, cached = prompt_and_cached(path, answer)
+        res.check(
+            "image_repeat_cached",
+            status == 200 and isinstance(cached, int) and cached > end,
+            image_repeat_cached_tokens=cached,
+        )
+        path, body = image_turn("chat", picture(4), before, after)
+        status, answer = _post(base, path, body)
+        _, cached = prompt_and_cached(path, answer)
+        res.check(
+            "image_other_not_cached_past_start",
+            status == 200
+            and isinstance(cached, int)
+            and first // PAGE_TOKENS * PAGE_TOKENS <= cached <= first,
+            image_other_cached_tokens=cached,
+        )
 
 
 PHASE_FUNCS: dict[str, Callable[[Path, Result], None]] = {
@@ -1363,6 +1630,7 @@ PHASE_FUNCS: dict[str, Callable[[Path, Result], None]] = {
     "warm": phase_warm,
     "backend": phase_backend,
     "proxy": phase_proxy,
+    "images": phase_images,
 }
 
 

@@ -1,6 +1,7 @@
 """With ``GPU_CHECK_STANDIN=1``: torch, when something imports it, reports CUDA 13.0 and
 one capability 9.0 device that it cannot run work on (``device_count()`` stays 0, so
-nothing allocates on it). The proxy process, which never imports torch, stays without it."""
+nothing allocates on it; ``synchronize()`` returns at once). The proxy process, which
+never imports torch, stays without it."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ def _patch(torch: Any) -> None:
     torch.cuda.is_available = lambda: True
     torch.cuda.get_device_name = lambda device=None: "stand-in (no GPU)"
     torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    # nothing ever runs on the stand-in device, so there is nothing to wait for
+    torch.cuda.synchronize = lambda device=None: None
 
 
 class _PatchTorchOnImport(importlib.abc.MetaPathFinder):

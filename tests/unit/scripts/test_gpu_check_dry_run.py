@@ -121,6 +121,61 @@ def test_the_one_command_runs_every_phase(full: tuple[Machine, subprocess.Comple
         assert f"==== [gpu_check] {phase.name} " in m.log()
 
 
+def test_the_image_scenarios_ran_in_every_dialect(
+    full: tuple[Machine, subprocess.CompletedProcess[str]],
+) -> None:
+    m, _ = full
+    images = m.phases()["images"]
+    assert images["status"] == "ok" and set(images["checks"]) == {
+        "ready",
+        "vision_served",
+        "image_chat",
+        "image_responses",
+        "image_messages",
+        "image_repeat_cached",
+        "image_other_not_cached_past_start",
+    }
+    metrics = images["metrics"]
+    # 56 x 56 pixels, 14-pixel patches merged 2 x 2: 4 rows, then the start and end tokens
+    assert metrics["image_tokens"] == (56 // 14) ** 2 // 4 + 2 == 6
+    first, end = metrics["image_first_row"], metrics["image_end"]
+    assert end - first == 4 and first > gpu_check.PAGE_TOKENS  # a whole page of text before it
+    total = metrics["image_chat_prompt_tokens"]
+    assert total > end
+    assert metrics["image_responses_prompt_tokens"] == metrics["image_messages_prompt_tokens"] == total
+    # the same picture: everything but the last prompt token; another: up to its first row
+    assert end < metrics["image_repeat_cached_tokens"] < total
+    assert metrics["image_other_cached_tokens"] == first  # the fake engine matches token by token
+    assert m.phases()["model"]["checks"]["vision_model_written"] is True
+
+
+@pytest.mark.parametrize(
+    ("knob", "failed"),
+    [
+        (
+            {"GPU_CHECK_STANDIN_IMAGE_EXTRA_ROWS": "1"},
+            {"image_chat", "image_responses", "image_messages"},
+        ),
+        ({"GPU_CHECK_STANDIN_VISION_LOAD": "fails"}, None),
+    ],
+    ids=["image_too_long", "vision_load_fails"],
+)
+def test_a_wrong_vision_component_fails_the_image_checks(
+    tmp_path: Path, tokenizer: Path, knob: dict[str, str], failed: set[str] | None
+) -> None:
+    m = Machine(tmp_path, tokenizer)
+    proc = m.run("--only", "model,images", **knob)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    images = m.phases()["images"]
+    assert images["status"] == "failed"
+    if failed is None:  # the worker exits before /ready: no scenario runs
+        assert images["checks"] == {} and "worker exited with" in images["error"]
+        assert "the vision component failed to load" in m.log()
+    else:
+        assert {name for name, ok in images["checks"].items() if not ok} == failed
+        assert images["metrics"]["image_tokens"] == 6 + 2  # two rows more: 2 x 3 rows of 28 pixels
+
+
 def test_what_comes_back_fits_the_device_tool(full: tuple[Machine, subprocess.CompletedProcess[str]]) -> None:
     """At most 8 plain files, none in a folder, each under 16 MiB, named in letters, digits,
     '.', '_' and '-': summary, log, manifest and the library's pieces."""
