@@ -1494,9 +1494,6 @@ def phase_proxy(work: Path, res: Result, worker_args: list[str] | None = None) -
 
 # ---------------------------------------------------------------- images, over HTTP
 
-PAGE_TOKENS = 256
-"""ExLlamaV3's page size (``generator/pagetable.py``): the prefix cache matches whole pages."""
-
 
 def picture(seed: int) -> str:
     """A base64 PNG of ``IMAGE_SIDE`` square pixels, a different pattern per ``seed``."""
@@ -1514,7 +1511,7 @@ def picture(seed: int) -> str:
 
 def image_turn(dialect: str, image: str, before: str, after: str) -> tuple[str, dict[str, Any]]:
     """``(path, body)``: one user turn of ``before``, the PNG ``image`` and ``after``, in
-    ``dialect`` (``chat``, ``responses`` or ``messages``), greedy, 4 tokens."""
+    ``dialect`` (``chat``, ``responses`` or ``messages``), answering at most 4 tokens."""
     url = f"data:image/png;base64,{image}"
     if dialect == "chat":
         parts = [
@@ -1566,6 +1563,8 @@ def phase_images(work: Path, res: Result) -> None:
             return
         import urllib.request
 
+        from engine_worker.options.exllamav3 import PAGE_SIZE  # the prefix cache matches whole pages
+
         with urllib.request.urlopen(base + "/props", timeout=10) as r:
             props = json.loads(r.read())
         with urllib.request.urlopen(base + "/v1/models", timeout=10) as r:
@@ -1579,15 +1578,15 @@ def phase_images(work: Path, res: Result) -> None:
         path, chat = image_turn("chat", red, before, after)
         status, tok = _post(base, "/tokenize", {"messages": chat["messages"]})
         ids = tok.get("tokens") or []
-        vocab = json.loads((work / "vision-model" / "config.json").read_text())
-        rows = [i for i, t in enumerate(ids) if t >= vocab["vocab_size"]]
+        cfg = json.loads((work / "vision-model" / "config.json").read_text())
+        rows = [i for i, t in enumerate(ids) if t >= cfg["vocab_size"]]
         if not rows:
             raise RuntimeError(f"/tokenize {status}: no image rows in {len(ids)} tokens: {str(tok)[:300]}")
         first, end = rows[0], rows[-1] + 1  # end: the index of the image's end token
         placed = (
             rows == list(range(first, end))
-            and ids[first - 1] == vocab["vision_start_token_id"]
-            and ids[end] == vocab["vision_end_token_id"]
+            and ids[first - 1] == cfg["vision_start_token_id"]
+            and ids[end] == cfg["vision_end_token_id"]
         )
         res.metrics.update({"image_tokens": len(rows) + 2, "image_first_row": first, "image_end": end})
         expected = image_tokens_expected()
@@ -1613,9 +1612,7 @@ def phase_images(work: Path, res: Result) -> None:
         _, cached = prompt_and_cached(path, answer)
         res.check(
             "image_other_not_cached_past_start",
-            status == 200
-            and isinstance(cached, int)
-            and first // PAGE_TOKENS * PAGE_TOKENS <= cached <= first,
+            status == 200 and isinstance(cached, int) and first // PAGE_SIZE * PAGE_SIZE <= cached <= first,
             image_other_cached_tokens=cached,
         )
 

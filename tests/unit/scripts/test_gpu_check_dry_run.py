@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from engine_worker.options.exllamav3 import PAGE_SIZE
 from scripts import gpu_check
 
 ROOT = Path(gpu_check.__file__).resolve().parents[1]
@@ -139,7 +140,7 @@ def test_the_image_scenarios_ran_in_every_dialect(
     # 56 x 56 pixels, 14-pixel patches merged 2 x 2: 4 rows, then the start and end tokens
     assert metrics["image_tokens"] == (56 // 14) ** 2 // 4 + 2 == 6
     first, end = metrics["image_first_row"], metrics["image_end"]
-    assert end - first == 4 and first > gpu_check.PAGE_TOKENS  # a whole page of text before it
+    assert end - first == 4 and first > PAGE_SIZE  # a whole page of text before it
     total = metrics["image_chat_prompt_tokens"]
     assert total > end
     assert metrics["image_responses_prompt_tokens"] == metrics["image_messages_prompt_tokens"] == total
