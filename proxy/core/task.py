@@ -209,7 +209,9 @@ def tool_plan(task: ChatTask, choice: FormatChoice) -> ToolPlan | None:
             param="logprobs",
         )
     prefix: tuple[PromptPiece, ...] = ()
-    if config.mode == "function" and task.add_generation_prompt:
+    if config.mode == "function" and task.add_generation_prompt and choice.format.grammar_rules is None:
+        # A format with its own grammar forces the named call through it (the
+        # only callable function) instead of a prefix the server writes.
         prefix = named_call_prefix(choice.format, config)
     return ToolPlan(config, choice.format, choice.native, prefix)
 
@@ -312,16 +314,18 @@ def chat_messages(task: ChatTask, tools: ToolPlan | None = None) -> tuple[ChatMe
     except ToolSpecError as e:
         raise InvalidRequest(e.message, param=e.param) from None
     if tools is not None and tools.native:
-        return _native_messages(history)
+        return _native_messages(history, as_text=tools.format.history_arguments == "text")
     config = tools.config if tools is not None else None
     fmt = tools.format if tools is not None else None
     turns = render_fallback(config, history) if fmt is None else render_fallback(config, history, fmt)
     return tuple(ChatMessage(t.role, t.content, images=t.images) for t in turns)
 
 
-def _native_messages(history: tuple[HistoryMessage, ...]) -> tuple[ChatMessage, ...]:
+def _native_messages(history: tuple[HistoryMessage, ...], as_text: bool = False) -> tuple[ChatMessage, ...]:
     """Turns with their tool fields for a template that renders tools: the
-    calls' ``arguments`` decoded to objects (templates index into them)."""
+    calls' ``arguments`` decoded to objects (templates index into them), or,
+    ``as_text``, checked and kept as JSON text (DeepSeek's templates concatenate
+    them, ``ToolCallFormat.history_arguments``)."""
     out: list[ChatMessage] = []
     for i, m in enumerate(history):
         calls_json = None
@@ -333,6 +337,8 @@ def _native_messages(history: tuple[HistoryMessage, ...]) -> tuple[ChatMessage, 
                 except msgspec.DecodeError:
                     param = f"messages[{i}].tool_calls[{j}].function.arguments"
                     raise InvalidRequest(f"'{param}' is not valid JSON", param=param) from None
+                if as_text:
+                    args = c.function.arguments
                 calls.append(
                     {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": args}}
                 )

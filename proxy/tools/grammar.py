@@ -266,6 +266,9 @@ def _call_rules(
 ) -> tuple[str, list[str]]:
     """``calls`` (the start rule's body for one or more calls) and the rules it uses."""
     tools = config.callable_tools()
+    if fmt.grammar_rules is not None:
+        fields = [(t, f"tools[{config.tools.index(t)}].function.parameters") for t in tools]
+        return fmt.grammar_rules(fields, config.parallel, special)
     call = [
         *_pieces(fmt.grammar_call_prefix, special),
         "fn",

@@ -10,6 +10,7 @@ generated, and huge integers or exotic floats cannot fail a re-encode.
 from __future__ import annotations
 
 import re
+from collections.abc import Container
 
 import msgspec
 
@@ -124,14 +125,14 @@ def _arguments(call: _CallObject) -> str | None:
     return compact(text)
 
 
-def _checked(call: _CallObject, names: frozenset[str]) -> FunctionCall | None:
+def _checked(call: _CallObject, names: Container[str]) -> FunctionCall | None:
     if call.name not in names:
         return None
     arguments = _arguments(call)
     return None if arguments is None else FunctionCall(call.name, arguments)
 
 
-def decode_call(json_text: str, names: frozenset[str]) -> FunctionCall | None:
+def decode_call(json_text: str, names: Container[str]) -> FunctionCall | None:
     """The call in one JSON object ``{"name": str, "arguments" | "parameters":
     {...}}`` (no arguments key: ``{}``), or ``None`` when the text is not valid
     JSON, not that shape, or names a function not in ``names``."""
@@ -142,7 +143,7 @@ def decode_call(json_text: str, names: frozenset[str]) -> FunctionCall | None:
     return _checked(call, names)
 
 
-def decode_call_array(json_text: str, names: frozenset[str]) -> list[FunctionCall] | None:
+def decode_call_array(json_text: str, names: Container[str]) -> list[FunctionCall] | None:
     """The calls in a non-empty JSON array of call objects (Mistral's form), or
     ``None`` when any of them is not a valid call (see ``decode_call``)."""
     try:
@@ -158,7 +159,7 @@ def decode_call_array(json_text: str, names: frozenset[str]) -> list[FunctionCal
     return out or None
 
 
-def decode_call_arguments(name: str, json_text: str, names: frozenset[str]) -> FunctionCall | None:
+def decode_call_arguments(name: str, json_text: str, names: Container[str]) -> FunctionCall | None:
     """A call whose name came outside the JSON (Mistral's ``name[ARGS]{...}``):
     ``None`` unless ``name`` is in ``names`` and ``json_text`` is a JSON object."""
     if name not in names:
@@ -170,34 +171,250 @@ def decode_call_arguments(name: str, json_text: str, names: frozenset[str]) -> F
     return FunctionCall(name, compact(json_text))
 
 
-# A call object's start up to its name, then (once written) its arguments key.
-_PARTIAL_NAME = re.compile(r'\{[ \t\n\r]*"name"[ \t\n\r]*:[ \t\n\r]*"(?P<name>[^"\\]*)"')
-_PARTIAL_ARGS = re.compile(r'[ \t\n\r]*,[ \t\n\r]*"(?:arguments|parameters)"[ \t\n\r]*:[ \t\n\r]*')
+# ---------------------------------------------------------------- a value as it is written
+
+# Inside a string: what ends a run of plain characters.
+_STRING_STOP = re.compile(r'["\\\x00-\x1f]')
+_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+_NUMBER_CHARS = frozenset("0123456789+-.eE")
+_LITERALS = ("true", "false", "null")
+_SIMPLE_ESCAPES = frozenset('"\\/bfnrt')
+_HEX = frozenset("0123456789abcdefABCDEF")
+_HIGH_SURROGATE = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}")
+_LOW_SURROGATE = re.compile(r"\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+# What the scanner expects next, outside strings.
+_VALUE, _VALUE_OR_CLOSE, _KEY_OR_CLOSE, _KEY, _COLON, _AFTER = range(6)
+# Inside a token.
+_STRING, _NUMBER_TOKEN, _LITERAL = range(6, 9)
 
 
-def partial_arguments(text: str) -> str:
-    """Arguments as far as written: the JSON value at the start of ``text``
-    compacted when it is complete, else the text without trailing whitespace
-    (not compacted: whitespace inside an unterminated string is the model's)."""
-    text = text.lstrip(WHITESPACE)
-    if text[:1] in ("{", "["):
-        end = JsonSpan(0).scan(text)
-        if end is not None:
-            try:
-                msgspec.json.decode(text[:end])
-            except msgspec.DecodeError:
-                return text[:end]
-            return compact(text[:end])
-    return text.rstrip(WHITESPACE)
+class JsonPrefix:
+    """One JSON value read as its text grows, written out compact as far as it
+    can no longer change: what a tool call's arguments stream as.
 
+    Start it at the value's first character; call ``scan`` with the whole text
+    each time more has arrived (the same text, only longer). ``parts`` gathers
+    the value's compact text (``compact``'s: no whitespace outside strings) in
+    pieces that are final: string contents as they arrive, structure as it is
+    read. Held in ``pending`` (written, not final): an unfinished number (``12``
+    may become ``123``), ``true``/``false``/``null`` literal, or escape (``\\``,
+    ``\\u00``, a high surrogate waiting for its low half), so that every prefix
+    of ``parts`` joined is a prefix of valid JSON a partial-JSON reader (the
+    Anthropic SDK's) takes. ``end``: the index just past the value once it is
+    complete; ``failed``: the text stopped being a prefix of one JSON value
+    (RFC 8259: a bad token, an unescaped control character in a string, a
+    missing colon), and then ``final_end`` is where the offending token starts.
+    ``final_end`` is always the index up to which the text is in ``parts``.
+    Total work is linear in the text's length however it is split.
+    """
 
-def partial_call(text: str, names: frozenset[str]) -> FunctionCall | None:
-    """The call an unfinished call object was becoming (``text`` starts at its
-    ``{``; ``name`` first, as the grammars write it): its name once complete
-    and in ``names``, with the arguments as far as written (``""`` before they
-    start, see ``partial_arguments``); ``None`` before the name is complete."""
-    m = _PARTIAL_NAME.match(text)
-    if m is None or m["name"] not in names:
-        return None
-    a = _PARTIAL_ARGS.match(text, m.end())
-    return FunctionCall(m["name"], partial_arguments(text[a.end() :]) if a else "")
+    __slots__ = (
+        "_key",
+        "_pending_text",
+        "_pos",
+        "_stack",
+        "_state",
+        "_token",
+        "end",
+        "failed",
+        "final_end",
+        "parts",
+    )
+
+    def __init__(self, start: int) -> None:
+        self.parts: list[str] = []
+        self.end: int | None = None
+        self.failed = False
+        self.final_end = start
+        self._pos = start
+        self._stack: list[str] = []
+        self._state = _VALUE
+        self._key = False  # the string being read is an object key
+        self._token = start  # where the number or literal being read starts
+        self._pending_text = ""
+
+    @property
+    def pending(self) -> str:
+        """Compact text written after ``parts`` that is not final yet (see the class)."""
+        return self._pending_text
+
+    def text(self) -> str:
+        """``parts`` joined."""
+        return "".join(self.parts)
+
+    def _fail(self, at: int) -> None:
+        self.failed = True
+        self.final_end = at
+        self._pending_text = ""
+
+    def _close(self, c: str, i: int) -> None:
+        self._stack.pop()
+        self.parts.append(c)
+        self._state = _AFTER
+        if not self._stack:
+            self.end = i + 1
+
+    def _value_start(self, text: str, i: int) -> bool:
+        """Begins the value whose first character is ``text[i]``; False when none can."""
+        c = text[i]
+        if c == "{":
+            self._stack.append("}")
+            self.parts.append(c)
+            self._state = _KEY_OR_CLOSE
+        elif c == "[":
+            self._stack.append("]")
+            self.parts.append(c)
+            self._state = _VALUE_OR_CLOSE
+        elif c == '"':
+            self.parts.append(c)
+            self._state, self._key = _STRING, False
+        elif c == "-" or c.isdigit():
+            self._state, self._token = _NUMBER_TOKEN, i
+        elif c in "tfn":
+            self._state, self._token = _LITERAL, i
+        else:
+            return False
+        return True
+
+    def _string(self, text: str, i: int) -> tuple[int, bool]:
+        """Reads string contents from ``i``: the index to go on from, and whether
+        to wait there for more text (an unfinished escape is pending)."""
+        n = len(text)
+        m = _STRING_STOP.search(text, i)
+        if m is None:
+            if i < n:
+                self.parts.append(text[i:])
+            self.final_end = n
+            return n, True
+        j = m.start()
+        if j > i:
+            self.parts.append(text[i:j])
+        c = text[j]
+        if c == '"':
+            self.parts.append(c)
+            self._state = _COLON if self._key else _AFTER
+            return j + 1, False
+        if c != "\\":
+            self._fail(j)  # a raw control character
+            return n, False
+        self.final_end = j
+        if j + 1 >= n:
+            self._pending_text = text[j:]
+            return j, True
+        e = text[j + 1]
+        if e in _SIMPLE_ESCAPES:
+            self.parts.append(text[j : j + 2])
+            return j + 2, False
+        if e != "u":
+            self._fail(j)
+            return n, False
+        digits = text[j + 2 : j + 6]
+        if not all(d in _HEX for d in digits):
+            self._fail(j)
+            return n, False
+        if len(digits) < 4:
+            self._pending_text = text[j:]
+            return j, True
+        if _HIGH_SURROGATE.match(text, j):
+            # Its low half comes as the next escape: keep the pair together.
+            after = text[j + 6 : j + 12]
+            if len(after) < 6 and "\\u".startswith(after[:2]) and all(d in _HEX for d in after[2:]):
+                self._pending_text = text[j:]
+                return j, True
+            if _LOW_SURROGATE.match(text, j + 6):
+                self.parts.append(text[j : j + 12])
+                return j + 12, False
+        self.parts.append(text[j : j + 6])
+        return j + 6, False
+
+    def scan(self, text: str) -> None:
+        """Reads what has arrived since the last call (see the class)."""
+        if self.end is not None or self.failed:
+            return
+        i, n = self._pos, len(text)
+        self._pending_text = ""
+        while i < n:
+            state = self._state
+            if state == _STRING:
+                i, wait = self._string(text, i)
+                if self.failed:
+                    return
+                if wait:
+                    break
+                self.final_end = i
+                continue
+            if state in (_NUMBER_TOKEN, _LITERAL):
+                j = i
+                allowed = _NUMBER_CHARS if state == _NUMBER_TOKEN else None
+                while j < n and (text[j] in allowed if allowed is not None else text[j].isalpha()):
+                    j += 1
+                word = text[self._token : j]
+                if j == n:
+                    ok = (
+                        bool(word) and (word == "-" or _NUMBER.match(word) is not None)
+                        if allowed is not None
+                        else any(lit.startswith(word) for lit in _LITERALS)
+                    )
+                    if not ok:
+                        self._fail(self._token)
+                        return
+                    self._pending_text = word
+                    self.final_end = self._token
+                    i = n
+                    break
+                complete = _NUMBER.fullmatch(word) if allowed is not None else word in _LITERALS
+                if not complete:
+                    self._fail(self._token)
+                    return
+                self.parts.append(word)
+                self._state = _AFTER
+                i = j
+                self.final_end = i
+                if not self._stack:
+                    self.end = i  # a scalar at the top ends where it ends
+                    break
+                continue
+            c = text[i]
+            if c in WHITESPACE:
+                i += 1
+                self.final_end = i
+                continue
+            if state in (_VALUE, _VALUE_OR_CLOSE):
+                if state == _VALUE_OR_CLOSE and c == "]":
+                    self._close(c, i)
+                elif not self._value_start(text, i):
+                    self._fail(i)
+                    return
+            elif state in (_KEY_OR_CLOSE, _KEY):
+                if c == '"':
+                    self.parts.append(c)
+                    self._state, self._key = _STRING, True
+                elif state == _KEY_OR_CLOSE and c == "}":
+                    self._close(c, i)
+                else:
+                    self._fail(i)
+                    return
+            elif state == _COLON:
+                if c != ":":
+                    self._fail(i)
+                    return
+                self.parts.append(c)
+                self._state = _VALUE
+            else:  # _AFTER
+                if not self._stack:
+                    break
+                if c == ",":
+                    self.parts.append(c)
+                    self._state = _KEY if self._stack[-1] == "}" else _VALUE
+                elif c == self._stack[-1]:
+                    self._close(c, i)
+                else:
+                    self._fail(i)
+                    return
+            i += 1
+            if self._state not in (_NUMBER_TOKEN, _LITERAL):
+                self.final_end = i
+            if self.end is not None:
+                break
+        self._pos = i

@@ -10,23 +10,35 @@ Events, in output order::
        "function": {"name": str, "arguments": ""}}        first, once per call
       {"index": i, "function": {"arguments": str}}         then the arguments
 
-Arguments streaming: **whole arguments per call**. A call's deltas are emitted
-when its JSON is complete and checked (valid JSON, a function among the
-callable tools, arguments an object), as two deltas: the header above, then the
-whole arguments string (compact JSON, see ``proxy.tools.jsontext``). Calls
-stream one by one as each completes; text around them streams as it arrives.
-Emitting only checked calls is what keeps the promise below: a delta once sent
-cannot be taken back.
+Arguments **stream as the model writes them**. A call's first delta (the header
+above) goes out once its function name is complete and callable and its
+arguments have opened (``{`` in the JSON formats; the function tag in the XML
+ones); then each piece of the model's text that extends the arguments sends
+the part of their compact JSON (``proxy.tools.jsontext``: no whitespace outside
+strings) that can no longer change: string contents as they arrive, an
+unfinished number, literal or escape held until it is complete (each format
+decides this per state, ``CallBlock.progress``). The rule is that a delta once
+sent is never taken back; the fragments of a call joined are its arguments as
+the whole-output parse gives them. A call whose arguments have not opened
+(its name written after them, say) comes whole once it is checked.
 
-Malformed output is never an error: a block that is not a valid call (bad JSON,
-an unknown function, arguments that are not an object, a block still open when
-the model stopped) is content, its start marker and text verbatim.
+Malformed output is never an error. A block that never became a streamed call
+(bad JSON before the arguments, an unknown function, arguments that are not an
+object, a block still open when the model stopped) is content, its start marker
+and text verbatim.
+
+**A call that goes wrong** after part of it streamed (its JSON breaks, its end
+tag never comes, the model stops inside it, an unknown function follows it in
+the same block) is not taken back: the call ends with the arguments that had
+streamed (a prefix of JSON, so an agent that parses them refuses the call
+rather than run half of it), and the model's text from the first character
+that did not fit the call on is content. Nothing the model wrote is lost.
 
 **A cut call is still a call** (``finish(cut=True)``, ``parse_output(...,
 cut=True)``: the output ended at ``max_tokens`` or the context's end, as
 OpenAI reports it): a block still open is the call it was becoming, its
-arguments as far as written (``'{"city": "Par'``; ``""`` if they had not
-started), the choice's ``finish_reason`` staying ``length``; a block whose
+arguments as far as written, compact (``'{"city":"Par'``; ``""`` if they had
+not started), the choice's ``finish_reason`` staying ``length``; a block whose
 function name is not complete yet, and text held back as a possible start
 marker, are dropped: format markers never reach ``content``. Whitespace next
 to a valid call (before its marker, after its end, ``;`` between Llama calls) is
@@ -44,15 +56,19 @@ events, so the output (the arguments and the close) completes that call.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
 
-from proxy.tools.formats import CallBlock, ToolCallFormat
+from proxy.tools.formats import BlockProgress, CallBlock, ToolCallFormat
 from proxy.tools.jsontext import WHITESPACE
 from proxy.tools.spec import FunctionCall, ToolCall, ToolConfig
+
+log = logging.getLogger(__name__)
 
 
 class FunctionDelta(msgspec.Struct, frozen=True, gc=False):
@@ -121,7 +137,7 @@ class ToolCallParser:
         primer: str = "",
     ) -> None:
         self._fmt = fmt
-        self._names = config.callable_names()
+        self._tools = config.callable_by_name()
         self._parallel = config.parallel
         self._new_id = new_id or fmt.new_call_id
         self._buf = ""  # text received and not yet decided on
@@ -129,20 +145,26 @@ class ToolCallParser:
         self._call_ws = ""  # that whitespace while a call block is open (dropped if it is a call)
         self._block: CallBlock | None = None
         self._marker = ""
+        self._streams: list[_Streamed] = []  # the open block's calls that have started streaming
         self._after_call = False  # drop whitespace and separators until the next text
         self._bare_ok = fmt.bare_json  # a "{" here opens a call (nothing but whitespace so far)
         self._calls: list[ToolCall] = []
+        self._count = 0  # calls given an index (streaming ones included)
         self._finished = False
+        self._primed: list[StreamEvent] = []
         if primer:
             self._buf = primer
             events: list[StreamEvent] = []
             self._run(events, final=False)
-            if events or self._block is None:
+            if self._block is None or any(isinstance(e, ContentDelta) for e in events):
                 raise ValueError(f"the primer {primer!r} does not open a call")
+            # A format whose primer already opens the arguments streams its header now:
+            # it goes out with the first events of the output.
+            self._primed = events
 
     @property
     def tool_calls(self) -> list[ToolCall]:
-        """The calls emitted so far, with their ids, in index order."""
+        """The calls ended so far, with their ids, in index order."""
         return list(self._calls)
 
     def feed(self, text: str) -> list[StreamEvent]:
@@ -150,7 +172,7 @@ class ToolCallParser:
         belongs to an unfinished call is held back."""
         if self._finished:
             raise RuntimeError("feed() after finish()")
-        out: list[StreamEvent] = []
+        out, self._primed = self._primed, []
         if text:
             self._buf += text
             self._run(out, final=False)
@@ -164,6 +186,7 @@ class ToolCallParser:
         marker is dropped (see the module's docstring). Idempotent."""
         out: list[StreamEvent] = []
         if not self._finished:
+            out, self._primed = self._primed, []
             self._finished = True
             if cut:
                 self._cut(out)
@@ -177,8 +200,14 @@ class ToolCallParser:
 
     def _cut(self, out: list[StreamEvent]) -> None:
         if self._block is not None:
-            for call in self._block.cut(self._buf) or ():
-                self._emit_call(call, out)
+            progress = self._stream(out)
+            for k, call in enumerate(progress.calls):
+                pending = call.arguments.pending if call.arguments is not None else ""
+                if k < len(self._streams):
+                    self._end_streamed(self._streams[k], pending, out)
+                else:
+                    self._emit_call(FunctionCall(call.name, ""), call.call_id, out)
+            self._streams = []
             # The block is the call, or format text that is no content either.
             self._block = None
             self._call_ws = ""
@@ -240,7 +269,7 @@ class ToolCallParser:
             self._emit_text(buf[:pos], out)
             self._call_ws, self._ws = self._ws, ""
             self._marker = marker
-            self._block = self._fmt.open_block(marker, self._names)
+            self._block = self._fmt.open_block(marker, self._tools)
             self._buf = buf[pos + len(marker) :]
             return True
         held = len(buf) if final else self._held_from(buf)
@@ -248,37 +277,104 @@ class ToolCallParser:
         self._buf = buf[held:]
         return False
 
+    def _stream(self, out: list[StreamEvent]) -> BlockProgress:
+        """Sends what is new of the open block's calls: a header for each call
+        whose arguments opened, the final part of each one's arguments."""
+        assert self._block is not None
+        progress = self._block.progress(self._buf)
+        for k, call in enumerate(progress.calls):
+            if call.arguments is None:
+                break
+            if k == len(self._streams):
+                self._streams.append(self._open_call(call.name, call.call_id, out))
+            streamed = self._streams[k]
+            parts = call.arguments.parts
+            if len(parts) > streamed.parts_sent:
+                text = "".join(parts[streamed.parts_sent :])
+                streamed.parts_sent = len(parts)
+                streamed.sent.append(text)
+                if streamed.index is not None and text:
+                    out.append(ToolCallDelta(index=streamed.index, function=FunctionDelta(arguments=text)))
+        return progress
+
     def _call_step(self, out: list[StreamEvent], final: bool) -> bool:
         assert self._block is not None
         outcome = self._block.advance(self._buf, final)
+        progress = self._stream(out)
         if outcome is None:
             return False
-        body, self._buf = self._buf[: outcome.end], self._buf[outcome.end :]
         self._block = None
+        streams, self._streams = self._streams, []
         if outcome.calls:
-            for call in outcome.calls:
-                self._emit_call(call, out)
+            self._buf = self._buf[outcome.end :]
+            for k, call in enumerate(outcome.calls):
+                if k < len(streams):
+                    streamed = streams[k]
+                    sent = "".join(streamed.sent)
+                    if call.arguments.startswith(sent):
+                        self._end_streamed(streamed, call.arguments[len(sent) :], out)
+                    else:  # cannot be taken back: the call keeps what it sent
+                        log.warning("tool call %s: streamed arguments differ from the whole call", call.name)
+                        self._end_streamed(streamed, "", out)
+                else:
+                    written = progress.calls[k].call_id if k < len(progress.calls) else None
+                    self._emit_call(call, written, out)
             self._call_ws = ""
             self._after_call = True
             self._bare_ok = self._fmt.bare_json
+        elif streams:
+            # A call that went wrong after part of it streamed: it ends with what
+            # it sent, and the text that did not fit it is read again as text.
+            for streamed in streams:
+                self._end_streamed(streamed, "", out)
+            log.info("tool call %s went wrong after streaming; the rest is content", streams[-1].name)
+            self._buf = self._buf[progress.valid_end :]
+            self._call_ws = ""
+            self._bare_ok = False
         else:
             # Not a call: the marker and its text are content, with the
             # whitespace before them that was held back.
+            body, self._buf = self._buf[: outcome.end], self._buf[outcome.end :]
             self._ws, self._call_ws = self._call_ws, ""
             self._bare_ok = False
             self._emit_text(self._marker + body, out)
         return True
 
-    def _emit_call(self, call: FunctionCall, out: list[StreamEvent]) -> None:
-        if self._calls and not self._parallel:
+    def _open_call(self, name: str, written_id: str | None, out: list[StreamEvent]) -> _Streamed:
+        """A call's header; its index is ``None`` when the call is dropped
+        (``parallel_tool_calls: false`` after the first)."""
+        if self._count and not self._parallel:
+            return _Streamed(None, "", name)
+        index = self._count
+        self._count += 1
+        call_id = written_id or self._new_id()
+        out.append(ToolCallDelta(index=index, id=call_id, type="function", function=FunctionDelta(name, "")))
+        return _Streamed(index, call_id, name)
+
+    def _end_streamed(self, streamed: _Streamed, rest: str, out: list[StreamEvent]) -> None:
+        if streamed.index is None:
             return
-        index = len(self._calls)
-        call_id = self._new_id()
-        out.append(
-            ToolCallDelta(index=index, id=call_id, type="function", function=FunctionDelta(call.name, ""))
-        )
-        out.append(ToolCallDelta(index=index, function=FunctionDelta(arguments=call.arguments)))
-        self._calls.append(ToolCall(id=call_id, function=call))
+        if rest:
+            streamed.sent.append(rest)
+            out.append(ToolCallDelta(index=streamed.index, function=FunctionDelta(arguments=rest)))
+        arguments = "".join(streamed.sent)
+        self._calls.append(ToolCall(id=streamed.call_id, function=FunctionCall(streamed.name, arguments)))
+
+    def _emit_call(self, call: FunctionCall, written_id: str | None, out: list[StreamEvent]) -> None:
+        streamed = self._open_call(call.name, written_id, out)
+        self._end_streamed(streamed, call.arguments, out)
+
+
+@dataclass(slots=True)
+class _Streamed:
+    """A call whose header went out: its index (``None``: dropped), id, name,
+    and the argument text sent (pieces) out of how many of its ``parts``."""
+
+    index: int | None
+    call_id: str
+    name: str
+    parts_sent: int = 0
+    sent: list[str] = field(default_factory=list)
 
 
 def parse_output(

@@ -141,6 +141,10 @@ class ToolConfig(msgspec.Struct, frozen=True, kw_only=True):
         """Names of ``callable_tools()``."""
         return frozenset(t.name for t in self.callable_tools())
 
+    def callable_by_name(self) -> dict[str, FunctionTool]:
+        """``callable_tools()`` by name."""
+        return {t.name: t for t in self.callable_tools()}
+
 
 def _function_tool(i: int, tool: ToolIn) -> FunctionTool:
     where = f"tools[{i}]"

@@ -401,7 +401,7 @@ def test_named_call_prefix_and_rest_are_the_whole_call(fmt: ToolCallFormat, acce
     cut = parse_output(fmt, cfg, '{"city": "Par', primer=primer, cut=True)
     assert cut.content is None
     assert [(c.function.name, c.function.arguments) for c in cut.tool_calls] == [
-        ("get_weather", '{"city": "Par')
+        ("get_weather", '{"city":"Par')
     ]
     # Cut before a single argument token: still the call, arguments not begun.
     empty = parse_output(fmt, cfg, "", primer=primer, cut=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -214,18 +215,8 @@ CASES: dict[str, Case] = {
 
 # Malformed output: the raw text comes back as content, never an error.
 RAW: dict[str, tuple[ToolCallFormat, str]] = {
-    "hermes-bad-json": (
-        HERMES,
-        'Hm <tool_call>\n{"name": "get_weather", "arguments": {"city": }}\n</tool_call>',
-    ),
     "hermes-unknown-function": (HERMES, '<tool_call>\n{"name": "get_stock", "arguments": {}}\n</tool_call>'),
-    "hermes-unterminated": (HERMES, 'x\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),
-    "hermes-no-close-tag": (HERMES, '<tool_call>{"name": "get_time", "arguments": {}} and then text'),
     "hermes-arguments-not-object": (HERMES, '<tool_call>{"name": "get_time", "arguments": "{}"}</tool_call>'),
-    "hermes-both-argument-keys": (
-        HERMES,
-        '<tool_call>{"name": "get_time", "arguments": {}, "parameters": {}}</tool_call>',
-    ),
     "hermes-tag-in-prose": (HERMES, "Wrap calls in <tool_call> tags, like <tool_call>this</tool_call>."),
     "hermes-marker-at-end": (HERMES, "trailing <tool_call"),
     "hermes-only-marker": (HERMES, "<tool_call>"),
@@ -236,15 +227,9 @@ RAW: dict[str, tuple[ToolCallFormat, str]] = {
         '<|python_tag|>{"name": "brave_search", "parameters": {"q": 1}}',
     ),
     "llama3-builtin-syntax": (LLAMA3_JSON, '<|python_tag|>brave_search.call(query="x")'),
-    "llama3-unterminated": (LLAMA3_JSON, '{"name": "get_weather", "parameters": {"city": "Pa'),
     "mistral-garbage": (MISTRAL, "[TOOL_CALLS] not a call"),
     "mistral-empty-array": (MISTRAL, "[TOOL_CALLS][]"),
-    "mistral-one-bad-in-array": (
-        MISTRAL,
-        '[TOOL_CALLS][{"name": "get_time", "arguments": {}}, {"name": "nope", "arguments": {}}]',
-    ),
     "mistral-args-not-object": (MISTRAL, "[TOOL_CALLS]get_time[ARGS][1, 2]"),
-    "mistral-unterminated": (MISTRAL, '[TOOL_CALLS][{"name": "get_time", "arguments": {'),
     "harmony-unknown-function": (
         HARMONY,
         "<|channel|>commentary to=functions.get_stock json<|message|>{}",
@@ -257,9 +242,85 @@ RAW: dict[str, tuple[ToolCallFormat, str]] = {
 }
 
 
+# A call that goes wrong after part of it streamed: it ends with what it sent (a
+# JSON prefix), and the text from where it broke is content; nothing is lost
+# but insignificant whitespace. (format, text, content, calls as (name, arguments))
+NO_WS = str.maketrans("", "", " \n")
+WENT_WRONG: dict[str, tuple[ToolCallFormat, str, str, list[tuple[str, str]]]] = {
+    "hermes-bad-json": (
+        HERMES,
+        'Hm <tool_call>\n{"name": "get_weather", "arguments": {"city": }}\n</tool_call>',
+        "Hm}}\n</tool_call>",
+        [("get_weather", '{"city":')],
+    ),
+    # The model stopped by itself inside the call (not cut): what streamed stays.
+    "hermes-unterminated": (
+        HERMES,
+        'x\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
+        "x",
+        [("get_weather", '{"city":"Par')],
+    ),
+    "hermes-no-close-tag": (
+        HERMES,
+        '<tool_call>{"name": "get_time", "arguments": {}} and then text',
+        " and then text",
+        [("get_time", "{}")],
+    ),
+    "hermes-both-argument-keys": (
+        HERMES,
+        '<tool_call>{"name": "get_time", "arguments": {}, "parameters": {}}</tool_call>',
+        "</tool_call>",
+        [("get_time", "{}")],
+    ),
+    "llama3-unterminated": (
+        LLAMA3_JSON,
+        '{"name": "get_weather", "parameters": {"city": "Pa',
+        "",
+        [("get_weather", '{"city":"Pa')],
+    ),
+    "mistral-one-bad-in-array": (
+        MISTRAL,
+        '[TOOL_CALLS][{"name": "get_time", "arguments": {}}, {"name": "nope", "arguments": {}}]',
+        ', {"name": "nope", "arguments": {}}]',
+        [("get_time", "{}")],
+    ),
+    "mistral-unterminated": (
+        MISTRAL,
+        '[TOOL_CALLS][{"name": "get_time", "arguments": {',
+        "",
+        [("get_time", "{")],
+    ),
+    "harmony-bad-json": (
+        HARMONY,
+        '<|channel|>commentary to=functions.get_weather json<|message|>{"city" "Paris"}<|call|>',
+        '"Paris"}<|call|>',
+        [("get_weather", '{"city"')],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", WENT_WRONG)
+def test_a_call_that_goes_wrong_ends_with_what_streamed(name: str, auto: ToolConfig) -> None:
+    fmt, text, content, calls = WENT_WRONG[name]
+    whole = parse_output(fmt, auto, text)
+    assert (whole.content or "", [(c.function.name, c.function.arguments) for c in whole.tool_calls]) == (
+        content,
+        calls,
+    )
+    for chunks in splits(text):
+        events, made = stream(fmt, auto, chunks)
+        got = assemble(events)
+        assert (got.content, [(n, a) for _, n, a in got.calls]) == (content, calls), chunks
+        assert made
+        # Nothing is invented: every character sent is the model's (whitespace aside).
+        kept = "".join(a for _, a in calls) + content
+        assert not Counter(kept.translate(NO_WS)) - Counter(text.translate(NO_WS))
+
+
 def test_every_format_is_covered() -> None:
     assert {c.fmt.name for c in CASES.values()} == set(FORMATS)
     assert {fmt.name for fmt, _ in RAW.values()} == set(FORMATS)
+    assert {fmt.name for fmt, *_ in WENT_WRONG.values()} == set(FORMATS)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -330,13 +391,30 @@ def test_text_before_call_streams_before_the_call_completes(auto: ToolConfig) ->
     p = ToolCallParser(HERMES, auto, new_id=counter_ids())
     assert p.feed("Let me look") == [ContentDelta("Let me look")]
     assert p.feed(" it up.\n<tool_call>\n{") == [ContentDelta(" it up.")]
-    assert p.feed('"name": "get_time", "arguments": {}}\n') == []
-    assert p.feed("</tool_call>") == [
+    assert p.feed('"name": "get_time", "arguments": {}}\n') == [
         ToolCallDelta(index=0, id="call_0", type="function", function=FunctionDelta("get_time", "")),
         ToolCallDelta(index=0, function=FunctionDelta(arguments="{}")),
     ]
+    assert p.feed("</tool_call>") == []
     end = p.finish()
     assert end.events == [] and end.tool_calls_made
+
+
+def test_arguments_stream_as_they_are_written(auto: ToolConfig) -> None:
+    p = ToolCallParser(HERMES, auto, new_id=counter_ids())
+    assert p.feed('<tool_call>\n{"name": "get_weather", "arg') == []  # not opened yet
+    assert p.feed('uments": {"ci') == [
+        ToolCallDelta(index=0, id="call_0", type="function", function=FunctionDelta("get_weather", "")),
+        ToolCallDelta(index=0, function=FunctionDelta(arguments='{"ci')),
+    ]
+    assert p.feed('ty": "Pa') == [ToolCallDelta(index=0, function=FunctionDelta(arguments='ty":"Pa'))]
+    # An escape, a number and a literal are held until complete.
+    assert p.feed("ris\\") == [ToolCallDelta(index=0, function=FunctionDelta(arguments="ris"))]
+    assert p.feed('n", "n": 1') == [ToolCallDelta(index=0, function=FunctionDelta(arguments='\\n","n":'))]
+    assert p.feed('2, "ok": tr') == [ToolCallDelta(index=0, function=FunctionDelta(arguments='12,"ok":'))]
+    assert p.feed("ue}") == [ToolCallDelta(index=0, function=FunctionDelta(arguments="true}"))]
+    assert p.feed("}\n</tool_call>") == []
+    assert [c.function.arguments for c in p.tool_calls] == ['{"city":"Paris\\n","n":12,"ok":true}']
 
 
 def test_llama3_json_answer_streams_once_it_is_not_a_call(auto: ToolConfig) -> None:
@@ -481,8 +559,8 @@ def stream_cut(fmt: ToolCallFormat, cfg: ToolConfig, chunks: list[str]) -> tuple
 HERMES_CUT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
 CUT_CASES = [
     # (format, output cut by max_tokens, content, calls as (name, arguments text))
-    (HERMES, HERMES_CUT, "", [("get_weather", '{"city": "Par')]),
-    (HERMES, "Sure.\n" + HERMES_CUT, "Sure.", [("get_weather", '{"city": "Par')]),
+    (HERMES, HERMES_CUT, "", [("get_weather", '{"city":"Par')]),
+    (HERMES, "Sure.\n" + HERMES_CUT, "Sure.", [("get_weather", '{"city":"Par')]),
     (
         HERMES,
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}',
@@ -500,7 +578,7 @@ CUT_CASES = [
         HARMONY,
         '<|channel|>commentary to=functions.get_weather json<|message|>{"city": "Par',
         "",
-        [("get_weather", '{"city": "Par')],
+        [("get_weather", '{"city":"Par')],
     ),
     (HARMONY, "Ok.<|channel|>commentary to=functions.get_wea", "Ok.", []),
     (HERMES, '<tool_call>\n{"name": "get_wea', "", []),  # no name yet: dropped, no marker in content
@@ -509,13 +587,13 @@ CUT_CASES = [
         HERMES,
         '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n' + HERMES_CUT,
         "",
-        [("get_time", "{}"), ("get_weather", '{"city": "Par')],
+        [("get_time", "{}"), ("get_weather", '{"city":"Par')],
     ),
     (
         LLAMA3_JSON,
         '{"name": "get_weather", "parameters": {"city": "New Yo',
         "",
-        [("get_weather", '{"city": "New Yo')],
+        [("get_weather", '{"city":"New Yo')],
     ),
     (LLAMA3_JSON, '{"answer": "New Yo', '{"answer": "New Yo', []),  # a JSON answer stays content
     (
@@ -524,7 +602,7 @@ CUT_CASES = [
         "",
         [("get_time", "{}"), ("get_weather", '{"ci')],
     ),
-    (MISTRAL, '[TOOL_CALLS]get_weather[ARGS]{"city": "Pa', "", [("get_weather", '{"city": "Pa')]),
+    (MISTRAL, '[TOOL_CALLS]get_weather[ARGS]{"city": "Pa', "", [("get_weather", '{"city":"Pa')]),
 ]
 
 
@@ -546,9 +624,10 @@ def test_a_cut_call_is_still_a_call(
             assert marker not in got.content
 
 
-def test_an_uncut_open_block_stays_content(auto: ToolConfig) -> None:
-    # The model stopped by itself inside a block: malformed output, its text verbatim.
-    assert parse_output(HERMES, auto, HERMES_CUT).content == HERMES_CUT
+def test_an_uncut_open_block_before_its_arguments_stays_content(auto: ToolConfig) -> None:
+    # The model stopped by itself inside a block that never streamed: its text verbatim.
+    text = '<tool_call>\n{"name": "get_weather", "argu'
+    assert parse_output(HERMES, auto, text).content == text
 
 
 def test_a_primer_must_open_a_call() -> None:

@@ -79,7 +79,7 @@ async def test_chat(
             contents += [c.delta.content for c in chunk.choices if c.delta.content]
         streamed = state.current_completion_snapshot
     check_submit(fake)
-    expected = '{"city":"Paris"}' if reason is FinishReason.STOP else '{"city": "Par'
+    expected = '{"city":"Paris"}' if reason is FinishReason.STOP else '{"city":"Par'
     for choice in (r.choices[0], streamed.choices[0]):
         assert choice.finish_reason == ("tool_calls" if reason is FinishReason.STOP else "length")
         assert not choice.message.content
@@ -103,7 +103,7 @@ async def test_responses(make_client: MakeClient, fake: FakeEngineClient) -> Non
     check_submit(fake)
     assert r.status == "incomplete"
     (item,) = [o for o in r.output if o.type == "function_call"]
-    assert (item.name, item.arguments) == ("get_weather", '{"city": "Par')
+    assert (item.name, item.arguments) == ("get_weather", '{"city":"Par')
 
 
 @pytest.mark.parametrize(("texts", "reason"), [(WHOLE, FinishReason.STOP), (CUT, FinishReason.LENGTH)])

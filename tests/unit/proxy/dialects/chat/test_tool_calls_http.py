@@ -227,7 +227,7 @@ async def test_a_cut_call_is_still_a_call_streamed_and_not(
         assert not choice.message.content  # no "<tool_call>" in content
         (call,) = choice.message.tool_calls or []
         assert call.function.name == "get_weather"
-        assert call.function.arguments == '{"city": "Par'
+        assert call.function.arguments == '{"city":"Par'
     assert contents == []
 
 
