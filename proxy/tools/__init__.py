@@ -4,11 +4,11 @@ fallback prompt for templates without tools, and grammars for forced calls.
 | module | what |
 |---|---|
 | ``spec`` | request and history types, ``resolve_tools``, ``check_history``, ``ToolSpecError`` |
-| ``formats/`` | one module per call format over one contract (``formats.base``); the registry, ``--tool-call-format``, detection |
-| ``parser`` | ``ToolCallParser`` (arguments streamed as written), ``parse_output`` (whole output), ``finish_reason`` |
+| ``formats/`` | one module per call format over ``formats.base``; registry, detection |
+| ``parser`` | ``ToolCallParser`` (arguments streamed), ``parse_output``, ``finish_reason`` |
 | ``render`` | ``render_fallback``: tools and tool turns as plain messages |
 | ``grammar`` | grammars for forced calls and for tools beside ``response_format``; JSON options |
-| ``jsontext`` | JSON span scanning, compaction, call-object decoding, ``JsonPrefix`` (a value as it is written) |
+| ``jsontext`` | JSON spans, compaction, call objects, ``JsonPrefix`` (a value as written) |
 
 Pure logic: no I/O, no aiohttp; the standard library, msgspec, ``protocol`` and ``proxy.errors``.
 """

@@ -235,7 +235,7 @@ class ToolCallParser:
                 best = (p, m)
         if self._bare_ok:
             p = len(buf) - len(buf.lstrip(WHITESPACE))
-            if p < len(buf) and buf[p] == "{" and (best is None or p < best[0]):
+            if p < len(buf) and buf[p] == self._fmt.bare_start and (best is None or p < best[0]):
                 best = (p, "")
         return best
 

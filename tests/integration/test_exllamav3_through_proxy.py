@@ -449,3 +449,21 @@ async def test_tools_are_rendered_into_the_prompt_by_the_chat_template(
         assert "<tools>" in prompt and '"name": "get_weather"' in prompt and parameters in prompt
     assert TOOL_CALL in second  # the earlier call, re-rendered by the template
     assert "<tool_response>\n22 C, sunny\n</tool_response>" in second
+
+
+async def test_tool_call_arguments_stream_as_the_model_writes_them(client: TestClient[Any, Any]) -> None:
+    # The fake writes the call a token at a time: the arguments come in pieces,
+    # the first of them long before the call's end tag.
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": TOOLS, "stream": True}
+    chunks = [c for c in await _sse(client, "/v1/chat/completions", body) if c != "[DONE]"]
+    deltas = [
+        call
+        for chunk in chunks
+        for choice in chunk.get("choices", [])
+        for call in choice["delta"].get("tool_calls") or []
+    ]
+    header, *fragments = deltas
+    assert header["function"] == {"name": "get_weather", "arguments": ""}
+    assert len(fragments) > 3, fragments
+    assert json.loads("".join(f["function"]["arguments"] for f in fragments)) == {"city": "Paris"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"

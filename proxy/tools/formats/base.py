@@ -152,9 +152,10 @@ class ToolCallFormat:
     prompt, and constrain decoding to them.
 
     - ``markers``: text that starts a call anywhere in the output.
-    - ``bare_json``: a JSON object at the start of the output (or right after a
-      call) starts one too (``llama3_json``); ``separators``: characters dropped
-      between consecutive calls.
+    - ``bare_json``: ``bare_start`` (``{``, a JSON object) at the start of the
+      output (or right after a call) starts one too (``llama3_json``; ``[`` for
+      ``pythonic``'s call lists); ``separators``: characters dropped between
+      consecutive calls.
     - ``open_block(marker, tools)``: the parser of what follows a start marker
       (``marker == ""`` for a bare JSON start); ``tools``: callable functions
       by name (XML formats type their parameters from the schemas).
@@ -192,6 +193,7 @@ class ToolCallFormat:
     syntax_hint: str
     arguments_key: str = "arguments"
     bare_json: bool = False
+    bare_start: str = "{"
     separators: str = ""
     new_call_id: Callable[[], str] = openai_call_id
     shadows: tuple[str, ...] = ()
